@@ -1,0 +1,191 @@
+"""EAGLE-3 configurations as typed values, with SGLang's resolution rules.
+
+The rules (reference/sglang.md §2, `speculative_hook.py::_handle_eagle_family` in SGLang 0.5.23):
+
+* topk = 1 forces num_draft_tokens = num_steps + 1 (SGLang only warns and adjusts), so with a
+  chain the draft-token count is derived, never searched;
+* num_draft_tokens <= num_steps * topk + 1, otherwise the server fails at run time in
+  `organize_draft_results` (top-k over too few candidates); SGLang does not check it at start-up,
+  so we never launch such a point;
+* num_draft_tokens >= 2 (the root plus at least one draft token).
+
+`canonical()` applies these rules, so two parameter sets that SGLang resolves to the same server
+compare (and hash, and key) equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from optimizer.errors import SpecError
+
+MIN_DRAFT_TOKENS = 2
+
+
+def max_draft_tokens(num_steps: int, topk: int) -> int:
+    """The largest draft-token count SGLang can fill for a tree of this depth and width."""
+    return num_steps * topk + 1
+
+
+class SpecConfig(BaseModel):
+    """One speculative configuration, as SGLang will run it once `canonical()` has been applied."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    num_steps: int = Field(ge=1, le=64)
+    topk: int = Field(ge=1, le=64)
+    num_draft_tokens: int = Field(ge=1, le=1024)
+    # Largest captured CUDA-graph batch size; None means "whatever the study's workload needs".
+    cuda_graph_max_bs: int | None = Field(default=None, ge=1, le=4096)
+
+    def canonical(self) -> SpecConfig:
+        """The configuration SGLang would actually run for these flags."""
+        if self.topk == 1 and self.num_draft_tokens != self.num_steps + 1:
+            return self.model_copy(update={"num_draft_tokens": self.num_steps + 1})
+        return self
+
+    def check(self) -> SpecConfig:
+        """Return the canonical form, or raise SpecError when SGLang cannot run it."""
+        c = self.canonical()
+        limit = max_draft_tokens(c.num_steps, c.topk)
+        if c.num_draft_tokens > limit:
+            raise SpecError(
+                "num_draft_tokens",
+                f"{c.num_draft_tokens} draft tokens cannot be filled by {c.num_steps} steps of topk "
+                f"{c.topk}: at most num_steps*topk+1 = {limit}",
+            )
+        if c.num_draft_tokens < MIN_DRAFT_TOKENS:
+            raise SpecError("num_draft_tokens", f"must be at least {MIN_DRAFT_TOKENS}")
+        return c
+
+    @property
+    def key(self) -> str:
+        """A stable text key of the canonical form (used for de-duplication in storage)."""
+        c = self.canonical()
+        bs = "auto" if c.cuda_graph_max_bs is None else str(c.cuda_graph_max_bs)
+        return f"s{c.num_steps}-k{c.topk}-n{c.num_draft_tokens}-bs{bs}"
+
+    @property
+    def per_token_accept_denominator(self) -> int:
+        return self.canonical().num_draft_tokens - 1
+
+
+class IntRange(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    low: int
+    high: int
+
+    def values(self) -> range:
+        return range(self.low, self.high + 1)
+
+
+class SearchSpace(BaseModel):
+    """The user's search space (the study spec's `search_space`), validated against SGLang's rules."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_steps: IntRange = Field(default_factory=lambda: IntRange(low=1, high=10))
+    topk: list[int] = Field(default_factory=lambda: [1, 2, 4, 8])
+    num_draft_tokens: IntRange = Field(default_factory=lambda: IntRange(low=2, high=64))
+    cuda_graph_max_bs: list[int] | None = None
+
+    def validate_rules(self) -> None:
+        """Raise SpecError naming the offending field when the space is empty or impossible."""
+        s, n = self.num_steps, self.num_draft_tokens
+        if s.low < 1 or s.high > 64 or s.low > s.high:
+            raise SpecError("search_space.num_steps", f"need 1 <= low <= high <= 64, got low={s.low} high={s.high}")
+        if not self.topk:
+            raise SpecError("search_space.topk", "give at least one choice, e.g. [1, 2, 4, 8]")
+        if len(set(self.topk)) != len(self.topk) or any(t < 1 or t > 64 for t in self.topk):
+            raise SpecError("search_space.topk", f"choices must be distinct integers in 1..64, got {self.topk}")
+        if n.low < MIN_DRAFT_TOKENS or n.low > n.high:
+            raise SpecError(
+                "search_space.num_draft_tokens",
+                f"need {MIN_DRAFT_TOKENS} <= low <= high, got low={n.low} high={n.high}",
+            )
+        tree_topks = [t for t in self.topk if t > 1]
+        if tree_topks:
+            limit = max_draft_tokens(s.high, max(tree_topks))
+            if n.high > limit:
+                raise SpecError(
+                    "search_space.num_draft_tokens",
+                    f"high={n.high} is over the limit: with num_steps.high={s.high} and topk "
+                    f"{max(tree_topks)} SGLang can fill at most num_steps*topk+1 = {limit} draft tokens; "
+                    f"lower num_draft_tokens.high to {limit} or raise num_steps.high",
+                )
+        if self.cuda_graph_max_bs is not None:
+            if not self.cuda_graph_max_bs or any(b < 1 or b > 4096 for b in self.cuda_graph_max_bs):
+                raise SpecError("search_space.cuda_graph_max_bs", "choices must be integers in 1..4096, or null")
+        if next(self.iter_configs(), None) is None:
+            raise SpecError("search_space", "no configuration satisfies SGLang's rules in this space")
+
+    def contains(self, config: SpecConfig) -> bool:
+        c = config.canonical()
+        if c.num_steps not in self.num_steps.values() or c.topk not in self.topk:
+            return False
+        if c.topk > 1 and c.num_draft_tokens not in self.num_draft_tokens.values():
+            return False
+        if self.cuda_graph_max_bs is None:
+            if c.cuda_graph_max_bs is not None:
+                return False
+        elif c.cuda_graph_max_bs not in self.cuda_graph_max_bs:
+            return False
+        try:
+            c.check()
+        except SpecError:
+            return False
+        return True
+
+    def iter_configs(self) -> Iterator[SpecConfig]:
+        """Every valid canonical configuration, each once, in a stable order."""
+        graph_choices: Sequence[int | None] = self.cuda_graph_max_bs or [None]
+        for steps in self.num_steps.values():
+            for topk in sorted(self.topk):
+                if topk == 1:
+                    ndts: Sequence[int] = [steps + 1]
+                else:
+                    hi = min(self.num_draft_tokens.high, max_draft_tokens(steps, topk))
+                    ndts = range(self.num_draft_tokens.low, hi + 1)
+                for ndt in ndts:
+                    for bs in graph_choices:
+                        yield SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=ndt, cuda_graph_max_bs=bs)
+
+    def config_from_params(self, params: dict[str, Any]) -> SpecConfig:
+        """Turn Optuna params (see optimizer.study) into the canonical configuration to launch.
+
+        With topk > 1 a sampled draft-token count above steps*topk+1 is clamped to that limit:
+        SGLang cannot fill more, and the clamp keeps Optuna's distributions fixed, which TPE and GP
+        need.  The clamped configuration is then de-duplicated by its canonical key.
+        """
+        steps = int(params["num_steps"])
+        topk = int(params["topk"])
+        if topk == 1:
+            ndt = steps + 1
+        else:
+            ndt = min(int(params.get("num_draft_tokens", self.num_draft_tokens.high)), max_draft_tokens(steps, topk))
+        bs = params.get("cuda_graph_max_bs")
+        return SpecConfig(
+            num_steps=steps, topk=topk, num_draft_tokens=ndt, cuda_graph_max_bs=None if bs is None else int(bs)
+        ).check()
+
+
+def params_of(config: SpecConfig) -> dict[str, int]:
+    """The Optuna params that reproduce `config` (used to enqueue warm starts and grids)."""
+    c = config.canonical()
+    params = {"num_steps": c.num_steps, "topk": c.topk}
+    if c.topk > 1:
+        params["num_draft_tokens"] = c.num_draft_tokens
+    if c.cuda_graph_max_bs is not None:
+        params["cuda_graph_max_bs"] = c.cuda_graph_max_bs
+    return params
+
+
+# SGLang's own defaults (reference/sglang.md §2 rule 1): (3,1,4) for most models, (5,4,8) for Llama.
+SGLANG_DEFAULTS: tuple[SpecConfig, ...] = (
+    SpecConfig(num_steps=3, topk=1, num_draft_tokens=4),
+    SpecConfig(num_steps=5, topk=4, num_draft_tokens=8),
+)

@@ -1,0 +1,220 @@
+"""The study spec: the JSON/YAML contract a user writes to start a study (design.md, "The study").
+
+Field names here are the public contract.  `StudySpec.model_validate(...)` checks types and
+ranges; `validate_spec()` adds SGLang's cross-field rules and raises `SpecError` naming the field.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from optimizer.errors import SpecError
+from optimizer.space import SearchSpace, SpecConfig
+
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
+
+# Attention backends SGLang 0.5.23 accepts for `--attention-backend` that matter on GPU hosts.
+ATTENTION_BACKENDS = ("fa3", "flashinfer", "triton", "trtllm_mha", "flashmla", "cutlass_mla", "fa4", "torch_native")
+# Backends that accept topk > 1 with page size > 1 (reference/sglang.md §2 rule 5).
+TREE_PAGED_BACKENDS = ("flashinfer", "fa3", "triton")
+
+# Extra server flags a study may set: they shape the server but cannot run code or read files
+# chosen by the API.  Value None means a boolean switch.
+EXTRA_ARG_ALLOWLIST: dict[str, type | None] = {
+    "--dtype": str,
+    "--kv-cache-dtype": str,
+    "--quantization": str,
+    "--chunked-prefill-size": int,
+    "--max-prefill-tokens": int,
+    "--schedule-conservativeness": float,
+    "--ep-size": int,
+    "--dp-size": int,
+    "--moe-runner-backend": str,
+    "--disable-radix-cache": None,
+    "--enable-dp-attention": None,
+    "--trust-remote-code": None,
+    "--disable-overlap-schedule": None,
+}
+_SAFE_VALUE_RE = re.compile(r"^[A-Za-z0-9._:+-]{1,64}$")
+
+
+class ModelSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    target: str
+    draft: str
+    algorithm: Literal["EAGLE3"] = "EAGLE3"
+    tp_size: int = Field(default=1, ge=1, le=64)
+    attention_backend: str = "fa3"
+    page_size: int = Field(default=1, ge=1, le=1024)
+    mem_fraction_static: float | None = Field(default=None, gt=0.0, lt=1.0)
+    context_length: int | None = Field(default=None, ge=128, le=10_000_000)
+    extra_args: dict[str, str | int | float | bool] = Field(default_factory=dict)
+
+    @field_validator("target", "draft")
+    @classmethod
+    def _model_name(cls, v: str) -> str:
+        # Names, not paths: workers resolve them through their own registry.
+        if not MODEL_NAME_RE.match(v) or ".." in v or v.startswith("/"):
+            raise ValueError(
+                f"{v!r} is not a model name; use a registry name such as 'llama-3.1-8b' "
+                "(letters, digits, . _ / -), never a filesystem path"
+            )
+        return v
+
+    @field_validator("attention_backend")
+    @classmethod
+    def _backend(cls, v: str) -> str:
+        if v not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention backend {v!r}; choose one of {', '.join(ATTENTION_BACKENDS)}")
+        return v
+
+    @field_validator("extra_args")
+    @classmethod
+    def _extra(cls, v: dict[str, str | int | float | bool]) -> dict[str, str | int | float | bool]:
+        for flag, value in v.items():
+            if flag not in EXTRA_ARG_ALLOWLIST:
+                raise ValueError(
+                    f"flag {flag!r} is not allowed; allowed extra flags: {', '.join(sorted(EXTRA_ARG_ALLOWLIST))}"
+                )
+            kind = EXTRA_ARG_ALLOWLIST[flag]
+            if kind is None:
+                if value is not True and value is not False:
+                    raise ValueError(f"{flag} is a switch: give true or false")
+            elif kind is int:
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise ValueError(f"{flag} takes an integer")
+            elif kind is float:
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise ValueError(f"{flag} takes a number")
+            elif not isinstance(value, str) or not _SAFE_VALUE_RE.match(value):
+                raise ValueError(f"{flag} takes a short word (letters, digits, . _ : + -)")
+        return v
+
+
+class Workload(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # "builtin:<name>" for a prompt set shipped with spectune, or a file name inside the worker's
+    # configured prompt folder (never a path chosen here).
+    prompts: str = "builtin:chat"
+    output_len: int = Field(default=256, ge=1, le=32768)
+    num_prompts: int = Field(default=64, ge=1, le=100_000)
+    concurrency: list[int] = Field(default_factory=lambda: [1])
+    warmup_requests: int = Field(default=4, ge=0, le=10_000)
+    repeats: int = Field(default=3, ge=1, le=100)
+    # Fixed: greedy decoding and ignore_eos make every request exactly output_len tokens long and
+    # acceptance reproducible (reference/sglang.md §9).
+    temperature: Literal[0] = 0
+    ignore_eos: Literal[True] = True
+
+    @field_validator("concurrency")
+    @classmethod
+    def _levels(cls, v: list[int]) -> list[int]:
+        if not v:
+            raise ValueError("give at least one concurrency level, e.g. [1]")
+        if any(c < 1 or c > 4096 for c in v) or len(set(v)) != len(v):
+            raise ValueError(f"levels must be distinct integers in 1..4096, got {v}")
+        return sorted(v)
+
+    @field_validator("prompts")
+    @classmethod
+    def _prompts(cls, v: str) -> str:
+        if v.startswith("builtin:"):
+            if not re.match(r"^builtin:[a-z0-9_-]{1,32}$", v):
+                raise ValueError("builtin prompt sets are named like 'builtin:chat'")
+            return v
+        if "/" in v or "\\" in v or v.startswith(".") or not re.match(r"^[A-Za-z0-9._-]{1,128}$", v):
+            raise ValueError(
+                "prompts is 'builtin:<set>' or a plain file name inside the worker's prompt folder (no path)"
+            )
+        return v
+
+
+class Objective(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    metric: Literal["speedup"] = "speedup"
+    # One level, or None: geometric mean of the speedups over all levels.
+    concurrency: int | None = None
+    # Optional limits; a trial over one is told to Optuna as a violated constraint.
+    max_p99_itl_ms: float | None = Field(default=None, gt=0)
+    max_p99_ttft_ms: float | None = Field(default=None, gt=0)
+
+
+class Budget(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_trials: int = Field(default=30, ge=1, le=10_000)
+    max_hours: float | None = Field(default=None, gt=0)
+    patience: int | None = Field(default=None, ge=1)
+
+
+SamplerName = Literal["auto", "tpe", "gp", "random", "grid"]
+
+
+class StudySpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    model: ModelSection
+    search_space: SearchSpace = Field(default_factory=SearchSpace)
+    workload: Workload = Field(default_factory=Workload)
+    objective: Objective = Field(default_factory=Objective)
+    budget: Budget = Field(default_factory=Budget)
+    sampler: SamplerName = "tpe"
+    seed: int | None = None
+    placement: dict[str, str] = Field(default_factory=dict)
+    # Configurations to try first, in addition to SGLang's defaults when they fit the space.
+    warm_start: list[SpecConfig] = Field(default_factory=list)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError(
+                f"{v!r} is not a valid study name: use 1-63 lowercase letters, digits, '-' or '_', "
+                "starting with a letter or digit"
+            )
+        return v
+
+
+def validate_spec(spec: StudySpec) -> StudySpec:
+    """Cross-field checks that pydantic alone cannot express.  Raises SpecError."""
+    spec.search_space.validate_rules()
+    tree = any(t > 1 for t in spec.search_space.topk)
+    backend = spec.model.attention_backend
+    if backend == "trtllm_mha" and tree:
+        raise SpecError("search_space.topk", "the trtllm_mha attention backend allows only topk 1; use topk: [1]")
+    if tree and spec.model.page_size > 1 and backend not in TREE_PAGED_BACKENDS:
+        raise SpecError(
+            "model.attention_backend",
+            f"topk > 1 with page_size {spec.model.page_size} needs one of {', '.join(TREE_PAGED_BACKENDS)}",
+        )
+    levels = spec.workload.concurrency
+    if spec.objective.concurrency is not None and spec.objective.concurrency not in levels:
+        raise SpecError(
+            "objective.concurrency",
+            f"{spec.objective.concurrency} is not one of the workload's concurrency levels {levels}",
+        )
+    if spec.search_space.cuda_graph_max_bs is not None:
+        if max(spec.search_space.cuda_graph_max_bs) < 1:
+            raise SpecError("search_space.cuda_graph_max_bs", "must be positive")
+    for i, cfg in enumerate(spec.warm_start):
+        field = f"warm_start.{i}"
+        try:
+            canon = cfg.check()
+        except SpecError as e:
+            raise SpecError(f"{field}.{e.field}", e.message) from e
+        if not spec.search_space.contains(canon):
+            raise SpecError(field, f"{canon.key} lies outside the search space")
+    return spec
+
+
+def parse_spec(data: object) -> StudySpec:
+    """Validate raw JSON/YAML data into a spec.  Raises pydantic.ValidationError or SpecError."""
+    return validate_spec(StudySpec.model_validate(data))
