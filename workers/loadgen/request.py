@@ -1,0 +1,215 @@
+"""One streamed request to SGLang's native ``POST /generate``, timed chunk by chunk.
+
+Timing model (reference/sglang.md §7): every chunk's ``meta_info.completion_tokens`` is the
+running total, so a chunk carries ``k = total - previous total`` new tokens.  Under speculative
+decoding one chunk is one verify cycle and usually carries several tokens.
+
+- TTFT is the time from sending the request to the first chunk that carries a token.
+- Inter-token latency: the interval between two token-carrying chunks is spread evenly over the
+  ``k`` tokens of the later chunk, giving ``k`` samples of ``interval / k``.  So the ITL
+  percentiles describe the time per *token* a user sees, comparable between a baseline (one
+  token per chunk) and a trial (a burst per cycle).  (SGLang's bench_serving instead records one
+  sample per chunk; that makes speculative runs look slower per token at the percentiles.)
+- Per-user decode tok/s is (tokens after the first chunk) / (last token time - first token time).
+
+Chunks that carry no new token (e.g. a final chunk that only adds ``finish_reason``) are parsed
+for their metadata but do not move the clock used for ITL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from time import perf_counter
+from typing import Any
+
+import httpx
+
+from workers.loadgen.errors import LoadgenError
+from workers.loadgen.sse import DONE, SSEDecodeError, SSEDecoder
+
+# How much of an HTTP error body goes into the error message.
+_ERROR_BODY_BYTES = 2000
+
+
+@dataclass(slots=True)
+class RequestResult:
+    """What one request measured.  Times are in seconds."""
+
+    ttft_s: float
+    e2e_s: float
+    completion_tokens: int
+    spec_verify_ct: int | None
+    decode_tok_s: float | None
+    itl_s: list[float] = field(default_factory=list)
+
+
+def generate_payload(prompt: str, output_len: int) -> dict[str, Any]:
+    """The request body: greedy, EOS ignored, so every request is exactly ``output_len`` tokens."""
+    return {
+        "text": prompt,
+        "sampling_params": {"temperature": 0, "ignore_eos": True, "max_new_tokens": output_len},
+        "stream": True,
+    }
+
+
+class _StreamState:
+    """Folds the events of one stream into the measurements; raises LoadgenError on bad events."""
+
+    __slots__ = (
+        "label",
+        "started",
+        "prev_tokens",
+        "first_t",
+        "first_tokens",
+        "last_t",
+        "verify_ct",
+        "finish_reason",
+        "done",
+        "itl",
+    )
+
+    def __init__(self, label: str, started: float) -> None:
+        self.label = label
+        self.started = started
+        self.prev_tokens = 0
+        self.first_t = 0.0
+        self.first_tokens = 0
+        self.last_t = 0.0
+        self.verify_ct: int | None = None
+        self.finish_reason: object = None
+        self.done = False
+        self.itl: list[float] = []
+
+    def on_event(self, data: bytes, now: float) -> None:
+        if data == DONE:
+            self.done = True
+            return
+        if self.done:
+            raise LoadgenError(f"{self.label}: the server sent an event after [DONE]")
+        try:
+            obj = json.loads(data)
+        except ValueError as e:
+            raise LoadgenError(f"{self.label}: malformed event (not JSON): {data[:200]!r}") from e
+        if not isinstance(obj, dict):
+            raise LoadgenError(f"{self.label}: malformed event (not a JSON object): {data[:200]!r}")
+        error = obj.get("error")
+        if error is not None:
+            raise LoadgenError(f"{self.label}: the server sent an error event: {_error_text(error)}")
+        meta = obj.get("meta_info")
+        tokens = meta.get("completion_tokens") if isinstance(meta, dict) else None
+        if not isinstance(tokens, int) or isinstance(tokens, bool):
+            raise LoadgenError(
+                f"{self.label}: event without meta_info.completion_tokens; is this SGLang's native /generate? "
+                f"event: {data[:200]!r}"
+            )
+        assert isinstance(meta, dict)  # for mypy: tokens came from it
+        new = tokens - self.prev_tokens
+        if new < 0:
+            raise LoadgenError(
+                f"{self.label}: completion_tokens went backwards ({self.prev_tokens} -> {tokens}); "
+                "the stream is not SGLang's cumulative format"
+            )
+        if new:
+            if self.prev_tokens == 0:
+                self.first_t = now
+                self.first_tokens = tokens
+            else:
+                gap = (now - self.last_t) / new
+                self.itl.extend([gap] * new)
+            self.last_t = now
+            self.prev_tokens = tokens
+        verify = meta.get("spec_verify_ct")
+        if isinstance(verify, int) and not isinstance(verify, bool):
+            self.verify_ct = verify
+        reason = meta.get("finish_reason")
+        if reason is not None:
+            self.finish_reason = reason
+
+    def result(self, output_len: int, ended: float) -> RequestResult:
+        if not self.done and self.finish_reason is None:
+            raise LoadgenError(
+                f"{self.label}: the stream ended after {self.prev_tokens} of {output_len} tokens "
+                "without a finish_reason or [DONE] (server closed the connection?)"
+            )
+        if self.prev_tokens != output_len:
+            raise LoadgenError(
+                f"{self.label}: produced {self.prev_tokens} tokens, expected exactly {output_len} "
+                f"(finish_reason={self.finish_reason!r}); the server must honour ignore_eos and "
+                "max_new_tokens - check that prompt + output fit the context length"
+            )
+        decode_tokens = self.prev_tokens - self.first_tokens
+        decode_s = self.last_t - self.first_t
+        return RequestResult(
+            ttft_s=self.first_t - self.started,
+            e2e_s=ended - self.started,
+            completion_tokens=self.prev_tokens,
+            # 0 verify cycles is what a non-speculative server may report: no accept length.
+            spec_verify_ct=self.verify_ct or None,
+            decode_tok_s=decode_tokens / decode_s if decode_tokens > 0 and decode_s > 0 else None,
+            itl_s=self.itl,
+        )
+
+
+def _error_text(error: object) -> str:
+    if isinstance(error, dict):
+        message = error.get("message")
+        if isinstance(message, str):
+            return message[:1000]
+    return str(error)[:1000]
+
+
+async def stream_generate(
+    client: httpx.AsyncClient,
+    url: str,
+    prompt: str,
+    *,
+    output_len: int,
+    timeout_s: float,
+    label: str,
+) -> RequestResult:
+    """Send one streamed ``/generate`` request and time its tokens.
+
+    Raises LoadgenError (naming ``label``) on HTTP errors, error events, malformed streams,
+    a wrong token count, or when the whole request takes longer than ``timeout_s``.
+    """
+    payload = generate_payload(prompt, output_len)
+    started = perf_counter()
+    state = _StreamState(label, started)
+    decoder = SSEDecoder()
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with client.stream("POST", url, json=payload) as response:
+                if response.status_code != 200:
+                    body = await _read_prefix(response)
+                    raise LoadgenError(f"{label}: HTTP {response.status_code} from {url}: {body}")
+                async for chunk in response.aiter_bytes():
+                    now = perf_counter()
+                    for data in decoder.feed(chunk):
+                        state.on_event(data, now)
+                now = perf_counter()
+                for data in decoder.close():
+                    state.on_event(data, now)
+    except TimeoutError as e:
+        raise LoadgenError(
+            f"{label}: no complete answer within {timeout_s:g} s after {state.prev_tokens} of {output_len} "
+            "tokens; the server is stuck or too slow (raise the request time-out for long outputs)"
+        ) from e
+    except httpx.TimeoutException as e:
+        raise LoadgenError(f"{label}: HTTP time-out ({type(e).__name__}) after {state.prev_tokens} tokens") from e
+    except httpx.HTTPError as e:
+        raise LoadgenError(f"{label}: request to {url} failed: {type(e).__name__}: {e}") from e
+    except SSEDecodeError as e:
+        raise LoadgenError(f"{label}: {e}") from e
+    return state.result(output_len, perf_counter())
+
+
+async def _read_prefix(response: httpx.Response) -> str:
+    """The start of an error body, read without loading an unbounded body into memory."""
+    buf = bytearray()
+    async for chunk in response.aiter_bytes():
+        buf += chunk
+        if len(buf) >= _ERROR_BODY_BYTES:
+            break
+    return bytes(buf[:_ERROR_BODY_BYTES]).decode("utf-8", "replace").strip() or "(empty body)"

@@ -1,0 +1,67 @@
+"""Fold the requests of a level's timed passes into one ``LevelMetrics``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from api.protocol import LevelMetrics
+from workers.loadgen.request import RequestResult
+
+
+@dataclass(frozen=True, slots=True)
+class PassResult:
+    """One timed pass: ``num_prompts`` requests and the wall time from first send to last token."""
+
+    wall_s: float
+    requests: Sequence[RequestResult]
+
+    @property
+    def output_tok_s(self) -> float:
+        tokens = sum(r.completion_tokens for r in self.requests)
+        return tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def summarize_level(concurrency: int, passes: Sequence[PassResult]) -> LevelMetrics:
+    """Aggregate timed passes (warm-up excluded) into the level's metrics.
+
+    - ``output_tok_s``: mean over passes of Σ completion_tokens / pass wall time; the per-pass
+      values are kept in ``output_tok_s_runs`` for the spread.
+    - TTFT and ITL percentiles: over every request / token of every pass.
+    - ``per_user_tok_s``: mean over requests of each request's decode rate.
+    - ``accept_length``: Σ completion_tokens / Σ spec_verify_ct over the requests that reported
+      verify cycles; None when none did (a baseline server).
+    """
+    if not passes:
+        raise ValueError("summarize_level needs at least one pass")
+    runs = [p.output_tok_s for p in passes]
+    requests = [r for p in passes for r in p.requests]
+    ttft_ms = np.fromiter((r.ttft_s * 1e3 for r in requests), dtype=np.float64, count=len(requests))
+    itl_ms = np.concatenate([np.asarray(r.itl_s, dtype=np.float64) for r in requests]) * 1e3
+    decode = [r.decode_tok_s for r in requests if r.decode_tok_s is not None]
+    tokens = sum(r.completion_tokens for r in requests)
+    spec = [r for r in requests if r.spec_verify_ct]
+    verify_ct = sum(r.spec_verify_ct or 0 for r in spec)
+    spec_tokens = sum(r.completion_tokens for r in spec)
+    return LevelMetrics(
+        concurrency=concurrency,
+        output_tok_s=float(np.mean(runs)),
+        output_tok_s_runs=runs,
+        per_user_tok_s=float(np.mean(decode)) if decode else None,
+        ttft_ms_p50=_percentile(ttft_ms, 50),
+        ttft_ms_p99=_percentile(ttft_ms, 99),
+        itl_ms_p50=_percentile(itl_ms, 50),
+        itl_ms_p90=_percentile(itl_ms, 90),
+        itl_ms_p99=_percentile(itl_ms, 99),
+        accept_length=spec_tokens / verify_ct if verify_ct else None,
+        completion_tokens=tokens,
+        spec_verify_ct=verify_ct if spec else None,
+        num_requests=len(requests),
+    )
+
+
+def _percentile(values: np.ndarray, q: float) -> float | None:
+    # An output length of 1 has no inter-token gaps: report None rather than a made-up 0.
+    return float(np.percentile(values, q)) if values.size else None
