@@ -197,9 +197,14 @@ async def stream_generate(
             "tokens; the server is stuck or too slow (raise the request time-out for long outputs)"
         ) from e
     except httpx.TimeoutException as e:
-        raise LoadgenError(f"{label}: HTTP time-out ({type(e).__name__}) after {state.prev_tokens} tokens") from e
+        raise LoadgenError(
+            f"{label}: HTTP time-out ({type(e).__name__}) after {state.prev_tokens} of {output_len} tokens"
+        ) from e
     except httpx.HTTPError as e:
-        raise LoadgenError(f"{label}: request to {url} failed: {type(e).__name__}: {e}") from e
+        raise LoadgenError(
+            f"{label}: request to {url} failed after {state.prev_tokens} of {output_len} tokens: "
+            f"{type(e).__name__}: {e}"
+        ) from e
     except SSEDecodeError as e:
         raise LoadgenError(f"{label}: {e}") from e
     return state.result(output_len, perf_counter())

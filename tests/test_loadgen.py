@@ -1,0 +1,410 @@
+"""Tests of the load generator (workers/loadgen).
+
+Unit tests run against a tiny SGLang-format SSE server started on 127.0.0.1 in a background
+thread (real sockets, real HTTP/1.1 with chunked transfer, keep-alive); its behaviour is picked
+by the prompt text, so one server covers normal streams, error events, short outputs, HTTP
+errors and stalls.  The simulator tests at the end start ``python -m workers.simulator`` as a
+real subprocess and compare the measurements with the simulator's own model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from api.protocol import LevelMetrics
+from optimizer.spec import Workload
+from workers.loadgen import LoadgenCancelled, LoadgenError, load_prompts, run_level, run_workload
+from workers.loadgen.request import stream_generate
+from workers.loadgen.sse import SSEDecoder
+
+# ---------------------------------------------------------------------------------------------
+# A minimal server speaking SGLang's native /generate streaming format (reference/sglang.md §7).
+# Prompt words select behaviour:
+#   "burst=K"     K tokens per chunk (a verify cycle); reports spec_verify_ct on the final chunk
+#   "baseline"    1 token per chunk and no spec_verify_ct (a non-speculative server)
+#   "zero-verify" reports spec_verify_ct = 0 (some servers do so without speculation)
+#   "short"       stops one token early with finish_reason length
+#   "error"       sends an error event after two chunks
+#   "http500"     answers HTTP 500
+#   "hangup"      closes the connection mid-stream
+#   "truncated"   ends the HTTP body cleanly mid-stream, without finish_reason or [DONE]
+#   "slow"        sleeps 50 ms between chunks
+#   "stall"       sends one chunk, then nothing for 30 s
+
+
+@dataclass
+class FakeServerState:
+    prompts: list[str] = field(default_factory=list)
+    sampling: list[dict[str, object]] = field(default_factory=list)
+    in_flight: int = 0
+    max_in_flight: int = 0
+    request_seen: threading.Event = field(default_factory=threading.Event)
+
+
+def _event(obj: object) -> bytes:
+    data = b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+async def _respond(body: dict[str, object], writer: asyncio.StreamWriter) -> bool:
+    """Stream one answer; return False when the connection must close afterwards."""
+    prompt = str(body.get("text", ""))
+    params = body.get("sampling_params")
+    n = int(params["max_new_tokens"]) if isinstance(params, dict) else 128
+    if "http500" in prompt:
+        msg = b"internal scheduler failure"
+        writer.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: %d\r\n\r\n%s" % (len(msg), msg))
+        await writer.drain()
+        return True
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+    burst = 1
+    for word in prompt.split():
+        if word.startswith("burst="):
+            burst = int(word[6:])
+    target = n - 1 if "short" in prompt else n
+    total = cycles = 0
+    while total < target:
+        total = min(target, total + burst)
+        cycles += 1
+        meta: dict[str, object] = {"id": "r", "finish_reason": None, "prompt_tokens": 7, "completion_tokens": total}
+        if total == target:
+            meta["finish_reason"] = {"type": "length", "length": target}
+            meta["e2e_latency"] = 0.01
+            if "zero-verify" in prompt:
+                meta["spec_verify_ct"] = 0
+            elif "baseline" not in prompt:
+                meta["spec_verify_ct"] = cycles
+                meta["spec_accept_length"] = total / cycles
+        writer.write(_event({"text": "tok " * total, "meta_info": meta}))
+        await writer.drain()
+        if "error" in prompt and cycles == 2:
+            writer.write(_event({"error": {"message": "boom: KV cache exhausted", "code": 500}}))
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            return True
+        if "hangup" in prompt and cycles == 2:
+            return False
+        if "truncated" in prompt and cycles == 2:
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            return True
+        if "stall" in prompt:
+            await asyncio.sleep(30)
+        if "slow" in prompt:
+            await asyncio.sleep(0.05)
+    writer.write(_event(b"[DONE]") + b"0\r\n\r\n")
+    await writer.drain()
+    return True
+
+
+class FakeSGLang:
+    """The server above, on an ephemeral port, in its own thread and event loop."""
+
+    def __init__(self) -> None:
+        self.state = FakeServerState()
+        self.port = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._handlers: set[asyncio.Task[None]] = set()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+
+    def __enter__(self) -> FakeSGLang:
+        self._thread.start()
+        assert self._ready.wait(10), "fake server did not start"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._loop is not None and self._stop is not None
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+        assert not self._thread.is_alive(), "fake server did not stop"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        server = await asyncio.start_server(self._track, "127.0.0.1", 0)
+        self.port = server.sockets[0].getsockname()[1]
+        self._ready.set()
+        await self._stop.wait()
+        server.close()
+        for task in list(self._handlers):
+            task.cancel()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
+        await server.wait_closed()
+
+    async def _track(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        try:
+            await self._handle(reader, writer)
+        finally:
+            self._handlers.discard(task)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        st = self.state
+        try:
+            for _ in range(10_000):  # keep-alive: bounded number of requests per connection
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":", 1)[1])
+                body = json.loads(await reader.readexactly(length))
+                st.prompts.append(body["text"])
+                st.sampling.append(body["sampling_params"])
+                st.in_flight += 1
+                st.max_in_flight = max(st.max_in_flight, st.in_flight)
+                st.request_seen.set()
+                try:
+                    keep = await _respond(body, writer)
+                finally:
+                    st.in_flight -= 1
+                if not keep:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeSGLang]:
+    with FakeSGLang() as server:
+        yield server
+
+
+def _level(url: str, prompts: list[str], **kw: object) -> LevelMetrics:
+    args: dict[str, object] = {
+        "concurrency": 2,
+        "num_prompts": 6,
+        "output_len": 16,
+        "warmup_requests": 1,
+        "repeats": 2,
+        "request_timeout_s": 10.0,
+    }
+    args.update(kw)
+
+    async def go() -> LevelMetrics:
+        async with httpx.AsyncClient(trust_env=False) as client:
+            return await run_level(client, url, prompts, **args)  # type: ignore[arg-type]
+
+    return asyncio.run(go())
+
+
+# ---------------------------------------------------------------------------------------------
+# SSE decoding
+
+
+def test_sse_decoder_handles_any_split_crlf_comments_and_multiline() -> None:
+    stream = (
+        b": keep-alive comment\r\n\r\n"
+        b'data: {"a": 1}\r\n\r\n'
+        b"event: message\ndata: line one\ndata: line two\n\n"
+        b"data:[DONE]\n\n"
+    )
+    expected = [b'{"a": 1}', b"line one\nline two", b"[DONE]"]
+    for step in (1, 2, 3, 7, len(stream)):
+        dec = SSEDecoder()
+        got: list[bytes] = []
+        for i in range(0, len(stream), step):
+            got.extend(dec.feed(stream[i : i + step]))
+        got.extend(dec.close())
+        assert got == expected, step
+
+
+def test_sse_decoder_flushes_last_event_without_blank_line_and_bounds_lines() -> None:
+    dec = SSEDecoder()
+    assert dec.feed(b'data: {"x": 2}') == []
+    assert dec.close() == [b'{"x": 2}']
+    small = SSEDecoder(max_line_bytes=16)
+    with pytest.raises(ValueError, match="exceeded 16 bytes"):
+        small.feed(b"data: " + b"x" * 32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurements against the fake server
+
+
+def test_level_measures_tokens_accept_length_and_latencies(fake: FakeSGLang) -> None:
+    m = _level(fake.url, ["burst=3 a", "burst=3 b"], output_len=16, num_prompts=6, repeats=2)
+    assert m.concurrency == 2
+    assert m.num_requests == 12
+    assert m.completion_tokens == 12 * 16
+    # 16 tokens in bursts of 3 = 6 verify cycles per request.
+    assert m.spec_verify_ct == 12 * 6
+    assert m.accept_length == pytest.approx(16 / 6)
+    assert len(m.output_tok_s_runs) == 2
+    assert m.output_tok_s == pytest.approx(sum(m.output_tok_s_runs) / 2)
+    assert all(r > 0 for r in m.output_tok_s_runs)
+    for v in (m.ttft_ms_p50, m.ttft_ms_p99, m.itl_ms_p50, m.itl_ms_p90, m.itl_ms_p99, m.per_user_tok_s):
+        assert v is not None and v > 0
+    assert m.ttft_ms_p50 <= m.ttft_ms_p99  # type: ignore[operator]
+    assert m.itl_ms_p50 <= m.itl_ms_p90 <= m.itl_ms_p99  # type: ignore[operator]
+
+
+def test_burst_chunks_spread_over_their_tokens(fake: FakeSGLang) -> None:
+    async def go() -> None:
+        async with httpx.AsyncClient(trust_env=False) as client:
+            r = await stream_generate(
+                client, fake.url + "/generate", "burst=4 x", output_len=10, timeout_s=10, label="req"
+            )
+        # Chunks carry 4, 4, 2 tokens: TTFT covers the first 4, the other 6 get one ITL sample each,
+        # and the samples of one chunk are equal (its interval spread evenly).
+        assert r.completion_tokens == 10 and r.spec_verify_ct == 3
+        assert len(r.itl_s) == 6
+        assert r.itl_s[0:4] == [r.itl_s[0]] * 4 and r.itl_s[4:6] == [r.itl_s[4]] * 2
+        assert r.ttft_s > 0 and r.e2e_s >= r.ttft_s
+
+    asyncio.run(go())
+
+
+def test_baseline_server_reports_no_accept_length(fake: FakeSGLang) -> None:
+    for prompt in ("baseline", "zero-verify"):
+        m = _level(fake.url, [prompt], concurrency=1, num_prompts=2, repeats=1, warmup_requests=0)
+        assert m.accept_length is None and m.spec_verify_ct is None, prompt
+        assert m.completion_tokens == 32
+
+
+def test_requests_use_prompts_round_robin_with_greedy_fixed_length_sampling(fake: FakeSGLang) -> None:
+    prompts = ["burst=2 p0", "burst=2 p1", "burst=2 p2"]
+    _level(fake.url, prompts, concurrency=1, num_prompts=5, warmup_requests=2, repeats=2, output_len=8)
+    order = [prompts[i % 3] for i in range(2)] + [prompts[i % 3] for i in range(5)] * 2
+    assert fake.state.prompts == order
+    assert all(s == {"temperature": 0, "ignore_eos": True, "max_new_tokens": 8} for s in fake.state.sampling)
+
+
+def test_at_most_concurrency_requests_in_flight(fake: FakeSGLang) -> None:
+    _level(fake.url, ["slow burst=2"], concurrency=3, num_prompts=9, repeats=1, warmup_requests=0, output_len=8)
+    # Each request lasts ~200 ms, so all three workers overlap; never more than three.
+    assert fake.state.max_in_flight == 3
+    assert len(fake.state.prompts) == 9
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ("short", r"produced 15 tokens, expected exactly 16"),
+        ("error", r"error event: boom: KV cache exhausted"),
+        ("http500", r"HTTP 500 .*internal scheduler failure"),
+        ("hangup", r"failed after 2 of 16 tokens: RemoteProtocolError"),
+        ("truncated", r"stream ended after 2 of 16 tokens without a finish_reason"),
+    ],
+)
+def test_bad_requests_raise_loadgen_error_naming_the_request(fake: FakeSGLang, prompt: str, message: str) -> None:
+    with pytest.raises(LoadgenError, match=message) as info:
+        _level(fake.url, ["baseline", prompt], concurrency=1, num_prompts=2, repeats=1, warmup_requests=0)
+    assert "request 2/2" in str(info.value) and "prompt #1" in str(info.value)
+
+
+def test_request_timeout_becomes_loadgen_error(fake: FakeSGLang) -> None:
+    with pytest.raises(LoadgenError, match=r"no complete answer within 0.3 s after 1 of 16 tokens"):
+        _level(fake.url, ["stall"], concurrency=1, num_prompts=1, repeats=1, warmup_requests=0, request_timeout_s=0.3)
+
+
+def test_unreachable_server_is_loadgen_error() -> None:
+    with FakeSGLang() as server:
+        url = server.url
+    with pytest.raises(LoadgenError, match=r"request .* failed after 0 of 16 tokens: ConnectError"):
+        _level(url, ["x"], concurrency=1, num_prompts=1, repeats=1, warmup_requests=0)
+
+
+def test_cancel_stops_a_running_workload(fake: FakeSGLang) -> None:
+    cancel = threading.Event()
+    workload = Workload(output_len=64, num_prompts=50, concurrency=[2], warmup_requests=0, repeats=1)
+    outcome: list[BaseException | list[LevelMetrics]] = []
+
+    def target() -> None:
+        try:
+            outcome.append(run_workload(fake.url, workload, ["stall"], cancel=cancel, request_timeout_s=60))
+        except BaseException as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    assert fake.state.request_seen.wait(10)
+    cancel.set()
+    # The stalled requests would take 30 s each; a cancel ends the run long before that.
+    thread.join(10)
+    assert not thread.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], LoadgenCancelled)
+    assert "cancelled during c=2 pass 1/1" in str(outcome[0])
+
+
+def test_cancel_set_before_start_raises_at_once(fake: FakeSGLang) -> None:
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(LoadgenCancelled):
+        run_workload(fake.url, Workload(concurrency=[1]), ["x"], cancel=cancel)
+    assert fake.state.prompts == []
+
+
+def test_workload_runs_levels_in_order_and_on_level_false_stops(fake: FakeSGLang) -> None:
+    workload = Workload(output_len=8, num_prompts=4, concurrency=[4, 1, 2], warmup_requests=1, repeats=1)
+    seen: list[tuple[int, int]] = []
+
+    def on_level(index: int, metrics: LevelMetrics) -> bool:
+        seen.append((index, metrics.concurrency))
+        return index < 1
+
+    levels = run_workload(fake.url, workload, ["burst=2 q"], on_level=on_level)
+    assert [m.concurrency for m in levels] == [1, 2]
+    assert seen == [(0, 1), (1, 2)]
+    assert len(fake.state.prompts) == 2 * (1 + 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt sets
+
+
+def test_builtin_chat_prompts_ship_with_the_package() -> None:
+    prompts = load_prompts("builtin:chat", None)
+    assert len(prompts) >= 64
+    assert len(set(prompts)) == len(prompts)
+    assert all(p.strip() for p in prompts)
+    with pytest.raises(FileNotFoundError, match="no built-in prompt set 'nope'; available: chat"):
+        load_prompts("builtin:nope", None)
+    with pytest.raises(ValueError, match="named like 'builtin:chat'"):
+        load_prompts("builtin:../chat", None)
+
+
+def test_prompt_files_jsonl_and_plain_text(tmp_path: Path) -> None:
+    (tmp_path / "mine.jsonl").write_text('{"prompt": "first"}\n\n{"prompt": "second one"}\n')
+    (tmp_path / "plain.txt").write_text("alpha\n\nbeta gamma\n")
+    assert load_prompts("mine.jsonl", tmp_path) == ["first", "second one"]
+    assert load_prompts("plain.txt", tmp_path) == ["alpha", "beta gamma"]
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "ok"}\n{"text": "no prompt key"}\n')
+    with pytest.raises(LoadgenError, match="bad.jsonl line 2"):
+        load_prompts("bad.jsonl", tmp_path)
+    (tmp_path / "empty.txt").write_text("\n\n")
+    with pytest.raises(LoadgenError, match="holds no prompts"):
+        load_prompts("empty.txt", tmp_path)
+    with pytest.raises(FileNotFoundError, match="not found"):
+        load_prompts("missing.txt", tmp_path)
+
+
+def test_prompt_file_names_cannot_escape_the_folder(tmp_path: Path) -> None:
+    folder = tmp_path / "prompts"
+    folder.mkdir()
+    (tmp_path / "secret.txt").write_text("do not read\n")
+    (folder / "link.txt").symlink_to(tmp_path / "secret.txt")
+    for name in ("../secret.txt", "/etc/passwd", "sub/x.txt", "..", ".hidden", "a\\b"):
+        with pytest.raises(ValueError, match="plain file name"):
+            load_prompts(name, folder)
+    with pytest.raises(ValueError, match="outside the prompt folder"):
+        load_prompts("link.txt", folder)
+    with pytest.raises(ValueError, match="no prompt folder configured"):
+        load_prompts("mine.jsonl", None)
