@@ -1,0 +1,81 @@
+"""Why a server died, from its exit status and the tail of its log (reference/sglang.md §1, §2, §13).
+
+Order matters: an argparse rejection (exit 2) is checked first, then out-of-memory (an OOM often
+surfaces inside a later ValueError/RuntimeError traceback), then SGLang's start-up checks.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+
+from api.protocol import FailureKind
+
+# argparse prints "prog: error: <what>" and exits 2.  A flag this SGLang does not know (or an
+# abbreviation that became ambiguous, as --cuda-graph-max-bs did in 0.5.20) is the host's version
+# talking, not the configuration under trial.
+_ARGPARSE_ERROR = re.compile(
+    r"^.*\berror: (unrecognized arguments|ambiguous option|argument |the following arguments).*$", re.M
+)
+_OOM = re.compile(
+    r"^.*(CUDA out of memory|OutOfMemoryError|CUDA error: out of memory|cudaErrorMemoryAllocation"
+    r"|Not enough memory\. Please try to increase --mem-fraction-static).*$",
+    re.M,
+)
+# SGLang validates resolved arguments with ValueError and assert at start-up (speculative_hook,
+# attention backend checks): the configuration itself is not runnable.
+_CONFIG_REJECTED = re.compile(r"^.*\b(ValueError|AssertionError)\b.*$", re.M)
+# The last "SomethingError: message" line, to say something useful about an unclassified death.
+_EXCEPTION_LINE = re.compile(r"^.*\b\w*(Error|Exception|Interrupt)\b:?.*$", re.M)
+
+_MAX_DETAIL = 600
+
+
+def _last(pattern: re.Pattern[str], text: str) -> str | None:
+    found = None
+    for m in pattern.finditer(text):
+        found = m.group(0)
+    return None if found is None else found.strip()[:_MAX_DETAIL]
+
+
+def describe_returncode(returncode: int) -> str:
+    """'exit code 1', 'signal SIGKILL', or 'exit code 137 (128+SIGKILL)' for a wrapper's status."""
+    if returncode < 0:
+        try:
+            return f"signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"signal {-returncode}"
+    if returncode > 128:
+        try:
+            return f"exit code {returncode} (128+{signal.Signals(returncode - 128).name})"
+        except ValueError:
+            pass
+    return f"exit code {returncode}"
+
+
+def classify_exit(returncode: int, log_tail: str) -> tuple[FailureKind, bool, str]:
+    """(kind, host_fault, message) for a server that exited with `returncode` before it was ready.
+
+    A server that dies after readiness is reported as `crash` by the caller whatever this says;
+    the message is still the best description of the cause.
+    """
+    how = describe_returncode(returncode)
+    if returncode == 2:
+        line = _last(_ARGPARSE_ERROR, log_tail)
+        if line is not None:
+            return (
+                "invalid_config",
+                True,
+                f"SGLang rejected its command line ({how}): {line}. The flag names do not match the SGLang "
+                "version installed on this host: check the detected version (or the worker's sglang_version "
+                "override) against `python -m sglang.launch_server --help`",
+            )
+    line = _last(_OOM, log_tail)
+    if line is not None:
+        return ("oom", False, f"out of GPU memory at start-up ({how}): {line}")
+    line = _last(_CONFIG_REJECTED, log_tail)
+    if line is not None:
+        return ("invalid_config", False, f"SGLang refused the configuration at start-up ({how}): {line}")
+    line = _last(_EXCEPTION_LINE, log_tail)
+    detail = f": {line}" if line else " (nothing recognisable in the log tail)"
+    return ("crash", False, f"server exited with {how}{detail}")
