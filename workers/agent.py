@@ -1,0 +1,602 @@
+"""The worker agent: lease → launch SGLang → benchmark → report → next (`spectune worker`).
+
+One turn of the loop (rq-style: small steps, errors logged and never fatal to the loop):
+
+1. deliver the reports still in the outbox; while one cannot be delivered, take no new work (the
+   API would hand the same lease back and the measurement would be repeated for nothing);
+2. ask for a lease with this host's inventory; 204 → wait (capped exponential back-off);
+3. resolve the lease's model names through the local registry (never paths from the API) and its
+   prompt set, then launch the server while a background thread heartbeats;
+4. run the workload level by level, posting progress after each and stopping on `prune`;
+5. write the report to the outbox, deliver it, then stop the server (every lease gets a fresh
+   server: a restart is what a trial costs anyway, and nothing stale can leak into the next one).
+
+A lost lease (409/410 from a heartbeat or progress call) cancels the work at once: the server is
+stopped and nothing is reported.  Shutdown is two-stage (`ShutdownSignals`): the first SIGTERM or
+SIGINT takes no more work, cancels the launch or benchmark, stops the server, reports the lease
+as failed `lost` ("worker shutting down") and exits 0; a second one kills the server's process
+group and exits at once with 128 + the signal number.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any, Protocol
+
+from api.protocol import CompleteIn, Failure, FailureKind, Inventory, LeaseOut, LevelMetrics, Metrics, ProgressIn
+from optimizer.sglang import ServerSettings
+from workers.client import ApiClient, ApiError, ApiUnavailable, AuthError, Backoff, LeaseLost, make_http_client
+from workers.config import WorkerConfig, load_config, read_token
+from workers.errors import ConfigError, LaunchCancelled, LaunchError, WorkerError
+from workers.heartbeat import Heartbeat
+from workers.inventory import build_inventory, describe
+from workers.loadgen import LoadgenCancelled, LoadgenError, load_prompts, run_workload
+from workers.outbox import Outbox, deliver_pending
+
+log = logging.getLogger("spectune.worker.agent")
+
+EXIT_OK = 0
+EXIT_CONFIG = 2  # bad config or token: systemd must not restart-loop on it (RestartPreventExitStatus)
+
+_MAX_MESSAGE = 4000  # api.protocol.Failure.message
+_MAX_LOG_TAIL = 20_000
+
+
+class Server(Protocol):
+    """What the agent uses of workers.launcher.RunningServer."""
+
+    pgid: int
+    base_url: str
+    startup_s: float
+
+    @property
+    def effective(self) -> Mapping[str, Any]: ...
+
+    @property
+    def mismatches(self) -> Any: ...
+
+    def log_tail(self) -> str: ...
+
+    def is_alive(self) -> bool: ...
+
+
+class ServerLauncher(Protocol):
+    """What the agent uses of workers.launcher.Launcher."""
+
+    @property
+    def current(self) -> Server | None: ...
+
+    def launch(
+        self,
+        settings: ServerSettings,
+        *,
+        version: str,
+        model_path: str,
+        draft_model_path: str | None,
+        cancel: threading.Event | None,
+        on_phase: Callable[[str], None] | None = None,
+    ) -> Server: ...
+
+    def stop(self) -> None: ...
+
+
+RunWorkload = Callable[..., list[LevelMetrics]]
+LoadPrompts = Callable[[str, Path | None], list[str]]
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """The parts of WorkerConfig the loop needs, as plain values (tests build them directly)."""
+
+    models: Mapping[str, Path]
+    prompt_dir: Path | None
+    sglang_version: str
+    request_timeout_s: float = 600.0
+    heartbeat_max_s: float | None = None
+    idle_poll_s: float = 5.0
+    idle_poll_max_s: float = 60.0
+    api_retry_max_s: float = 60.0
+
+
+def _failed(kind: FailureKind, message: str, *, log_tail: str = "", host_fault: bool = False) -> CompleteIn:
+    if len(message) > _MAX_MESSAGE:
+        message = message[: _MAX_MESSAGE - 3] + "..."
+    failure = Failure(kind=kind, message=message, log_tail=log_tail[-_MAX_LOG_TAIL:], host_fault=host_fault)
+    return CompleteIn(outcome="failed", failure=failure)
+
+
+def describe_lease(lease: LeaseOut) -> str:
+    s = lease.server
+    if s.speculative is None:
+        what = "no speculation"
+    else:
+        c = s.speculative.canonical()
+        what = f"EAGLE-3 steps={c.num_steps} topk={c.topk} draft_tokens={c.num_draft_tokens}"
+    trial = "" if lease.trial_number is None else f" trial {lease.trial_number}"
+    return (
+        f"{lease.kind} for study {lease.study}{trial} (attempt {lease.attempt}): {s.target} tp={s.tp_size} "
+        f"{s.attention_backend}, {what}, concurrency {lease.workload.concurrency}"
+    )
+
+
+class _LeaseRun:
+    """State of one lease while it runs (so callbacks from other threads can see it)."""
+
+    def __init__(self, lease: LeaseOut, cancel: threading.Event) -> None:
+        self.lease = lease
+        self.cancel = cancel
+        self.lost = threading.Event()
+        self.pruned = False
+
+
+class Agent:
+    """The loop.  Every collaborator is injected; `main()` wires the real ones."""
+
+    def __init__(
+        self,
+        *,
+        client: ApiClient,
+        outbox: Outbox,
+        launcher: ServerLauncher,
+        inventory: Inventory,
+        settings: AgentSettings,
+        run_workload: RunWorkload = run_workload,
+        load_prompts: LoadPrompts = load_prompts,
+        stop_event: threading.Event | None = None,
+        backoff: Backoff | None = None,
+    ) -> None:
+        self.client = client
+        self.outbox = outbox
+        self.launcher = launcher
+        self.inventory = inventory
+        self.settings = settings
+        self._run_workload = run_workload
+        self._load_prompts = load_prompts
+        self.stop_event = stop_event or threading.Event()
+        self._idle = backoff or Backoff(initial_s=settings.idle_poll_s, max_s=settings.idle_poll_max_s)
+        self._idle_attempt = 0
+        self._current: _LeaseRun | None = None
+        self._lock = threading.Lock()
+        self.leases_done = 0
+
+    # -- shutdown (called from the signal watcher thread, never from a signal handler) ----------
+
+    def request_stop(self, reason: str = "stop requested") -> None:
+        """First stage: take no more work and abandon the current lease (it is reported as lost)."""
+        log.warning("%s: taking no more work; abandoning the current lease, if any", reason)
+        with self._lock:
+            self.stop_event.set()
+            if self._current is not None:
+                self._current.cancel.set()
+
+    def force_stop(self) -> None:
+        """Second stage: kill the server's whole process group now.  The caller then exits."""
+        server = self.launcher.current
+        if server is None:
+            return
+        log.error("killing the server's process group %d", server.pgid)
+        try:
+            os.killpg(server.pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        except OSError as e:
+            log.error("could not kill process group %d: %s", server.pgid, e)
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Work until a stop is requested (exit 0) or the API refuses the token (EXIT_CONFIG)."""
+        log.info("worker started: %s", describe(self.inventory))
+        try:
+            while not self.stop_event.is_set():
+                self.run_once()
+        except AuthError as e:
+            log.error("%s; the worker cannot work without a valid token and exits", e)
+            return EXIT_CONFIG
+        finally:
+            self._stop_server()
+            if len(self.outbox):
+                log.warning(
+                    "%d report(s) remain in the outbox %s for the next start", len(self.outbox), self.outbox.root
+                )
+        log.info("worker stopped after %d lease(s)", self.leases_done)
+        return EXIT_OK
+
+    def run_once(self) -> None:
+        """One turn: outbox, lease, work, report.  Raises only AuthError."""
+        if not deliver_pending(self.outbox, self.client):
+            self._wait_idle("the outbox could not be delivered; no new work until it is")
+            return
+        if self.stop_event.is_set():
+            return
+        try:
+            lease = self.client.lease(self.inventory)
+        except AuthError:
+            raise
+        except ApiUnavailable as e:
+            self._wait_idle(str(e))
+            return
+        except ApiError as e:
+            log.error("asking for work failed: %s", e)
+            self._wait_idle("lease request refused")
+            return
+        if lease is None:
+            self._wait_idle(None)
+            return
+        self._idle_attempt = 0
+        try:
+            self.process_lease(lease)
+        except AuthError:
+            raise
+        except Exception:  # the loop must survive anything one lease does
+            log.exception("lease %s: unexpected worker error", lease.lease_id)
+            self._wait_idle("unexpected error")
+
+    def _wait_idle(self, why: str | None) -> None:
+        delay = self._idle.delay(self._idle_attempt)
+        self._idle_attempt += 1
+        if why is None:
+            log.debug("no work; asking again in %.1f s", delay)
+        else:
+            log.info("%s; trying again in %.1f s", why, delay)
+        self.stop_event.wait(delay)
+
+    # -- one lease ----------------------------------------------------------------------------
+
+    def process_lease(self, lease: LeaseOut) -> None:
+        log.info("lease %s: %s", lease.lease_id, describe_lease(lease))
+        run = _LeaseRun(lease, threading.Event())
+        with self._lock:
+            self._current = run
+            if self.stop_event.is_set():
+                run.cancel.set()
+        interval = lease.heartbeat_interval_s
+        if self.settings.heartbeat_max_s is not None:
+            interval = min(interval, self.settings.heartbeat_max_s)
+        heartbeat = Heartbeat(self.client, lease.lease_id, max(interval, 0.05), cancel=run.cancel)
+        try:
+            with heartbeat:
+                report = self._work(run, heartbeat)
+                if run.lost.is_set() or heartbeat.lost.is_set():
+                    log.warning("lease %s was lost; its work is abandoned and not reported", lease.lease_id)
+                elif report is not None:
+                    self._report(lease.lease_id, report)
+        finally:
+            with self._lock:
+                self._current = None
+            self._stop_server()
+            self.leases_done += 1
+
+    def _abandoned(self, run: _LeaseRun, heartbeat: Heartbeat) -> CompleteIn | None:
+        if run.lost.is_set() or heartbeat.lost.is_set():
+            return None
+        message = "worker shutting down" if self.stop_event.is_set() else "worker cancelled the lease"
+        return _failed("lost", message)
+
+    def _work(self, run: _LeaseRun, heartbeat: Heartbeat) -> CompleteIn | None:
+        lease = run.lease
+        settings = lease.server
+        lid = lease.lease_id
+        missing = [m for m in (settings.target, settings.draft) if m is not None and m not in self.settings.models]
+        if missing:
+            known = ", ".join(sorted(self.settings.models)) or "none"
+            return _failed(
+                "invalid_config",
+                f"model(s) {', '.join(missing)} not in this worker's model registry (known: {known}); "
+                "add them to [models] in the worker config, or place the study on workers that have them",
+                host_fault=True,
+            )
+        try:
+            prompts = self._load_prompts(lease.workload.prompts, self.settings.prompt_dir)
+        except (ValueError, OSError, LoadgenError) as e:
+            return _failed("invalid_config", f"prompt set {lease.workload.prompts!r}: {e}", host_fault=True)
+        if run.cancel.is_set():
+            return self._abandoned(run, heartbeat)
+
+        draft = self.settings.models[settings.draft] if settings.draft is not None else None
+        self._stop_server()  # a server left over from an earlier lease (normally none)
+        log.info("lease %s: launching the server", lid)
+        try:
+            server = self.launcher.launch(
+                settings,
+                version=self.settings.sglang_version,
+                model_path=str(self.settings.models[settings.target]),
+                draft_model_path=None if draft is None else str(draft),
+                cancel=run.cancel,
+                on_phase=lambda phase: log.info("lease %s: server %s", lid, phase),
+            )
+        except LaunchCancelled:
+            log.info("lease %s: launch cancelled", lid)
+            return self._abandoned(run, heartbeat)
+        except LaunchError as e:
+            if run.cancel.is_set():
+                return self._abandoned(run, heartbeat)
+            log.warning("lease %s: launch failed: %s", lid, e)
+            return CompleteIn(outcome="failed", failure=e.to_failure())
+        except (ConfigError, WorkerError) as e:
+            log.error("lease %s: the worker cannot launch servers: %s", lid, e)
+            return _failed("crash", f"worker could not launch the server: {e}", host_fault=True)
+        log.info("lease %s: server ready after %.1f s at %s", lid, server.startup_s, server.base_url)
+        if server.mismatches:
+            log.warning("lease %s: SGLang runs other settings than requested: %s", lid, server.mismatches)
+        if run.cancel.is_set():
+            return self._abandoned(run, heartbeat)
+
+        try:
+            levels = self._run_workload(
+                server.base_url,
+                lease.workload,
+                prompts,
+                cancel=run.cancel,
+                on_level=lambda i, m: self._on_level(run, i, m),
+                request_timeout_s=self.settings.request_timeout_s,
+            )
+        except LoadgenCancelled:
+            log.info("lease %s: benchmark cancelled", lid)
+            return self._abandoned(run, heartbeat)
+        except LoadgenError as e:
+            if run.cancel.is_set():
+                return self._abandoned(run, heartbeat)
+            tail = server.log_tail()
+            if not server.is_alive():
+                log.warning("lease %s: the server died during the benchmark: %s", lid, e)
+                return _failed("crash", f"server exited during the benchmark: {e}", log_tail=tail)
+            log.warning("lease %s: benchmark failed: %s", lid, e)
+            return _failed("benchmark_error", str(e), log_tail=tail)
+        if run.lost.is_set():
+            return None
+        if run.cancel.is_set() and not levels:
+            return self._abandoned(run, heartbeat)
+        if not levels:
+            return _failed("benchmark_error", "the benchmark measured no concurrency level", log_tail=server.log_tail())
+        metrics = Metrics(
+            levels=levels,
+            startup_s=server.startup_s,
+            effective=dict(server.effective),
+            sglang_version=self.settings.sglang_version,
+        )
+        if run.cancel.is_set() and not run.pruned:
+            # Shutdown between the last level and here: the levels are complete measurements, but
+            # a partial workload must not pose as a finished trial.
+            if len(levels) < len(lease.workload.concurrency):
+                return self._abandoned(run, heartbeat)
+        return CompleteIn(outcome="ok", metrics=metrics)
+
+    def _on_level(self, run: _LeaseRun, index: int, m: LevelMetrics) -> bool:
+        lid = run.lease.lease_id
+        log.info(
+            "lease %s: concurrency %d: %.1f output tok/s (runs %s), accept length %s, ITL p99 %s ms",
+            lid,
+            m.concurrency,
+            m.output_tok_s,
+            ", ".join(f"{v:.1f}" for v in m.output_tok_s_runs) or "-",
+            "-" if m.accept_length is None else f"{m.accept_length:.2f}",
+            "-" if m.itl_ms_p99 is None else f"{m.itl_ms_p99:.1f}",
+        )
+        if run.cancel.is_set():
+            return False
+        body = ProgressIn(
+            step=index,
+            concurrency=m.concurrency,
+            output_tok_s=m.output_tok_s,
+            accept_length=m.accept_length,
+            phase=run.lease.kind,
+        )
+        try:
+            answer = self.client.progress(lid, body, retry_for_s=self.settings.api_retry_max_s / 4)
+        except LeaseLost as e:
+            log.error("lease %s lost: %s; abandoning its work", lid, e)
+            run.lost.set()
+            run.cancel.set()
+            return False
+        except ApiError as e:  # progress is advisory: measuring on is better than stopping
+            log.warning("lease %s: progress not delivered: %s", lid, e)
+            return True
+        if answer.action == "prune":
+            log.info("lease %s: the API pruned the trial after concurrency %d", lid, m.concurrency)
+            run.pruned = True
+            return False
+        return True
+
+    def _report(self, lease_id: str, report: CompleteIn) -> None:
+        what = report.outcome if report.failure is None else f"failed ({report.failure.kind})"
+        try:
+            path = self.outbox.put(lease_id, report)
+        except OSError as e:
+            # Disk full or gone: still try to deliver directly rather than lose the measurement.
+            log.error("lease %s: cannot write the report to the outbox (%s); sending it directly", lease_id, e)
+            try:
+                self.client.complete(lease_id, report)
+                log.info("lease %s: report (%s) sent", lease_id, what)
+            except AuthError:
+                raise
+            except ApiError as e2:
+                log.error("lease %s: report (%s) LOST: %s", lease_id, what, e2)
+            return
+        log.info("lease %s: report (%s) queued in %s", lease_id, what, path)
+        deliver_pending(self.outbox, self.client)
+
+    def _stop_server(self) -> None:
+        if self.launcher.current is None:
+            return
+        try:
+            self.launcher.stop()
+        except WorkerError as e:
+            log.error("stopping the server: %s", e)
+        except Exception:
+            log.exception("stopping the server failed")
+
+
+class ShutdownSignals:
+    """Two-stage SIGTERM/SIGINT handling with no work inside the handlers.
+
+    The Python handler only counts; `signal.set_wakeup_fd` makes the interpreter write the signal
+    number to a socket, and a watcher thread wakes on it (or within a second, should something
+    else have taken the wakeup fd) and calls `first(signum)` once, then `second(signum)` on any
+    later signal.  Setting an Event inside a handler could deadlock on the Event's own lock if the
+    main thread happened to hold it.  Install from the main thread only.
+    """
+
+    def __init__(
+        self,
+        first: Callable[[int], None],
+        second: Callable[[int], None],
+        signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGINT),
+    ) -> None:
+        self._first = first
+        self._second = second
+        self._signals = tuple(signals)
+        self._received: list[int] = []
+        self._handled = 0
+        self._closing = False
+        self._old_handlers: dict[signal.Signals, Any] = {}
+        self._old_fd = -1
+        self._rsock, self._wsock = socket.socketpair()
+        self._thread = threading.Thread(target=self._watch, name="signal-watcher", daemon=True)
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        self._received.append(signum)  # list.append is atomic; the watcher does the rest
+
+    def __enter__(self) -> ShutdownSignals:
+        self._wsock.setblocking(False)
+        self._rsock.setblocking(False)
+        self._old_fd = signal.set_wakeup_fd(self._wsock.fileno(), warn_on_full_buffer=False)
+        for s in self._signals:
+            self._old_handlers[s] = signal.signal(s, self._handler)
+        self._thread.start()
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
+        for s, old in self._old_handlers.items():
+            signal.signal(s, old)
+        signal.set_wakeup_fd(self._old_fd)
+        self._closing = True
+        try:
+            self._wsock.send(b"\0")
+        except OSError:
+            pass
+        self._thread.join(5.0)
+        self._rsock.close()
+        self._wsock.close()
+
+    def _watch(self) -> None:
+        while not self._closing:
+            readable, _, _ = select.select([self._rsock], [], [], 1.0)
+            if readable:
+                try:
+                    self._rsock.recv(512)
+                except BlockingIOError:
+                    pass
+            while self._handled < len(self._received):
+                signum = self._received[self._handled]
+                self._handled += 1
+                try:
+                    (self._first if self._handled == 1 else self._second)(signum)
+                except Exception:
+                    log.exception("handling signal %d failed", signum)
+
+
+def _configure_logging() -> None:
+    root = logging.getLogger()
+    if not root.handlers:  # the CLI may have configured logging already
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per heartbeat is noise
+
+
+def _force_exit(agent: Agent, signum: int) -> None:
+    log.error("second signal (%s): killing the server and exiting now", signal.Signals(signum).name)
+    agent.force_stop()
+    logging.shutdown()
+    os._exit(128 + signum)
+
+
+def build_agent(cfg: WorkerConfig, *, stop_event: threading.Event, http: Any) -> Agent:
+    """Wire the real collaborators from a validated config (the launcher's probe is opened here)."""
+    from workers.gpu import open_probe
+    from workers.launcher import EngineConfig, Launcher, detect_sglang_version
+    from workers.launcher.config import server_env
+
+    engine = EngineConfig(
+        python=str(cfg.engine.python),
+        module=cfg.engine.module,
+        host=cfg.engine.host,
+        port=cfg.engine.port,
+        env=dict(cfg.engine.env),
+        log_dir=cfg.engine.log_dir,
+        startup_timeout_s=cfg.timeouts.startup_s,
+        stop_timeout_s=cfg.timeouts.stop_s,
+        gpu_release_timeout_s=cfg.timeouts.gpu_release_s,
+        gpu_indices=None if cfg.gpus is None else tuple(cfg.gpus),
+        sglang_version=cfg.engine.sglang_version,
+    )
+    version = detect_sglang_version(engine.python, cfg.engine.sglang_version, env=server_env(engine))
+    probe = open_probe()
+    inventory = build_inventory(
+        sglang_version=version, models=list(cfg.models), labels=cfg.labels, probe=probe, gpus=cfg.gpus
+    )
+    client = ApiClient(
+        http,
+        token=read_token(cfg),
+        worker_id=cfg.worker_id,
+        backoff=Backoff(max_s=cfg.timeouts.api_retry_max_s),
+        retry_for_s=cfg.timeouts.api_retry_max_s,
+        wait=stop_event.wait,
+    )
+    settings = AgentSettings(
+        models=cfg.models,
+        prompt_dir=cfg.prompt_dir,
+        sglang_version=version,
+        request_timeout_s=cfg.timeouts.request_s,
+        heartbeat_max_s=cfg.timeouts.heartbeat_s,
+        idle_poll_s=cfg.idle_poll_s,
+        idle_poll_max_s=cfg.idle_poll_max_s,
+        api_retry_max_s=cfg.timeouts.api_retry_max_s,
+    )
+    return Agent(
+        client=client,
+        outbox=Outbox(cfg.outbox_dir),
+        launcher=Launcher(engine, gpu_probe=probe),
+        inventory=inventory,
+        settings=settings,
+        stop_event=stop_event,
+    )
+
+
+def main(config_path: Path) -> int:
+    """`spectune worker --config PATH`: run the agent until SIGTERM.  Returns the exit status."""
+    _configure_logging()
+    try:
+        cfg = load_config(config_path)
+    except ConfigError as e:
+        log.error("%s", e)
+        return EXIT_CONFIG
+    log.info("worker %s: API %s, outbox %s", cfg.worker_id, cfg.api_url, cfg.outbox_dir)
+    stop_event = threading.Event()
+    with make_http_client(cfg.api_url, timeout_s=cfg.timeouts.api_s) as http:
+        try:
+            agent = build_agent(cfg, stop_event=stop_event, http=http)
+        except ConfigError as e:
+            log.error("%s", e)
+            return EXIT_CONFIG
+        with ShutdownSignals(
+            first=lambda signum: agent.request_stop(f"{signal.Signals(signum).name} received"),
+            second=lambda signum: _force_exit(agent, signum),
+        ):
+            return agent.run()
+
+
+if __name__ == "__main__":  # `python -m workers.agent worker.toml`, for hosts without the CLI
+    if len(sys.argv) != 2:
+        sys.stderr.write("usage: python -m workers.agent /path/to/worker.toml\n")
+        sys.exit(EXIT_CONFIG)
+    sys.exit(main(Path(sys.argv[1])))
