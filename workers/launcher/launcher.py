@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import shlex
 import subprocess
 import threading
@@ -193,14 +194,15 @@ class Launcher:
         old = sorted(log_dir.glob(_LOG_GLOB), key=lambda p: p.stat().st_mtime)
         for p in old[: max(0, len(old) - (KEEP_LOGS - 1))]:
             p.unlink(missing_ok=True)
-        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-        return log_dir / f"server-{stamp}-p{self._engine.port}-{next(self._launch_seq)}.log"
+        # Microseconds and the worker's PID: two launches (or two workers sharing log_dir) never share a file.
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S.%fZ")
+        return log_dir / f"server-{stamp}-p{self._engine.port}-w{os.getpid()}-{next(self._launch_seq)}.log"
 
     def _spawn(self, argv: list[str]) -> _Child:
         log_path = self._new_log_path()
         logger.info("launching %s (log %s)", shlex.join(argv), log_path)
         try:
-            with log_path.open("ab") as log:
+            with log_path.open("xb") as log:
                 process = subprocess.Popen(
                     argv,
                     stdin=subprocess.DEVNULL,
