@@ -1,0 +1,139 @@
+"""Errors raised by the API package, and the one place where every error becomes HTTP.
+
+    ApiError (status, code)
+    ├── NotFoundError              404  unknown study, lease or worker
+    ├── ConflictError              409  name taken, lease held elsewhere or already finished
+    ├── LeaseGoneError             410  the lease expired and was reclaimed
+    ├── AuthError                  401  no token, unknown or revoked token
+    ├── ForbiddenError             403  the token's role may not do this
+    ├── InvalidInputError          422  a field is wrong (names it)
+    ├── PayloadTooLargeError       413  body over the configured limit
+    ├── SchemaOutdatedError        503  the database schema is not at head (names the fix)
+    └── StorageUnavailableError    503  the database cannot be reached
+
+Errors from `optimizer` (its own hierarchy) are mapped here too.  A response never carries a
+database error's text: those are logged and answered with a generic 503.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import SQLAlchemyError
+
+from optimizer.errors import OptimizerError, SpecError, StudyExistsError, StudyNotFoundError, TrialStateError
+
+log = logging.getLogger("spectune.api")
+
+
+class ApiError(Exception):
+    status = 400
+    code = "bad_request"
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+
+class NotFoundError(ApiError):
+    status, code = 404, "not_found"
+
+
+class ConflictError(ApiError):
+    status, code = 409, "conflict"
+
+
+class LeaseGoneError(ApiError):
+    status, code = 410, "lease_gone"
+
+
+class AuthError(ApiError):
+    status, code = 401, "unauthorized"
+
+
+class ForbiddenError(ApiError):
+    status, code = 403, "forbidden"
+
+
+class InvalidInputError(ApiError):
+    status, code = 422, "invalid"
+
+
+class PayloadTooLargeError(ApiError):
+    status, code = 413, "payload_too_large"
+
+
+class SchemaOutdatedError(ApiError):
+    status, code = 503, "schema_outdated"
+
+
+class StorageUnavailableError(ApiError):
+    status, code = 503, "storage_unavailable"
+
+
+def _body(code: str, message: str, field: str | None = None, **extra: Any) -> dict[str, Any]:
+    error: dict[str, Any] = {"code": code, "message": message}
+    if field is not None:
+        error["field"] = field
+    error.update(extra)
+    return {"error": error, "detail": message}
+
+
+def _from_optimizer(exc: OptimizerError) -> ApiError:
+    if isinstance(exc, SpecError):
+        return InvalidInputError(str(exc), field=exc.field)
+    if isinstance(exc, StudyNotFoundError):
+        return NotFoundError(str(exc))
+    if isinstance(exc, StudyExistsError):
+        return ConflictError(str(exc), field="name")
+    if isinstance(exc, TrialStateError):
+        return ConflictError(str(exc))
+    return ApiError(str(exc))
+
+
+def _loc(loc: Sequence[Any]) -> str:
+    parts = [str(p) for p in loc if p not in ("body",)]
+    return ".".join(parts) or "body"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    headers = {"WWW-Authenticate": "Bearer"}
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(
+            _body(exc.code, exc.message, exc.field),
+            status_code=exc.status,
+            headers=headers if isinstance(exc, AuthError) else None,
+        )
+
+    @app.exception_handler(OptimizerError)
+    async def _optimizer_error(request: Request, exc: OptimizerError) -> JSONResponse:
+        return await _api_error(request, _from_optimizer(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": ("body",), "msg": "invalid request"}
+        field = _loc(first.get("loc", ()))
+        msg = str(first.get("msg", "invalid value"))
+        if first.get("type") == "json_invalid":
+            message = "the request body is not valid JSON: send a JSON object with Content-Type: application/json"
+        else:
+            message = f"{field}: {msg}"
+        details = [{"field": _loc(e.get("loc", ())), "message": str(e.get("msg", ""))} for e in errors[:20]]
+        return JSONResponse(_body("invalid", message, field, details=details), status_code=422)
+
+    @app.exception_handler(SQLAlchemyError)
+    async def _db_error(_: Request, exc: SQLAlchemyError) -> JSONResponse:
+        # Never leak SQL or driver text to clients; the log keeps it.
+        log.error("database error: %s", exc, exc_info=exc)
+        return JSONResponse(
+            _body("storage_unavailable", "the database is unavailable or busy; retry shortly"), status_code=503
+        )

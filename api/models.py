@@ -1,0 +1,134 @@
+"""spectune's own tables (Optuna keeps studies and trials in its own tables, in the same database).
+
+Every table is prefixed `spectune_` so it can never clash with Optuna's schema, and Alembic
+keeps its revision in `spectune_alembic_version` (Optuna's Alembic uses `alembic_version`).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint, text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
+
+
+class ApiToken(Base):
+    __tablename__ = "spectune_api_tokens"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(128))
+    role: Mapped[str] = mapped_column(String(16))
+    # sha256 of the token: tokens are 256-bit random, so a fast hash is enough and the
+    # database never holds a usable secret.
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    # A worker token may be bound to one worker id: it can then act only as that worker.
+    worker_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+
+
+class StudyRow(Base):
+    __tablename__ = "spectune_studies"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    # running: leases are handed out; stopped: by a user; finished: budget, patience or space used up.
+    state: Mapped[str] = mapped_column(String(16), default="running")
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    baseline_key: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    finish_reason: Mapped[str | None] = mapped_column(String(256), nullable=True)
+
+
+class TrialConfigRow(Base):
+    """One row per configuration launched in a study: the de-duplication key of restarts."""
+
+    __tablename__ = "spectune_trial_configs"
+    __table_args__ = (UniqueConstraint("study_name", "config_key", name="uq_trial_config"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    study_name: Mapped[str] = mapped_column(ForeignKey("spectune_studies.name", ondelete="CASCADE"))
+    config_key: Mapped[str] = mapped_column(String(64))
+    trial_number: Mapped[int] = mapped_column(Integer)
+    # pending (leased or queued), done, failed
+    state: Mapped[str] = mapped_column(String(16), default="pending")
+
+
+class WorkerRow(Base):
+    __tablename__ = "spectune_workers"
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    inventory: Mapped[dict[str, Any]] = mapped_column(JSON)
+    first_seen: Mapped[datetime] = mapped_column(DateTime)
+    last_seen: Mapped[datetime] = mapped_column(DateTime)
+    consecutive_host_failures: Mapped[int] = mapped_column(Integer, default=0)
+    quarantined: Mapped[bool] = mapped_column(Boolean, default=False)
+    quarantine_reason: Mapped[str | None] = mapped_column(String(512), nullable=True)
+
+
+class LeaseRow(Base):
+    __tablename__ = "spectune_leases"
+    __table_args__ = (
+        Index("ix_lease_worker_state", "worker_id", "state"),
+        Index("ix_lease_state_deadline", "state", "deadline"),
+        Index("ix_lease_study_state", "study_name", "state"),
+        # At most one active lease per worker, enforced by the database across API processes.
+        Index(
+            "uq_lease_active_worker",
+            "worker_id",
+            unique=True,
+            postgresql_where=text("state = 'active'"),
+            sqlite_where=text("state = 'active'"),
+        ),
+    )
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    study_name: Mapped[str] = mapped_column(ForeignKey("spectune_studies.name", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(String(16))
+    # queued (waiting for a worker), active, completed, failed, expired, superseded
+    state: Mapped[str] = mapped_column(String(16))
+    worker_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    trial_number: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    attempt: Mapped[int] = mapped_column(Integer, default=1)
+    config_key: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    payload: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+    leased_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    deadline: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    # The report as received (metrics or failure) and what we derived from it.
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    speedup: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class BaselineRow(Base):
+    __tablename__ = "spectune_baselines"
+    __table_args__ = (Index("ix_baseline_worker_key", "worker_id", "baseline_key", "measured_at"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    worker_id: Mapped[str] = mapped_column(String(128))
+    baseline_key: Mapped[str] = mapped_column(String(64))
+    lease_id: Mapped[str] = mapped_column(String(36))
+    measured_at: Mapped[datetime] = mapped_column(DateTime)
+    # {"<concurrency>": output tok/s}
+    tok_s: Mapped[dict[str, Any]] = mapped_column(JSON)
+    metrics: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+
+class EventRow(Base):
+    """An append-only log of what happened (lease reclaimed, late report kept, quarantine...)."""
+
+    __tablename__ = "spectune_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(DateTime)
+    kind: Mapped[str] = mapped_column(String(64))
+    study_name: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    worker_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    lease_id: Mapped[str | None] = mapped_column(String(36), nullable=True)
+    detail: Mapped[str] = mapped_column(Text, default="")

@@ -1,0 +1,40 @@
+"""/v1/studies: create, list, show, stop, trials."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, status
+
+from api.deps import StudiesDep, UserDep
+from optimizer.spec import StudySpec
+
+router = APIRouter(prefix="/v1/studies", tags=["studies"])
+
+
+@router.post("", status_code=status.HTTP_201_CREATED)
+def create_study(spec: StudySpec, _: UserDep, studies: StudiesDep) -> dict[str, Any]:
+    """Create a study from its spec (see README "The study spec")."""
+    return studies.create(spec)
+
+
+@router.get("")
+def list_studies(_: UserDep, studies: StudiesDep) -> list[dict[str, Any]]:
+    return studies.list_studies()
+
+
+@router.get("/{name}")
+def show_study(name: str, _: UserDep, studies: StudiesDep) -> dict[str, Any]:
+    """State, trial counts, the best configuration with its speedup and exact launch command."""
+    return studies.show(name)
+
+
+@router.post("/{name}/stop")
+def stop_study(name: str, _: UserDep, studies: StudiesDep) -> dict[str, Any]:
+    """No new trials are handed out; leases in flight may still report."""
+    return studies.stop(name)
+
+
+@router.get("/{name}/trials")
+def list_trials(name: str, _: UserDep, studies: StudiesDep) -> list[dict[str, Any]]:
+    return studies.trials(name)

@@ -1,0 +1,604 @@
+"""The lease protocol (design.md "Leases"): hand out work, keep it alive, take the results.
+
+Invariants, each enforced by the database so several API processes can serve one database:
+* a worker holds at most one active lease (partial unique index);
+* a queued retry is claimed by one worker only (`FOR UPDATE SKIP LOCKED` on Postgres, SQLite
+  serialises writers);
+* a configuration is launched once per study (unique key in spectune_trial_configs);
+* deadlines and timestamps come from the database clock;
+* `complete` is idempotent: a repeat returns the stored outcome and changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import optuna
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from api.auth import Principal, require_worker
+from api.context import ServiceContext
+from api.db import db_now
+from api.errors import ConflictError, ForbiddenError, LeaseGoneError, NotFoundError
+from api.models import BaselineRow, EventRow, LeaseRow, StudyRow, TrialConfigRow, WorkerRow
+from api.protocol import CompleteIn, CompleteOut, HeartbeatOut, Inventory, LeaseOut, ProgressIn, ProgressOut
+from api.services import studies as study_svc
+from optimizer import study as opt
+from optimizer.errors import TrialStateError
+from optimizer.objective import CONSTRAINT_KEY, LevelResult, score
+from optimizer.plan import server_settings
+from optimizer.space import SpecConfig
+from optimizer.spec import StudySpec
+
+log = logging.getLogger("spectune.api.leasing")
+
+# Proposals that turn out to be a configuration already launched are answered without a launch;
+# bound the loop so a nearly exhausted space cannot spin.
+MAX_DUPLICATE_PROPOSALS = 12
+# Failure kinds caused by the configuration itself: taught to the sampler as infeasible.
+CONFIG_FAILURES = frozenset({"invalid_config", "oom", "launch_timeout"})
+
+
+@dataclass(frozen=True)
+class _Claim:
+    lease: LeaseRow
+
+
+class LeaseService:
+    def __init__(self, ctx: ServiceContext) -> None:
+        self.ctx = ctx
+        self.settings = ctx.settings
+
+    # ------------------------------------------------------------------ leasing
+
+    def lease(self, principal: Principal, worker_id: str, inventory: Inventory) -> LeaseOut | None:
+        require_worker(principal, worker_id)
+        with self.ctx.unit() as u, u.step() as s:
+            now = db_now(s)
+            worker = self._touch_worker(s, worker_id, inventory, now)
+            current = self._active_lease_of(s, worker_id)
+            if current is not None and current.deadline is not None and current.deadline >= now:
+                return self._lease_out(current)
+            quarantined = worker.quarantined
+        self.reclaim_expired()
+        if quarantined:
+            return None
+        for study in self._candidate_studies(inventory):
+            out = self._lease_from_study(study, worker_id)
+            if out is not None:
+                return out
+        return None
+
+    def _touch_worker(self, s: Session, worker_id: str, inv: Inventory, now: datetime) -> WorkerRow:
+        row = s.get(WorkerRow, worker_id)
+        if row is None:
+            row = WorkerRow(
+                id=worker_id,
+                inventory=inv.model_dump(mode="json"),
+                first_seen=now,
+                last_seen=now,
+                consecutive_host_failures=0,
+                quarantined=False,
+            )
+            s.add(row)
+            try:
+                s.flush()
+            except IntegrityError:  # registered by a concurrent request of the same worker
+                s.rollback()
+                row = s.get(WorkerRow, worker_id)
+                assert row is not None
+        row.inventory = inv.model_dump(mode="json")
+        row.last_seen = now
+        return row
+
+    @staticmethod
+    def _active_lease_of(s: Session, worker_id: str) -> LeaseRow | None:
+        return s.scalars(select(LeaseRow).where(LeaseRow.worker_id == worker_id, LeaseRow.state == "active")).first()
+
+    def _candidate_studies(self, inv: Inventory) -> list[StudySpec]:
+        with self.ctx.sessions() as s:
+            rows = s.scalars(
+                select(StudyRow).where(StudyRow.state == "running").order_by(StudyRow.created_at, StudyRow.name)
+            ).all()
+        out = []
+        models = set(inv.models)
+        for row in rows:
+            spec = StudySpec.model_validate(row.spec)
+            if any(inv.labels.get(k) != v for k, v in spec.placement.items()):
+                continue
+            if spec.model.target not in models or spec.model.draft not in models:
+                continue
+            out.append(spec)
+        return out
+
+    def _lease_from_study(self, spec: StudySpec, worker_id: str) -> LeaseOut | None:
+        key = study_svc.baseline_key_of(spec)
+        with self.ctx.unit(lock=f"study:{spec.name}") as u:
+            with u.step() as s:
+                now = db_now(s)
+                row = s.get(StudyRow, spec.name)
+                if row is None or row.state != "running":
+                    return None
+                if not self._has_fresh_baseline(s, worker_id, key, now):
+                    lease = self._new_lease(s, spec, "baseline", worker_id, now, config=None, number=None)
+                    return None if lease is None else self._lease_out(lease)
+                claimed = self._claim_queued(s, spec.name, worker_id, now)
+                if claimed is not None:
+                    return self._lease_out(claimed)
+                if self._budget_reason(s, spec, row, now) is not None:
+                    study_svc.maybe_finish(s, spec, now, self.ctx.storage)
+                    return None
+            return self._ask_new(u, spec, worker_id)
+
+    def _has_fresh_baseline(self, s: Session, worker_id: str, key: str, now: datetime) -> bool:
+        since = now - timedelta(seconds=self.settings.baseline_max_age_s)
+        found = s.scalars(
+            select(BaselineRow.id).where(
+                BaselineRow.worker_id == worker_id, BaselineRow.baseline_key == key, BaselineRow.measured_at >= since
+            )
+        ).first()
+        return found is not None
+
+    def _claim_queued(self, s: Session, study: str, worker_id: str, now: datetime) -> LeaseRow | None:
+        q = (
+            select(LeaseRow)
+            .where(LeaseRow.study_name == study, LeaseRow.state == "queued")
+            .order_by(LeaseRow.created_at)
+            .limit(1)
+            .with_for_update(skip_locked=True)
+        )
+        lease = s.scalars(q).first()
+        if lease is None:
+            return None
+        lease.state = "active"
+        lease.worker_id = worker_id
+        lease.leased_at = now
+        lease.deadline = now + timedelta(seconds=self.settings.lease_ttl_s)
+        try:
+            s.flush()
+        except IntegrityError as e:  # the worker got another lease concurrently
+            raise ConflictError("this worker already holds an active lease; ask again") from e
+        return lease
+
+    def _new_lease(
+        self,
+        s: Session,
+        spec: StudySpec,
+        kind: str,
+        worker_id: str | None,
+        now: datetime,
+        *,
+        config: SpecConfig | None,
+        number: int | None,
+        attempt: int = 1,
+    ) -> LeaseRow | None:
+        settings = server_settings(spec, config)
+        lease = LeaseRow(
+            id=str(uuid.uuid4()),
+            study_name=spec.name,
+            kind=kind,
+            state="active" if worker_id is not None else "queued",
+            worker_id=worker_id,
+            trial_number=number,
+            attempt=attempt,
+            config_key=None if config is None else config.key,
+            payload={
+                "server": settings.model_dump(mode="json"),
+                "workload": spec.workload.model_dump(mode="json"),
+                "config": None if config is None else config.model_dump(mode="json"),
+            },
+            created_at=now,
+            leased_at=now if worker_id is not None else None,
+            deadline=now + timedelta(seconds=self.settings.lease_ttl_s) if worker_id is not None else None,
+        )
+        s.add(lease)
+        try:
+            with s.begin_nested():
+                s.flush()
+        except IntegrityError:
+            # Only the one-active-lease-per-worker index can fire here: a concurrent request of
+            # the same worker won; it will be handed that lease when it asks again.
+            s.expunge(lease)
+            return None
+        return lease
+
+    def _budget_reason(self, s: Session, spec: StudySpec, row: StudyRow, now: datetime) -> str | None:
+        launched = s.scalar(
+            select(func.count()).select_from(TrialConfigRow).where(TrialConfigRow.study_name == spec.name)
+        )
+        if launched is not None and launched >= spec.budget.max_trials:
+            return f"budget used: {launched} of max_trials={spec.budget.max_trials} configurations launched"
+        if spec.budget.max_hours is not None and now - row.created_at > timedelta(hours=spec.budget.max_hours):
+            return f"budget used: max_hours={spec.budget.max_hours} passed"
+        return None
+
+    def _ask_new(self, u: Any, spec: StudySpec, worker_id: str) -> LeaseOut | None:
+        storage = self.ctx.storage
+        for _ in range(MAX_DUPLICATE_PROPOSALS):
+            study = opt.load_study(storage, spec)
+            asked = opt.ask(study, spec)
+            try:
+                with u.step() as s:
+                    now = db_now(s)
+                    s.add(
+                        TrialConfigRow(
+                            study_name=spec.name,
+                            config_key=asked.config.key,
+                            trial_number=asked.number,
+                            state="pending",
+                        )
+                    )
+                    s.flush()
+                    lease = self._new_lease(s, spec, "trial", worker_id, now, config=asked.config, number=asked.number)
+                    if lease is None:
+                        raise _WorkerBusy
+                    log.info("lease %s: study %s trial %d %s -> %s", lease.id, spec.name, asked.number,
+                             asked.config.key, worker_id)  # fmt: skip
+                    return self._lease_out(lease)
+            except IntegrityError:
+                self._answer_duplicate(study, spec, asked)
+            except _WorkerBusy:
+                opt.tell_failed(study, asked.number, {"reason": "worker got another lease concurrently"})
+                return None
+            except BaseException:
+                # Never leave a RUNNING trial behind that no lease will ever finish.
+                opt.tell_failed(study, asked.number, {"reason": "lease could not be recorded"})
+                raise
+        return None
+
+    def _answer_duplicate(self, study: optuna.Study, spec: StudySpec, asked: opt.AskedTrial) -> None:
+        """The sampler proposed a configuration already launched: answer it without a restart."""
+        with self.ctx.sessions() as s:
+            prior = s.scalars(
+                select(TrialConfigRow).where(
+                    TrialConfigRow.study_name == spec.name, TrialConfigRow.config_key == asked.config.key
+                )
+            ).one()
+        attrs = {"duplicate_of": prior.trial_number}
+        previous = opt.get_trial(study, prior.trial_number)
+        if prior.state == "done" and previous.value is not None:
+            violation = previous.constraints.get(CONSTRAINT_KEY, 0.0)
+            opt.tell_value(study, asked.number, previous.value, violation, {**previous.user_attrs, **attrs})
+        elif prior.state == "infeasible":
+            opt.tell_infeasible(study, asked.number, attrs)
+        else:
+            opt.tell_failed(study, asked.number, {**attrs, "reason": "duplicate of a configuration in flight"})
+
+    # ------------------------------------------------------------------ expiry
+
+    def reclaim_expired(self) -> int:
+        """Expire leases past their deadline (database clock); re-queue or fail their trials."""
+        to_fail: list[tuple[StudySpec, int, str]] = []
+        with self.ctx.unit() as u:
+            with u.step() as s:
+                now = db_now(s)
+                expired = s.scalars(
+                    select(LeaseRow)
+                    .where(LeaseRow.state == "active", LeaseRow.deadline < now)
+                    .with_for_update(skip_locked=True)
+                ).all()
+                for lease in expired:
+                    lease.state = "expired"
+                    lease.finished_at = now
+                    self._event(s, "lease_expired", lease, f"no heartbeat since deadline {lease.deadline}")
+                    if lease.worker_id is not None:
+                        self._host_failure(s, lease.worker_id, "lease expired without a report")
+                    if lease.kind == "trial" and lease.trial_number is not None:
+                        spec = study_svc.spec_of(s, lease.study_name)
+                        failed = self._retry_or_fail(s, spec, lease, now, "lease expired")
+                        if failed is not None:
+                            to_fail.append(failed)
+            for spec, number, reason in to_fail:
+                self._tell_failed(spec, number, reason)
+        return len(expired)
+
+    def _retry_or_fail(
+        self, s: Session, spec: StudySpec, lease: LeaseRow, now: datetime, reason: str
+    ) -> tuple[StudySpec, int, str] | None:
+        assert lease.trial_number is not None
+        if lease.attempt < self.settings.max_attempts:
+            config = SpecConfig.model_validate(lease.payload["config"])
+            self._new_lease(
+                s, spec, "trial", None, now, config=config, number=lease.trial_number, attempt=lease.attempt + 1
+            )
+            self._event(s, "trial_requeued", lease, f"{reason}; attempt {lease.attempt + 1} queued")
+            return None
+        self._set_config_state(s, spec.name, lease.config_key, "failed")
+        return spec, lease.trial_number, f"{reason}; gave up after {lease.attempt} attempts"
+
+    def _tell_failed(self, spec: StudySpec, number: int, reason: str) -> None:
+        study = opt.load_study(self.ctx.storage, spec)
+        try:
+            opt.tell_failed(study, number, {"failure_reason": reason})
+        except TrialStateError:
+            log.info("trial %d of %s already finished; nothing to fail", number, spec.name)
+
+    # ------------------------------------------------------------------ heartbeat / progress
+
+    def _owned(self, s: Session, principal: Principal, lease_id: str, *, for_update: bool = True) -> LeaseRow:
+        q = select(LeaseRow).where(LeaseRow.id == lease_id)
+        if for_update:
+            q = q.with_for_update()
+        lease = s.scalars(q).first()
+        if lease is None:
+            raise NotFoundError(f"no lease {lease_id}")
+        require_worker(principal, lease.worker_id or "")
+        if principal.worker_id is not None and lease.worker_id != principal.worker_id:
+            raise ForbiddenError("this lease belongs to another worker")
+        return lease
+
+    def _require_live(self, s: Session, lease: LeaseRow, now: datetime) -> None:
+        if lease.state == "expired" or (
+            lease.state == "active" and lease.deadline is not None and lease.deadline < now
+        ):
+            raise LeaseGoneError(f"lease {lease.id} expired and was reclaimed; stop this work")
+        if lease.state != "active":
+            raise ConflictError(f"lease {lease.id} is {lease.state}; stop this work")
+
+    def heartbeat(self, principal: Principal, lease_id: str) -> HeartbeatOut:
+        with self.ctx.unit() as u, u.step() as s:
+            now = db_now(s)
+            lease = self._owned(s, principal, lease_id)
+            self._require_live(s, lease, now)
+            lease.deadline = now + timedelta(seconds=self.settings.lease_ttl_s)
+            self._touch_seen(s, lease.worker_id, now)
+            return HeartbeatOut(deadline=lease.deadline)
+
+    def progress(self, principal: Principal, lease_id: str, body: ProgressIn) -> ProgressOut:
+        with self.ctx.unit() as u:
+            with u.step() as s:
+                now = db_now(s)
+                lease = self._owned(s, principal, lease_id)
+                self._require_live(s, lease, now)
+                lease.deadline = now + timedelta(seconds=self.settings.lease_ttl_s)
+                if lease.kind != "trial" or lease.trial_number is None or lease.worker_id is None:
+                    return ProgressOut(action="continue")
+                spec = study_svc.spec_of(s, lease.study_name)
+                base = self._baseline_tok_s(s, lease.worker_id, study_svc.baseline_key_of(spec))
+                number = lease.trial_number
+            if base is None or body.concurrency not in base or base[body.concurrency] <= 0:
+                return ProgressOut(action="continue")
+            study = opt.load_study(self.ctx.storage, spec)
+            try:
+                prune = opt.report_progress(study, number, body.step, body.output_tok_s / base[body.concurrency])
+            except TrialStateError:
+                raise ConflictError(f"trial {number} is already finished; stop this work") from None
+            return ProgressOut(action="prune" if prune else "continue")
+
+    # ------------------------------------------------------------------ complete
+
+    def complete(self, principal: Principal, lease_id: str, body: CompleteIn) -> CompleteOut:
+        if body.outcome == "ok" and body.metrics is None:
+            raise_invalid("metrics", "an ok outcome needs metrics")
+        if body.outcome == "failed" and body.failure is None:
+            raise_invalid("failure", "a failed outcome needs a failure with kind and message")
+        with self.ctx.unit(lock=f"lease:{lease_id}") as u:
+            with u.step() as s:
+                lease = self._owned(s, principal, lease_id)
+                if lease.state in ("completed", "failed"):
+                    return CompleteOut(lease_id=lease.id, state=lease.state, speedup=lease.speedup, duplicate=True)
+                if lease.state in ("queued", "superseded"):
+                    raise ConflictError(f"lease {lease.id} is {lease.state}; this report is not expected")
+                late = lease.state == "expired"
+                spec = study_svc.spec_of(s, lease.study_name)
+                kind = lease.kind
+            if kind == "baseline":
+                return self._complete_baseline(u, spec, lease_id, body, late)
+            return self._complete_trial(u, spec, lease_id, body, late)
+
+    def _complete_baseline(self, u: Any, spec: StudySpec, lease_id: str, body: CompleteIn, late: bool) -> CompleteOut:
+        with u.step() as s:
+            now = db_now(s)
+            lease = s.get(LeaseRow, lease_id)
+            assert lease is not None and lease.worker_id is not None
+            lease.finished_at = now
+            lease.result = body.model_dump(mode="json")
+            if body.outcome == "ok" and body.metrics is not None:
+                lease.state = "completed"
+                s.add(
+                    BaselineRow(
+                        worker_id=lease.worker_id,
+                        baseline_key=study_svc.baseline_key_of(spec),
+                        lease_id=lease.id,
+                        measured_at=now,
+                        tok_s={str(lv.concurrency): lv.output_tok_s for lv in body.metrics.levels},
+                        metrics=body.metrics.model_dump(mode="json"),
+                    )
+                )
+                self._host_success(s, lease.worker_id)
+            else:
+                lease.state = "failed"
+                assert body.failure is not None
+                self._host_failure(s, lease.worker_id, f"baseline failed: {body.failure.kind}: {body.failure.message}")
+            if late:
+                self._event(s, "late_report_kept", lease, "baseline reported after its lease expired")
+            return CompleteOut(lease_id=lease.id, state=lease.state)
+
+    def _complete_trial(self, u: Any, spec: StudySpec, lease_id: str, body: CompleteIn, late: bool) -> CompleteOut:
+        study = opt.load_study(self.ctx.storage, spec)
+        with u.step() as s:
+            now = db_now(s)
+            lease = s.get(LeaseRow, lease_id)
+            assert lease is not None and lease.worker_id is not None and lease.trial_number is not None
+            number = lease.trial_number
+            worker_id = lease.worker_id
+            base = self._baseline_tok_s(s, worker_id, study_svc.baseline_key_of(spec))
+            attrs: dict[str, Any] = {
+                "worker_id": worker_id,
+                "lease_id": lease.id,
+                "attempt": lease.attempt,
+                "config": lease.payload["config"],
+                "config_key": lease.config_key,
+            }
+            if late:
+                # The measurement is real: keep it, and retire the retry that replaced this lease.
+                for other in s.scalars(
+                    select(LeaseRow).where(
+                        LeaseRow.study_name == spec.name,
+                        LeaseRow.trial_number == number,
+                        LeaseRow.state.in_(("queued", "active")),
+                        LeaseRow.id != lease.id,
+                    )
+                ):
+                    other.state = "superseded"
+                    other.finished_at = now
+                self._event(s, "late_report_kept", lease, f"trial {number} reported after its lease expired")
+        outcome_state, speedup = self._tell_trial(study, spec, number, body, base, attrs)
+        requeue = outcome_state == "retry"
+        with u.step() as s:
+            now = db_now(s)
+            lease = s.get(LeaseRow, lease_id)
+            assert lease is not None
+            lease.finished_at = now
+            lease.result = body.model_dump(mode="json")
+            lease.speedup = speedup
+            lease.state = "completed" if body.outcome == "ok" else "failed"
+            failure = body.failure
+            if outcome_state == "done":
+                self._set_config_state(s, spec.name, lease.config_key, "done")
+                self._host_success(s, worker_id)
+            elif outcome_state == "infeasible":
+                self._set_config_state(s, spec.name, lease.config_key, "infeasible")
+                self._host_success(s, worker_id)
+            elif requeue and failure is not None:
+                if failure.kind != "lost":  # a worker shutting down is not a sick host
+                    self._host_failure(s, worker_id, f"{failure.kind}: {failure.message}")
+                failed = self._retry_or_fail(s, spec, lease, now, f"{failure.kind}: {failure.message}")
+                if failed is not None:
+                    self._tell_failed(*failed)
+            study_svc.maybe_finish(s, spec, now, self.ctx.storage)
+            return CompleteOut(lease_id=lease.id, state=lease.state, speedup=speedup)
+
+    def _tell_trial(
+        self,
+        study: optuna.Study,
+        spec: StudySpec,
+        number: int,
+        body: CompleteIn,
+        base: dict[int, float] | None,
+        attrs: dict[str, Any],
+    ) -> tuple[str, float | None]:
+        """Tell Optuna; returns (done | infeasible | retry, speedup)."""
+        try:
+            if body.outcome == "ok":
+                assert body.metrics is not None
+                if base is None:
+                    raise ConflictError("no baseline of this worker for this study; it must measure one first")
+                levels = [
+                    LevelResult(lv.concurrency, lv.output_tok_s, lv.itl_ms_p99, lv.ttft_ms_p99)
+                    for lv in body.metrics.levels
+                ]
+                measured = {lv.concurrency: base[lv.concurrency] for lv in levels if lv.concurrency in base}
+                sc = score(spec.objective, levels, measured)
+                m = body.metrics
+                attrs |= {
+                    "speedup_by_level": {str(k): v for k, v in sc.speedups.items()},
+                    "baseline_tok_s": {str(k): v for k, v in measured.items()},
+                    "levels": [lv.model_dump(mode="json") for lv in m.levels],
+                    "startup_s": m.startup_s,
+                    "effective": m.effective,
+                    "sglang_version": m.sglang_version,
+                }
+                opt.tell_value(study, number, sc.value, sc.violation, attrs)
+                return "done", sc.value
+            failure = body.failure
+            assert failure is not None
+            attrs |= {"failure_kind": failure.kind, "failure_message": failure.message[:2000]}
+            if failure.kind in CONFIG_FAILURES and not failure.host_fault:
+                opt.tell_infeasible(study, number, attrs | {"log_tail": failure.log_tail[-4000:]})
+                return "infeasible", None
+            return "retry", None
+        except TrialStateError:
+            # Already told (e.g. a retry finished first): keep the report in our own record only.
+            return "done", None
+
+    # ------------------------------------------------------------------ helpers
+
+    @staticmethod
+    def _baseline_tok_s(s: Session, worker_id: str, key: str) -> dict[int, float] | None:
+        row = s.scalars(
+            select(BaselineRow)
+            .where(BaselineRow.worker_id == worker_id, BaselineRow.baseline_key == key)
+            .order_by(BaselineRow.measured_at.desc())
+            .limit(1)
+        ).first()
+        return None if row is None else {int(k): float(v) for k, v in row.tok_s.items()}
+
+    @staticmethod
+    def _set_config_state(s: Session, study: str, key: str | None, state: str) -> None:
+        if key is None:
+            return
+        row = s.scalars(
+            select(TrialConfigRow).where(TrialConfigRow.study_name == study, TrialConfigRow.config_key == key)
+        ).first()
+        if row is not None:
+            row.state = state
+
+    @staticmethod
+    def _touch_seen(s: Session, worker_id: str | None, now: datetime) -> None:
+        if worker_id is not None and (w := s.get(WorkerRow, worker_id)) is not None:
+            w.last_seen = now
+
+    def _host_failure(self, s: Session, worker_id: str, reason: str) -> None:
+        w = s.get(WorkerRow, worker_id)
+        if w is None:
+            return
+        w.consecutive_host_failures += 1
+        if w.consecutive_host_failures >= self.settings.quarantine_after and not w.quarantined:
+            w.quarantined = True
+            w.quarantine_reason = f"{w.consecutive_host_failures} host failures in a row; last: {reason}"[:512]
+            s.add(EventRow(at=db_now(s), kind="worker_quarantined", worker_id=worker_id, detail=w.quarantine_reason))
+            log.warning("worker %s quarantined: %s", worker_id, w.quarantine_reason)
+
+    @staticmethod
+    def _host_success(s: Session, worker_id: str) -> None:
+        w = s.get(WorkerRow, worker_id)
+        if w is not None:
+            w.consecutive_host_failures = 0
+
+    @staticmethod
+    def _event(s: Session, kind: str, lease: LeaseRow, detail: str) -> None:
+        s.add(
+            EventRow(
+                at=db_now(s),
+                kind=kind,
+                study_name=lease.study_name,
+                worker_id=lease.worker_id,
+                lease_id=lease.id,
+                detail=detail,
+            )
+        )
+
+    def _lease_out(self, lease: LeaseRow) -> LeaseOut:
+        assert lease.deadline is not None
+        p = lease.payload
+        return LeaseOut.model_validate(
+            {
+                "lease_id": lease.id,
+                "kind": lease.kind,
+                "study": lease.study_name,
+                "trial_number": lease.trial_number,
+                "attempt": lease.attempt,
+                "deadline": lease.deadline,
+                "heartbeat_interval_s": self.settings.heartbeat_interval_s,
+                "server": p["server"],
+                "workload": p["workload"],
+                "config": p.get("config"),
+            }
+        )
+
+
+class _WorkerBusy(Exception):
+    pass
+
+
+def raise_invalid(field: str, message: str) -> None:
+    from api.errors import InvalidInputError
+
+    raise InvalidInputError(f"{field}: {message}", field=field)

@@ -1,0 +1,34 @@
+"""Service settings, read from SPECTUNE_* environment variables (or passed in by tests)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECTUNE_", extra="ignore")
+
+    # The embedded default is a SQLite file next to where the service runs; production uses
+    # postgresql+psycopg://user@host/db.
+    database_url: str = "sqlite:///./spectune.db"
+    # A lease is lost when no heartbeat arrives before its deadline (database clock).
+    heartbeat_interval_s: float = Field(default=30.0, gt=0)
+    lease_ttl_s: float = Field(default=120.0, gt=0)
+    # How often a trial is handed out again after its lease expired or its host failed.
+    max_attempts: int = Field(default=3, ge=1)
+    # Baselines older than this are measured again, so drift cannot pose as speedup.
+    baseline_max_age_s: float = Field(default=6 * 3600.0, gt=0)
+    # Consecutive host faults (crashes, lost leases) after which a worker gets no more work.
+    quarantine_after: int = Field(default=3, ge=1)
+    # Requests larger than this are refused with 413 before they are parsed.
+    max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    # Folder for trial artifacts (server logs, benchmark JSON); optuna-dashboard reads the same.
+    artifact_dir: str = "./spectune-artifacts"
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()

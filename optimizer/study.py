@@ -1,0 +1,219 @@
+"""Optuna studies for EAGLE-3 tuning: creation, asking for a configuration, telling results.
+
+How the search space maps onto Optuna (define-by-run at ask time, in the service):
+
+* `num_steps`  IntDistribution(low, high)
+* `topk`       CategoricalDistribution(choices)
+* `num_draft_tokens` IntDistribution(low, high), suggested only when topk > 1: with a chain SGLang
+  derives it (steps + 1), so it is not a free parameter and never appears in a chain's params;
+* `cuda_graph_max_bs` CategoricalDistribution, only when the spec tunes it.
+
+Distributions never change between trials (TPE and GP need that); a tree's draft-token count
+above steps*topk+1 is clamped to what SGLang can fill (`SearchSpace.config_from_params`), and the
+service de-duplicates launches by the canonical key.
+
+Failures teach the sampler (reference/optuna.md §5): a configuration that cannot run is told as
+COMPLETE with a violated constraint and a pessimistic but plausible value; infrastructure
+faults are told FAIL (invisible to the samplers) after their retries.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import optuna
+from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
+from optuna.storages import BaseStorage
+from optuna.trial import FrozenTrial, TrialState
+
+from optimizer.errors import StudyExistsError, StudyNotFoundError, TrialStateError
+from optimizer.objective import CONSTRAINT_KEY, FAILED_LAUNCH_VIOLATION
+from optimizer.samplers import make_sampler
+from optimizer.space import SGLANG_DEFAULTS, SearchSpace, SpecConfig, params_of
+from optimizer.spec import StudySpec
+
+SPEC_ATTR = "spectune_spec"
+METRIC_NAMES = ["speedup"]
+
+
+@dataclass(frozen=True)
+class AskedTrial:
+    number: int
+    trial_id: int
+    params: dict[str, Any]
+    config: SpecConfig
+
+
+def distributions(space: SearchSpace) -> dict[str, BaseDistribution]:
+    dists: dict[str, BaseDistribution] = {
+        "num_steps": IntDistribution(space.num_steps.low, space.num_steps.high),
+        "topk": CategoricalDistribution(sorted(space.topk)),
+    }
+    if any(t > 1 for t in space.topk):
+        dists["num_draft_tokens"] = IntDistribution(space.num_draft_tokens.low, space.num_draft_tokens.high)
+    if space.cuda_graph_max_bs is not None:
+        dists["cuda_graph_max_bs"] = CategoricalDistribution(sorted(space.cuda_graph_max_bs))
+    return dists
+
+
+def warm_start_configs(spec: StudySpec) -> list[SpecConfig]:
+    """The user's warm starts, then SGLang's own defaults where they fit the space, each once."""
+    space = spec.search_space
+    graph = space.cuda_graph_max_bs
+    out: list[SpecConfig] = []
+    seen: set[str] = set()
+    candidates = list(spec.warm_start)
+    for d in SGLANG_DEFAULTS:
+        # A default with graph tuning on takes the largest choice: SGLang's own default is large.
+        candidates.append(d if graph is None else d.model_copy(update={"cuda_graph_max_bs": max(graph)}))
+    for cfg in candidates:
+        c = cfg.canonical()
+        if c.key not in seen and space.contains(c):
+            seen.add(c.key)
+            out.append(c)
+    return out
+
+
+def create_study(storage: BaseStorage, spec: StudySpec) -> optuna.Study:
+    try:
+        study = optuna.create_study(storage=storage, study_name=spec.name, direction="maximize")
+    except optuna.exceptions.DuplicatedStudyError as e:
+        raise StudyExistsError(spec.name) from e
+    study.set_user_attr(SPEC_ATTR, spec.model_dump(mode="json"))
+    study.set_metric_names(METRIC_NAMES)
+    if spec.sampler == "grid":
+        # The grid is the valid, canonical set in a stable order; the sampler behind it is never
+        # consulted while enqueued trials remain.
+        configs: Iterable[SpecConfig] = spec.search_space.iter_configs()
+    else:
+        configs = warm_start_configs(spec)
+    for cfg in configs:
+        study.enqueue_trial(params_of(cfg), user_attrs={"source": "grid" if spec.sampler == "grid" else "warm_start"})
+    return study
+
+
+def load_study(storage: BaseStorage, spec: StudySpec) -> optuna.Study:
+    n_trials = _count_trials(storage, spec.name)
+    # A fresh sampler per ask: derive its seed from the study's seed and its size, so asks are
+    # reproducible for a seeded study without repeating the same proposal every time.
+    seed = None if spec.seed is None else spec.seed * 1_000_003 + n_trials
+    try:
+        return optuna.load_study(study_name=spec.name, storage=storage, sampler=make_sampler(spec, seed))
+    except KeyError as e:
+        raise StudyNotFoundError(spec.name) from e
+
+
+def _count_trials(storage: BaseStorage, name: str) -> int:
+    try:
+        study_id = storage.get_study_id_from_name(name)
+    except KeyError as e:
+        raise StudyNotFoundError(name) from e
+    return storage.get_n_trials(study_id)
+
+
+def ask(study: optuna.Study, spec: StudySpec) -> AskedTrial:
+    trial = study.ask()
+    space = spec.search_space
+    params: dict[str, Any] = {
+        "num_steps": trial.suggest_int("num_steps", space.num_steps.low, space.num_steps.high),
+        "topk": trial.suggest_categorical("topk", sorted(space.topk)),
+    }
+    if params["topk"] > 1:
+        n = space.num_draft_tokens
+        params["num_draft_tokens"] = trial.suggest_int("num_draft_tokens", n.low, n.high)
+    if space.cuda_graph_max_bs is not None:
+        params["cuda_graph_max_bs"] = trial.suggest_categorical("cuda_graph_max_bs", sorted(space.cuda_graph_max_bs))
+    config = space.config_from_params(params)
+    trial.set_user_attr("config", config.model_dump(mode="json"))
+    trial.set_user_attr("config_key", config.key)
+    return AskedTrial(number=trial.number, trial_id=trial._trial_id, params=params, config=config)  # noqa: SLF001
+
+
+def _trial_id(study: optuna.Study, number: int) -> int:
+    storage = study._storage  # noqa: SLF001 - Optuna offers no public handle by number
+    study_id = storage.get_study_id_from_name(study.study_name)
+    try:
+        return storage.get_trial_id_from_study_id_trial_number(study_id, number)
+    except KeyError as e:
+        raise TrialStateError(f"study {study.study_name!r} has no trial {number}") from e
+
+
+def get_trial(study: optuna.Study, number: int) -> FrozenTrial:
+    return study._storage.get_trial(_trial_id(study, number))  # noqa: SLF001
+
+
+def _trial(study: optuna.Study, number: int) -> optuna.Trial:
+    trial_id = _trial_id(study, number)
+    frozen = study._storage.get_trial(trial_id)  # noqa: SLF001
+    if frozen.state.is_finished():
+        raise TrialStateError(f"trial {number} of study {study.study_name!r} is already {frozen.state.name}")
+    return optuna.Trial(study, trial_id)
+
+
+def _set_attrs(trial: optuna.Trial, attrs: dict[str, Any]) -> None:
+    for k, v in attrs.items():
+        # Attrs must be JSON; round-trip to catch numpy floats and the like early.
+        trial.set_user_attr(k, json.loads(json.dumps(v)))
+
+
+def tell_value(study: optuna.Study, number: int, value: float, violation: float, attrs: dict[str, Any]) -> FrozenTrial:
+    """A measured result: the speedup, and the latency constraint (<= 0 when satisfied)."""
+    if not math.isfinite(value):
+        raise TrialStateError(f"refusing to tell a non-finite value {value!r} for trial {number}")
+    trial = _trial(study, number)
+    _set_attrs(trial, attrs)
+    trial.set_constraint(CONSTRAINT_KEY, float(violation))
+    return study.tell(trial, value)
+
+
+def tell_infeasible(study: optuna.Study, number: int, attrs: dict[str, Any]) -> FrozenTrial:
+    """The configuration could not run (OOM, invalid, launch timeout): teach the sampler.
+
+    The value is the worst speedup seen so far (1.0 before any), so GP's fit stays plausible,
+    and the violated constraint keeps it from ever being chosen as best.
+    """
+    trial = _trial(study, number)
+    _set_attrs(trial, attrs)
+    trial.set_constraint(CONSTRAINT_KEY, FAILED_LAUNCH_VIOLATION)
+    return study.tell(trial, pessimistic_value(study))
+
+
+def tell_failed(study: optuna.Study, number: int, attrs: dict[str, Any]) -> FrozenTrial:
+    """An infrastructure fault after its retries: FAIL, which samplers ignore."""
+    trial = _trial(study, number)
+    _set_attrs(trial, attrs)
+    return study.tell(trial, state=TrialState.FAIL)
+
+
+def report_progress(study: optuna.Study, number: int, step: int, value: float) -> bool:
+    """Record an intermediate value; True when the pruner says stop."""
+    trial = _trial(study, number)
+    trial.report(value, step)
+    return trial.should_prune()
+
+
+def pessimistic_value(study: optuna.Study) -> float:
+    values = [
+        t.value
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+        if t.value is not None and is_feasible(t)
+    ]
+    return min(values) if values else 1.0
+
+
+def is_feasible(trial: FrozenTrial) -> bool:
+    return all(v <= 0 for v in trial.constraints.values()) if trial.constraints else True
+
+
+def feasible_complete(trials: Iterable[FrozenTrial]) -> list[FrozenTrial]:
+    return [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None and is_feasible(t)]
+
+
+def best_trial_of(trials: Iterable[FrozenTrial]) -> FrozenTrial | None:
+    """The best feasible measured trial (Optuna's own best_trial ignores our constraint)."""
+    ok = feasible_complete(trials)
+    return max(ok, key=lambda t: (t.value, -t.number)) if ok else None

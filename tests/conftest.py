@@ -1,0 +1,167 @@
+"""Shared fixtures: real databases (SQLite file and Postgres on 127.0.0.1:5432), app, tokens.
+
+Every storage-touching test takes `db_url`, which is parametrised over both backends.  Each test
+gets a fresh database cloned from a template migrated once per session (`CREATE DATABASE ...
+TEMPLATE` on Postgres, a file copy on SQLite), so tests never share state.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from fastapi.testclient import TestClient
+
+os.environ["TZ"] = "UTC"
+time.tzset()
+
+PG_HOST = os.environ.get("SPECTUNE_TEST_PG_HOST", "127.0.0.1")
+PG_USER = os.environ.get("SPECTUNE_TEST_PG_USER", "postgres")
+PG_ADMIN_DSN = f"host={PG_HOST} port=5432 user={PG_USER} dbname=postgres"
+
+
+def pg_url(dbname: str) -> str:
+    return f"postgresql+psycopg://{PG_USER}@{PG_HOST}:5432/{dbname}"
+
+
+def _pg_admin() -> psycopg.Connection[Any]:
+    return psycopg.connect(PG_ADMIN_DSN, autocommit=True, connect_timeout=5)
+
+
+def _drop_pg(name: str) -> None:
+    with _pg_admin() as c:
+        c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def pg_template() -> Iterator[str]:
+    from api.schema import upgrade
+
+    name = f"spectune_tmpl_{os.getpid()}"
+    try:
+        _drop_pg(name)
+        with _pg_admin() as c:
+            c.execute(f'CREATE DATABASE "{name}"')
+    except psycopg.OperationalError as e:  # pragma: no cover - CI starts Postgres first
+        pytest.fail(f"Postgres is not reachable on {PG_HOST}:5432 ({e}); start it (see .ci/run)")
+    upgrade(pg_url(name))
+    yield name
+    _drop_pg(name)
+
+
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from api.schema import upgrade
+
+    path = tmp_path_factory.mktemp("sqlite-template") / "template.db"
+    upgrade(f"sqlite:///{path}")
+    return path
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "sqlite":
+        template: Path = request.getfixturevalue("sqlite_template")
+        path = tmp_path / "spectune.db"
+        shutil.copy(template, path)
+        yield f"sqlite:///{path}"
+        return
+    template_name: str = request.getfixturevalue("pg_template")
+    name = f"spectune_t_{uuid.uuid4().hex[:12]}"
+    with _pg_admin() as c:
+        c.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_name}"')
+    try:
+        yield pg_url(name)
+    finally:
+        _drop_pg(name)
+
+
+@pytest.fixture
+def pg_db_url(pg_template: str) -> Iterator[str]:
+    """A fresh Postgres database only (for tests that are about Postgres behaviour)."""
+    name = f"spectune_t_{uuid.uuid4().hex[:12]}"
+    with _pg_admin() as c:
+        c.execute(f'CREATE DATABASE "{name}" TEMPLATE "{pg_template}"')
+    try:
+        yield pg_url(name)
+    finally:
+        _drop_pg(name)
+
+
+def make_settings(db_url: str, **overrides: Any) -> Any:
+    from api.settings import Settings
+
+    base: dict[str, Any] = {"database_url": db_url, "heartbeat_interval_s": 1.0, "lease_ttl_s": 30.0}
+    base.update(overrides)
+    return Settings(**base)
+
+
+class Api:
+    """A TestClient with one token per role."""
+
+    def __init__(self, client: TestClient, tokens: dict[str, str]) -> None:
+        self.client = client
+        self.tokens = tokens
+
+    def h(self, role: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.tokens[role]}"}
+
+    def post(self, path: str, role: str, json: Any = None, **kw: Any) -> Any:
+        return self.client.post(path, headers=self.h(role), json=json, **kw)
+
+    def get(self, path: str, role: str, **kw: Any) -> Any:
+        return self.client.get(path, headers=self.h(role), **kw)
+
+
+def make_tokens(db_url: str) -> dict[str, str]:
+    from api.auth import create_token
+    from api.db import make_engine, make_sessionmaker
+
+    engine = make_engine(db_url)
+    try:
+        factory = make_sessionmaker(engine)
+        return {role: create_token(factory, role, f"test-{role}")[1] for role in ("admin", "user", "worker")}
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture
+def api(db_url: str) -> Iterator[Api]:
+    from api.app import create_app
+
+    tokens = make_tokens(db_url)
+    with TestClient(create_app(make_settings(db_url))) as client:
+        yield Api(client, tokens)
+
+
+def small_spec(name: str = "s1", **overrides: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "name": name,
+        "model": {"target": "moe-pcie", "draft": "moe-pcie-eagle3"},
+        "search_space": {
+            "num_steps": {"low": 1, "high": 6},
+            "topk": [1, 2, 4],
+            "num_draft_tokens": {"low": 2, "high": 16},
+        },
+        "workload": {"output_len": 32, "num_prompts": 4, "concurrency": [1], "repeats": 1, "warmup_requests": 1},
+        "budget": {"max_trials": 8},
+        "seed": 7,
+    }
+    spec.update(overrides)
+    return spec
+
+
+INVENTORY: dict[str, Any] = {
+    "hostname": "gpu-host",
+    "sglang_version": "0.5.23",
+    "models": ["moe-pcie", "moe-pcie-eagle3"],
+    "gpus": [{"index": 0, "name": "NVIDIA H200", "memory_mib": 143771}],
+    "labels": {"gpu": "h200"},
+}
