@@ -1,0 +1,323 @@
+"""Named landscapes: one host + target model + EAGLE-3 draft each, as the simulator's parameters.
+
+Every number is either fitted to a published measurement (reference/calibration.md, cited per
+field) or a stated assumption.  `workers/simulator/README.md` explains the equations; this module
+only holds values.  Run `python -m workers.simulator.landscapes` for the per-landscape table of
+baselines and true optima.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class CalibrationPoint:
+    """A published measurement the landscape should reproduce (batch size 1 unless stated)."""
+
+    label: str
+    num_steps: int | None  # None: the baseline (no speculation)
+    topk: int
+    num_draft_tokens: int
+    published_tok_s: float
+    source: str
+
+
+@dataclass(frozen=True)
+class Landscape:
+    """A host + model profile.  Times are milliseconds of model time, memory GB per GPU."""
+
+    name: str
+    summary: str
+    modelled_on: str
+    architecture: str  # HF `architectures[0]`; decides SGLang's default spec triple
+    attention: Literal["mha", "mla"]
+    host: str
+    gpu_memory_gb: float
+    tp_size: int
+    context_length: int
+
+    # Acceptance: conditional acceptance of draft position i (1-based) given positions < i were
+    # accepted; the last value repeats for deeper positions.  `tree_gain` is g of calibration §6.1
+    # (relative cut of the rejection probability per doubling of the effective tree width).
+    accept_by_depth: tuple[float, ...]
+    tree_gain: float
+
+    # Target forward over N tokens: F(N) = decode_ms * (1 + verify_slope*min(N-1, knee)
+    #                                                  + verify_slope_after*max(0, N-1-knee)).
+    # Decode at batch b costs F(b); a verify of n draft tokens at batch b costs F(b*n).
+    decode_ms: float
+    verify_slope: float
+    verify_knee: int
+    verify_slope_after: float
+    # One draft step = draft_step_frac * F(b) * (1 + draft_topk_slope*(topk-1)).
+    draft_step_frac: float
+    draft_topk_slope: float
+    overhead_ms: float
+    prefill_ms_per_token: float
+    eager_penalty: float = 1.37  # calibration §5: graph off 276.3 vs on 378.6 tok/s (PR #4247)
+    no_draft_extend_graph_penalty: float = 1.08  # calibration §5: +5..11% (PR #6606)
+
+    # Memory per GPU (GB).  Static pool = mem_fraction_static * gpu_memory_gb holds weights, draft
+    # and the KV pool; CUDA graphs and activations live in the rest, minus a runtime reserve.
+    weights_gb: float = 16.0
+    draft_gb: float = 1.0
+    mem_fraction_default: float = 0.88
+    runtime_reserve_gb: float = 1.0
+    kv_min_gb: float = 1.0
+    kv_gb_per_token: float = 0.000125
+    graph_base_gb: float = 0.2
+    graph_per_size_gb: float = 0.01
+    graph_decode_gb_per_token: float = 0.0005
+    graph_verify_gb_per_token: float = 0.0006
+    graph_extend_gb_per_token: float = 0.0002
+    graph_draft_gb_per_token: float = 0.0002
+    max_running_requests_default: int = 1024  # without spec: SGLang derives it from the KV pool
+
+    # Start-up (seconds of real time; SPECTUNE_SIM_TIME_SCALE shrinks them in tests).
+    load_s: float = 20.0
+    init_s: float = 5.0
+    capture_decode_s: float = 0.1  # per captured size, no spec
+    capture_verify_s: float = 0.1  # per size, target verify graph
+    capture_extend_s: float = 0.08  # per size, draft extend graph
+    capture_draft_step_s: float = 0.08  # per size and per draft step, draft decode graph
+    capture_width_slope: float = 0.01  # relative growth of a graph's capture per extra token
+    prefill_graph_s: float = 2.0
+    warmup_s: float = 3.0
+
+    calibration: tuple[CalibrationPoint, ...] = field(default_factory=tuple)
+
+    @property
+    def llama_like(self) -> bool:
+        """SGLang gives (5,4,8) as the default spec triple to Llama and Grok-1, (3,1,4) to the rest."""
+        return self.architecture in ("LlamaForCausalLM", "Grok1ForCausalLM")
+
+
+# Large MoE over PCIe (calibration.md §1, the reference case).  Fitted on the four measured rows:
+# baseline 90 tok/s, steps 2/5/10 at 94/71.3/60 (topk 1).  Acceptance: the steps-10 row pins
+# AL ~2.6-2.95 (accept rate 0.16-0.27); position 2 above position 1 and a decay after it (as for
+# MTP-like heads, §4) is what makes steps 2 the best chain *and* steps 5 fall to ~71: with a flat
+# rate the published 94 -> 71.3 drop cannot coexist with steps 1 losing to steps 2.
+# Cost: draft step + verified token ~0.45 of a decode (δ=0.10, β=0.349) up to a knee of 5 tokens,
+# then β'=0.066 (the "concave MoE verify" reading of §1).
+MOE_PCIE = Landscape(
+    name="moe-pcie",
+    summary="large MLA MoE (Kimi-K2.5 class) at TP8 over PCIe; only a short chain helps",
+    modelled_on="Kimi-K2.5 + EAGLE-3 draft, TP8 over PCIe (calibration.md §1)",
+    architecture="DeepseekV3ForCausalLM",
+    attention="mla",
+    host="8x 96 GB PCIe GPUs, no NVLink",
+    gpu_memory_gb=96.0,
+    tp_size=8,
+    context_length=262144,
+    accept_by_depth=(0.68, 0.72, 0.58),
+    tree_gain=0.15,
+    decode_ms=1000.0 / 90.0,
+    verify_slope=0.349,
+    verify_knee=5,
+    verify_slope_after=0.066,
+    draft_step_frac=0.10,
+    draft_topk_slope=0.02,
+    overhead_ms=2.0,
+    prefill_ms_per_token=0.08,
+    weights_gb=74.5,  # ~595 GB INT4 checkpoint / 8
+    draft_gb=0.4,  # ~3 GB draft (large vocab head) / 8
+    mem_fraction_default=0.88,
+    runtime_reserve_gb=2.0,
+    kv_min_gb=2.0,
+    kv_gb_per_token=0.00009,  # MLA latent cache, per GPU
+    graph_base_gb=0.4,
+    graph_per_size_gb=0.02,
+    graph_decode_gb_per_token=0.002,
+    graph_verify_gb_per_token=0.0009,  # logits over a 164k vocab + MoE dispatch buffers
+    graph_extend_gb_per_token=0.0003,
+    graph_draft_gb_per_token=0.0003,
+    max_running_requests_default=512,
+    # 10-15 min per restart at many steps (§1): 300 s load + 23 sizes x (1.5 + 1.2 + 1.6 k) s.
+    load_s=300.0,
+    init_s=40.0,
+    capture_decode_s=1.0,
+    capture_verify_s=1.5,
+    capture_extend_s=1.2,
+    capture_draft_step_s=1.6,
+    prefill_graph_s=15.0,
+    warmup_s=10.0,
+    calibration=(
+        CalibrationPoint("no speculation", None, 1, 1, 90.0, "calibration.md §1 (M)"),
+        CalibrationPoint("steps 2 / ndt 3", 2, 1, 3, 94.0, "calibration.md §1 (M)"),
+        CalibrationPoint("steps 5 / ndt 6", 5, 1, 6, 71.3, "calibration.md §1 (M)"),
+        CalibrationPoint("steps 10 / ndt 11", 10, 1, 11, 60.0, "calibration.md §1 (M)"),
+    ),
+)
+
+# Llama-3.1-8B-Instruct on one H100 (calibration §2a, §3, §5).  Baseline 158.3 tok/s; default
+# 5/4/8 ~373 tok/s (2.36x).  Per-position acceptance from vLLM's AL(k) on MT-bench (#20780:
+# 2.36 2.79 3.08 3.32 3.46 3.54 for k=2..7).  F(N) is linear: 21 us per batched token on a
+# 5.9 ms forward (SpecDecode-Bench fit), i.e. slope 1/280; that gives the speedup decline with
+# batch size of the EAGLE-3 paper's Table 3.
+DENSE_8B_H100 = Landscape(
+    name="dense-8b-h100",
+    summary="Llama-3.1-8B on one H100 (NVLink-free single GPU); deep chains and trees pay off",
+    modelled_on="Llama-3.1-8B-Instruct + EAGLE-3, 1x H100 80 GB (calibration.md §2a, §3)",
+    architecture="LlamaForCausalLM",
+    attention="mha",
+    host="1x H100 80 GB SXM",
+    gpu_memory_gb=80.0,
+    tp_size=1,
+    context_length=131072,
+    accept_by_depth=(0.76, 0.79, 0.72, 0.70, 0.68, 0.62, 0.58),
+    tree_gain=0.15,
+    decode_ms=1000.0 / 158.3,
+    verify_slope=1.0 / 280.0,
+    verify_knee=0,
+    verify_slope_after=1.0 / 280.0,
+    draft_step_frac=0.07,
+    draft_topk_slope=0.02,
+    overhead_ms=1.0,
+    prefill_ms_per_token=0.03,
+    weights_gb=16.1,
+    draft_gb=0.9,
+    mem_fraction_default=0.85,
+    runtime_reserve_gb=1.5,
+    kv_min_gb=2.0,
+    kv_gb_per_token=0.000125,  # 32 layers x 8 KV heads x 128 x 2 x bf16
+    graph_base_gb=0.3,
+    graph_per_size_gb=0.01,
+    graph_decode_gb_per_token=0.0006,
+    graph_verify_gb_per_token=0.0006,  # fp32 logits over a 128k vocab
+    graph_extend_gb_per_token=0.0002,
+    graph_draft_gb_per_token=0.0002,
+    max_running_requests_default=2048,
+    load_s=15.0,
+    init_s=8.0,
+    capture_decode_s=0.08,
+    capture_verify_s=0.1,
+    capture_extend_s=0.08,
+    capture_draft_step_s=0.08,
+    prefill_graph_s=3.0,
+    warmup_s=2.0,
+    calibration=(
+        CalibrationPoint("no speculation", None, 1, 1, 158.3, "EAGLE-3 paper Tab. 4 (M)"),
+        CalibrationPoint("SGLang default 5/4/8", 5, 4, 8, 373.3, "EAGLE-3 paper Tab. 4 (M)"),
+    ),
+)
+
+# Qwen3-30B-A3B at TP4 on H100 (calibration §2b, AngelSlim #163 / SpecForge #339): small active
+# MoE, cheap decode, large fixed spec cost; every measured configuration lost to the baseline.
+NO_GAIN = Landscape(
+    name="no-gain",
+    summary="Qwen3-30B-A3B at TP4 on H100: no speculative configuration beats the baseline",
+    modelled_on="Qwen3-30B-A3B + EAGLE-3, 4x H100 TP4 (calibration.md §2b)",
+    architecture="Qwen3MoeForCausalLM",
+    attention="mha",
+    host="4x H100 80 GB, NVLink",
+    gpu_memory_gb=80.0,
+    tp_size=4,
+    context_length=40960,
+    accept_by_depth=(0.5,),  # AL 1.86 at 3/1/4 (SpecForge #339)
+    tree_gain=0.15,
+    decode_ms=1000.0 / 218.9,
+    verify_slope=0.2,
+    verify_knee=3,
+    verify_slope_after=0.08,
+    draft_step_frac=0.2,
+    draft_topk_slope=0.02,
+    overhead_ms=1.8,
+    prefill_ms_per_token=0.02,
+    weights_gb=15.3,
+    draft_gb=0.3,
+    mem_fraction_default=0.85,
+    runtime_reserve_gb=1.5,
+    kv_min_gb=2.0,
+    kv_gb_per_token=0.000024,
+    max_running_requests_default=2048,
+    load_s=40.0,
+    init_s=20.0,
+    capture_decode_s=0.3,
+    capture_verify_s=0.3,
+    capture_extend_s=0.25,
+    capture_draft_step_s=0.2,
+    prefill_graph_s=5.0,
+    warmup_s=3.0,
+    calibration=(
+        CalibrationPoint("no speculation", None, 1, 1, 218.9, "AngelSlim #163 (M)"),
+        CalibrationPoint("3/3/4", 3, 3, 4, 170.4, "AngelSlim #163 (M)"),
+        CalibrationPoint("4/4/16", 4, 4, 16, 185.6, "AngelSlim #163 (M)"),
+    ),
+)
+
+# Llama-3.1-8B on one 24 GB GPU: the weights leave ~2.4 GB outside the static pool for CUDA
+# graphs, so wide verify buffers (draft tokens x captured batch) run out of memory at capture.
+# The cliff follows the docs' advice order: draft tokens first, then topk/steps, then max bs.
+MEM_TIGHT = Landscape(
+    name="mem-tight",
+    summary="Llama-3.1-8B on one 24 GB GPU: large draft-token counts and graph batches OOM",
+    modelled_on="Llama-3.1-8B-Instruct + EAGLE-3, 1x 24 GB GPU (RTX 4090 class)",
+    architecture="LlamaForCausalLM",
+    attention="mha",
+    host="1x 24 GB GPU, PCIe",
+    gpu_memory_gb=24.0,
+    tp_size=1,
+    context_length=131072,
+    accept_by_depth=(0.76, 0.79, 0.72, 0.70, 0.68, 0.62, 0.58),
+    tree_gain=0.15,
+    decode_ms=1000.0 / 62.0,
+    verify_slope=1.0 / 160.0,
+    verify_knee=0,
+    verify_slope_after=1.0 / 160.0,
+    draft_step_frac=0.07,
+    draft_topk_slope=0.02,
+    overhead_ms=1.5,
+    prefill_ms_per_token=0.1,
+    weights_gb=16.1,
+    draft_gb=0.9,
+    mem_fraction_default=0.85,
+    runtime_reserve_gb=1.2,
+    kv_min_gb=1.5,
+    kv_gb_per_token=0.000125,
+    graph_base_gb=0.25,
+    graph_per_size_gb=0.01,
+    graph_decode_gb_per_token=0.0006,
+    graph_verify_gb_per_token=0.0008,
+    graph_extend_gb_per_token=0.0002,
+    graph_draft_gb_per_token=0.0002,
+    max_running_requests_default=256,
+    load_s=25.0,
+    init_s=8.0,
+    capture_decode_s=0.1,
+    capture_verify_s=0.12,
+    capture_extend_s=0.1,
+    capture_draft_step_s=0.1,
+    prefill_graph_s=3.0,
+    warmup_s=2.0,
+)
+
+LANDSCAPES: dict[str, Landscape] = {ls.name: ls for ls in (MOE_PCIE, DENSE_8B_H100, NO_GAIN, MEM_TIGHT)}
+
+
+class UnknownLandscapeError(KeyError):
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
+
+    def __str__(self) -> str:
+        return (
+            f"no simulated landscape named {self.name!r}; the last component of --model-path names it, "
+            f"e.g. /models/moe-pcie.  Known: {', '.join(sorted(LANDSCAPES))}"
+        )
+
+
+def get_landscape(name: str) -> Landscape:
+    """The landscape called `name` (also accepts a model path whose last component is the name)."""
+    key = name.rstrip("/").rsplit("/", 1)[-1]
+    try:
+        return LANDSCAPES[key]
+    except KeyError:
+        raise UnknownLandscapeError(key) from None
+
+
+if __name__ == "__main__":
+    from workers.simulator.report import main
+
+    main()
