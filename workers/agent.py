@@ -38,6 +38,7 @@ from optimizer.sglang import ServerSettings
 from workers.client import ApiClient, ApiError, ApiUnavailable, AuthError, Backoff, LeaseLost, make_http_client
 from workers.config import WorkerConfig, load_config, read_token
 from workers.errors import ConfigError, LaunchCancelled, LaunchError, WorkerError
+from workers.gpu import GpuProbe, open_probe
 from workers.heartbeat import Heartbeat
 from workers.inventory import build_inventory, describe
 from workers.loadgen import LoadgenCancelled, LoadgenError, load_prompts, run_workload
@@ -181,16 +182,16 @@ class Agent:
 
     def force_stop(self) -> None:
         """Second stage: kill the server's whole process group now.  The caller then exits."""
-        server = self.launcher.current
-        if server is None:
+        pgid = _server_pgid(self.launcher)
+        if pgid is None:
             return
-        log.error("killing the server's process group %d", server.pgid)
+        log.error("killing the server's process group %d", pgid)
         try:
-            os.killpg(server.pgid, signal.SIGKILL)
+            os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         except OSError as e:
-            log.error("could not kill process group %d: %s", server.pgid, e)
+            log.error("could not kill process group %d: %s", pgid, e)
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -427,14 +428,25 @@ class Agent:
         deliver_pending(self.outbox, self.client)
 
     def _stop_server(self) -> None:
-        if self.launcher.current is None:
-            return
+        # Launcher.stop() is idempotent and also covers a server still starting up.
         try:
             self.launcher.stop()
         except WorkerError as e:
             log.error("stopping the server: %s", e)
         except Exception:
             log.exception("stopping the server failed")
+
+
+def _server_pgid(launcher: ServerLauncher) -> int | None:
+    """The process group of the running or starting server, for the second-signal kill."""
+    if launcher.current is not None:
+        return launcher.current.pgid
+    # Launcher exposes a server only once it is ready; while it starts up the group is the
+    # launcher's child's (start_new_session: pgid = pid).  Read defensively: this is a stop-gap
+    # until the launcher offers a public handle on a starting server.
+    child = getattr(launcher, "_child", None)
+    pgid = getattr(child, "pgid", None)
+    return pgid if isinstance(pgid, int) else None
 
 
 class ShutdownSignals:
@@ -520,9 +532,8 @@ def _force_exit(agent: Agent, signum: int) -> None:
     os._exit(128 + signum)
 
 
-def build_agent(cfg: WorkerConfig, *, stop_event: threading.Event, http: Any) -> Agent:
-    """Wire the real collaborators from a validated config (the launcher's probe is opened here)."""
-    from workers.gpu import open_probe
+def build_agent(cfg: WorkerConfig, *, stop_event: threading.Event, http: Any, probe: GpuProbe | None = None) -> Agent:
+    """Wire the real collaborators from a validated config; `probe` is NVML's (None: no GPU checks)."""
     from workers.launcher import EngineConfig, Launcher, detect_sglang_version
     from workers.launcher.config import server_env
 
@@ -540,7 +551,6 @@ def build_agent(cfg: WorkerConfig, *, stop_event: threading.Event, http: Any) ->
         sglang_version=cfg.engine.sglang_version,
     )
     version = detect_sglang_version(engine.python, cfg.engine.sglang_version, env=server_env(engine))
-    probe = open_probe()
     inventory = build_inventory(
         sglang_version=version, models=list(cfg.models), labels=cfg.labels, probe=probe, gpus=cfg.gpus
     )
@@ -582,17 +592,22 @@ def main(config_path: Path) -> int:
         return EXIT_CONFIG
     log.info("worker %s: API %s, outbox %s", cfg.worker_id, cfg.api_url, cfg.outbox_dir)
     stop_event = threading.Event()
-    with make_http_client(cfg.api_url, timeout_s=cfg.timeouts.api_s) as http:
-        try:
-            agent = build_agent(cfg, stop_event=stop_event, http=http)
-        except ConfigError as e:
-            log.error("%s", e)
-            return EXIT_CONFIG
-        with ShutdownSignals(
-            first=lambda signum: agent.request_stop(f"{signal.Signals(signum).name} received"),
-            second=lambda signum: _force_exit(agent, signum),
-        ):
-            return agent.run()
+    probe = open_probe()
+    try:
+        with make_http_client(cfg.api_url, timeout_s=cfg.timeouts.api_s) as http:
+            try:
+                agent = build_agent(cfg, stop_event=stop_event, http=http, probe=probe)
+            except ConfigError as e:
+                log.error("%s", e)
+                return EXIT_CONFIG
+            with ShutdownSignals(
+                first=lambda signum: agent.request_stop(f"{signal.Signals(signum).name} received"),
+                second=lambda signum: _force_exit(agent, signum),
+            ):
+                return agent.run()
+    finally:
+        if probe is not None:
+            probe.close()
 
 
 if __name__ == "__main__":  # `python -m workers.agent worker.toml`, for hosts without the CLI
