@@ -241,3 +241,7 @@ def main() -> None:
     except CliError as e:
         typer.secho(f"error: {e}", err=True, fg=typer.colors.RED)
         sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
