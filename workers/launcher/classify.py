@@ -77,5 +77,8 @@ def classify_exit(returncode: int, log_tail: str) -> tuple[FailureKind, bool, st
     if line is not None:
         return ("invalid_config", False, f"SGLang refused the configuration at start-up ({how}): {line}")
     line = _last(_EXCEPTION_LINE, log_tail)
-    detail = f": {line}" if line else " (nothing recognisable in the log tail)"
+    if line is None:
+        lines = [ln.strip() for ln in log_tail.splitlines() if ln.strip()]
+        line = f"last log line: {lines[-1][:_MAX_DETAIL]}" if lines else None
+    detail = f": {line}" if line else " (and left an empty log)"
     return ("crash", False, f"server exited with {how}{detail}")

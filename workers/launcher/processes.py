@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from workers.errors import ProcessSurvivedError
 
@@ -128,7 +129,7 @@ def _signal_all(pgid: int, strays: Iterable[int], sig: signal.Signals) -> None:
 
 
 def stop_group(
-    process: subprocess.Popen[bytes],
+    process: subprocess.Popen[Any],
     pgid: int,
     *,
     term_timeout_s: float,
