@@ -41,6 +41,7 @@ KEEP_LOGS = 200
 _LOG_GLOB = "server-*.log"
 # A port held by a stranger may be in the middle of closing; wait this long before giving up.
 _PORT_FREE_WAIT_S = 5.0
+_SCAN_EVERY_S = 1.0
 
 
 def read_tail(path: Path, max_bytes: int = 8000) -> str:
@@ -54,6 +55,13 @@ def read_tail(path: Path, max_bytes: int = 8000) -> str:
     except OSError:
         return ""
     return data.decode("utf-8", errors="replace")
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # removed meanwhile (another worker pruning the same directory)
+        return 0.0
 
 
 @dataclass
@@ -99,6 +107,9 @@ class _Child:
     log_path: Path
     stop_requested: threading.Event = field(default_factory=threading.Event)
     stopped: bool = False  # every process of its group is gone
+    # Every PID seen in its group: one that dies early may still hold GPU memory in the driver.
+    pids: set[int] = field(default_factory=set)
+    last_scan: float = float("-inf")
 
 
 class Launcher:
@@ -191,7 +202,7 @@ class Launcher:
             log_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"cannot create the server log directory {log_dir}: {e}; set engine log_dir") from e
-        old = sorted(log_dir.glob(_LOG_GLOB), key=lambda p: p.stat().st_mtime)
+        old = sorted(log_dir.glob(_LOG_GLOB), key=_mtime)
         for p in old[: max(0, len(old) - (KEEP_LOGS - 1))]:
             p.unlink(missing_ok=True)
         # Microseconds and the worker's PID: two launches (or two workers sharing log_dir) never share a file.
@@ -236,7 +247,7 @@ class Launcher:
                 base_url=e.base_url,
                 host=e.host,
                 port=e.port,
-                is_alive=lambda: child.process.poll() is None,
+                is_alive=lambda: self._watch(child),
                 deadline=started + e.startup_timeout_s,
                 cancel=cancel,
                 clock=self._clock,
@@ -263,7 +274,8 @@ class Launcher:
                 )
                 logger.warning("%s", message)
                 raise LaunchError("launch_timeout", message, log_tail=tail)
-            logger.info("server ready after %.1f s (%s)", elapsed, result.state)
+            child.pids |= group_members(child.pgid)
+            logger.info("server ready after %.1f s (%s); processes %s", elapsed, result.state, sorted(child.pids))
             phase("reading_server_info")
             info = fetch_server_info(client, e.base_url)
         effective = effective_settings(info)
@@ -282,6 +294,15 @@ class Launcher:
             mismatches=mismatches,
             _process=child.process,
         )
+
+    def _watch(self, child: _Child) -> bool:
+        """Liveness for the readiness wait; also notes the group's PIDs (about once a second) so
+        that ranks dying early, e.g. of an OOM, are still waited for in the driver after the stop."""
+        now = self._clock()
+        if now - child.last_scan >= _SCAN_EVERY_S:
+            child.last_scan = now
+            child.pids |= group_members(child.pgid)
+        return child.process.poll() is None
 
     def _cleanup_after_failure(self, error: BaseException) -> None:
         try:
@@ -328,7 +349,7 @@ class Launcher:
                 if self._child is child:
                     self._child = None
                     self._current = None
-                self._unreleased |= pids
+                self._unreleased |= pids | child.pids
 
     def _wait_gpu_release(self) -> None:
         if self._probe is None:
