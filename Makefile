@@ -1,0 +1,43 @@
+# spectune developer targets.  `make setup` once, then `make test` / `make lint`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup test test-fast lint format typecheck demo server clean
+
+setup: $(BIN)/spectune
+
+$(BIN)/spectune: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The CPU build of torch first (for GPSampler), so pip never pulls a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0 || $(BIN)/pip install -q --index-url https://download.pytorch.org/whl/cpu torch
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+test: setup
+	TZ=UTC $(BIN)/python -m pytest -q
+
+test-fast: setup
+	TZ=UTC $(BIN)/python -m pytest -q -m "not slow"
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy optimizer api workers
+
+format: setup
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+typecheck: setup
+	$(BIN)/mypy optimizer api workers
+
+demo: setup
+	TZ=UTC $(BIN)/spectune demo
+
+server: setup
+	$(BIN)/spectune db upgrade && TZ=UTC $(BIN)/spectune server
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache spectune-demo *.egg-info

@@ -1,0 +1,110 @@
+"""SGLang's EAGLE-3 rules in the search space, the canonical form, and the argv per version."""
+
+from __future__ import annotations
+
+import pytest
+
+from optimizer.errors import SpecError
+from optimizer.plan import baseline_key, server_settings
+from optimizer.sglang import FlagSet, ServerSettings, build_server_args, flag_set_for, launch_command
+from optimizer.space import SearchSpace, SpecConfig, max_draft_tokens, params_of
+from optimizer.spec import parse_spec
+
+
+def test_topk_one_forces_draft_tokens_to_steps_plus_one() -> None:
+    a = SpecConfig(num_steps=3, topk=1, num_draft_tokens=8)
+    b = SpecConfig(num_steps=3, topk=1, num_draft_tokens=4)
+    assert a.canonical() == b.canonical() == b
+    assert a.key == b.key == "s3-k1-n4-bsauto"
+
+
+def test_draft_tokens_over_the_tree_are_rejected() -> None:
+    assert max_draft_tokens(2, 4) == 9
+    SpecConfig(num_steps=2, topk=4, num_draft_tokens=9).check()
+    with pytest.raises(SpecError, match="at most num_steps\\*topk\\+1 = 9"):
+        SpecConfig(num_steps=2, topk=4, num_draft_tokens=10).check()
+
+
+def test_iter_configs_is_the_valid_canonical_set_once_each() -> None:
+    space = SearchSpace.model_validate(
+        {"num_steps": {"low": 1, "high": 4}, "topk": [1, 2, 4], "num_draft_tokens": {"low": 2, "high": 8}}
+    )
+    configs = list(space.iter_configs())
+    keys = [c.key for c in configs]
+    assert len(keys) == len(set(keys))
+    for c in configs:
+        assert c.check() == c
+        assert space.contains(c)
+    chains = [c for c in configs if c.topk == 1]
+    assert [c.num_draft_tokens for c in chains] == [2, 3, 4, 5]
+    # Brute force agrees with the enumeration.
+    brute = set()
+    for steps in range(1, 5):
+        for topk in (1, 2, 4):
+            for ndt in range(2, 9):
+                try:
+                    c = SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=ndt).check()
+                except SpecError:
+                    continue
+                if topk == 1 or 2 <= c.num_draft_tokens <= 8:
+                    brute.add(c.key)
+    assert brute == set(keys)
+
+
+def test_params_round_trip_and_clamp() -> None:
+    space = SearchSpace()
+    for c in list(space.iter_configs())[::37]:
+        assert space.config_from_params(params_of(c)) == c
+    # A tree asking for more draft tokens than it can fill runs at the limit.
+    clamped = space.config_from_params({"num_steps": 2, "topk": 2, "num_draft_tokens": 40})
+    assert clamped.num_draft_tokens == 5
+    assert "num_draft_tokens" not in params_of(SpecConfig(num_steps=4, topk=1, num_draft_tokens=5))
+
+
+def test_default_space_validates_and_rejects_impossible_ranges() -> None:
+    SearchSpace().validate_rules()
+    with pytest.raises(SpecError) as e:
+        SearchSpace.model_validate(
+            {"num_steps": {"low": 1, "high": 2}, "topk": [2], "num_draft_tokens": {"low": 2, "high": 9}}
+        ).validate_rules()
+    assert e.value.field == "search_space.num_draft_tokens"
+
+
+@pytest.mark.parametrize(
+    ("version", "flags"),
+    [("0.5.10", FlagSet.LEGACY), ("0.5.13", FlagSet.LEGACY), ("0.5.16", FlagSet.V0516), ("0.5.19", FlagSet.V0516),
+     ("0.5.20", FlagSet.MODERN), ("0.5.23", FlagSet.MODERN), ("0.6.0", FlagSet.MODERN)],
+)  # fmt: skip
+def test_flag_set_per_version(version: str, flags: FlagSet) -> None:
+    assert flag_set_for(version) is flags
+
+
+def test_server_args_for_trial_and_baseline() -> None:
+    spec = parse_spec({"name": "x", "model": {"target": "t", "draft": "d"}, "workload": {"concurrency": [1, 8]}})
+    cfg = SpecConfig(num_steps=3, topk=1, num_draft_tokens=4)
+    trial = server_settings(spec, cfg)
+    base = server_settings(spec, None)
+    assert base == trial.baseline()
+    args = build_server_args(trial, version="0.5.23", model_path="/m/t", draft_model_path="/m/d")
+    assert args[args.index("--max-running-requests") + 1] == "8"
+    assert args[args.index("--cuda-graph-max-bs-decode") + 1] == "8"
+    assert "--cuda-graph-max-bs" not in args
+    assert args[args.index("--speculative-draft-model-path") + 1] == "/m/d"
+    legacy = build_server_args(base, version="0.5.13", model_path="/m/t", draft_model_path=None)
+    assert "--cuda-graph-max-bs" in legacy and not any(a.startswith("--speculative") for a in legacy)
+    assert "--attention-backend" in legacy
+    line = launch_command(trial)
+    assert line.startswith("python -m sglang.launch_server --model-path t")
+
+
+def test_baseline_key_depends_on_server_and_workload_only() -> None:
+    a = parse_spec({"name": "a", "model": {"target": "t", "draft": "d"}})
+    b = parse_spec({"name": "b", "model": {"target": "t", "draft": "d"}, "sampler": "random"})
+    c = parse_spec({"name": "c", "model": {"target": "t", "draft": "d"}, "workload": {"output_len": 512}})
+    assert baseline_key(a) == baseline_key(b) != baseline_key(c)
+
+
+def test_server_settings_is_frozen() -> None:
+    s = ServerSettings(target="t", max_running_requests=1)
+    with pytest.raises(ValueError):
+        s.tp_size = 2  # type: ignore[misc]
