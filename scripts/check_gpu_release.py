@@ -58,30 +58,10 @@ def show_processes(probe: NvmlProbe, gpu: int, ours: set[int]) -> set[int]:
     return listed & ours
 
 
-def run_round(probe: NvmlProbe, args: argparse.Namespace, *, name: str, ignore_sigterm: bool) -> list[str]:
-    """One launch/stop cycle; returns the failed checks (empty when all passed)."""
+def _launch_and_stop(
+    probe: NvmlProbe, launcher: Launcher, args: argparse.Namespace, *, name: str, idle: float
+) -> list[str]:
     failures: list[str] = []
-    say(f"\n=== round {name!r}: {args.gib:g} GiB in the server + {args.child_gib:g} GiB in its child ===")
-    idle = used_mib(probe, args.gpu)
-    say(f"  idle used memory: {idle:.0f} MiB")
-    engine = EngineConfig(
-        python=sys.executable,
-        module="scripts.gpu_standin",
-        port=args.port,
-        env={
-            "PYTHONPATH": str(REPO),
-            "SPECTUNE_STANDIN_GIB": str(args.gib),
-            "SPECTUNE_STANDIN_CHILD_GIB": str(args.child_gib),
-            "SPECTUNE_STANDIN_IGNORE_SIGTERM": "1" if ignore_sigterm else "0",
-            "SPECTUNE_STANDIN_MAX_S": "900",
-        },
-        log_dir=args.log_dir,
-        startup_timeout_s=args.startup_timeout,
-        stop_timeout_s=3.0 if ignore_sigterm else 30.0,
-        gpu_release_timeout_s=args.release_timeout,
-        gpu_indices=(args.gpu,),
-    )
-    launcher = Launcher(engine, gpu_probe=probe)
     settings = ServerSettings(target="gpu-standin", max_running_requests=1)
     t0 = time.monotonic()
     try:
@@ -91,7 +71,6 @@ def run_round(probe: NvmlProbe, args: argparse.Namespace, *, name: str, ignore_s
         tail = getattr(e, "log_tail", "")
         if tail:
             say("  log tail:\n" + tail)
-        launcher.stop()
         return [f"{name}: launch failed"]
     pids = group_members(server.pgid)
     say(
@@ -128,6 +107,40 @@ def run_round(probe: NvmlProbe, args: argparse.Namespace, *, name: str, ignore_s
     if now_used > idle + args.tolerance_mib:
         failures.append(f"{name}: used memory {now_used:.0f} MiB not back to idle {idle:.0f} MiB")
     show_processes(probe, args.gpu, pids)
+    return failures
+
+
+def run_round(probe: NvmlProbe, args: argparse.Namespace, *, name: str, ignore_sigterm: bool) -> list[str]:
+    """One launch/stop cycle; returns the failed checks (empty when all passed)."""
+    failures: list[str] = []
+    say(f"\n=== round {name!r}: {args.gib:g} GiB in the server + {args.child_gib:g} GiB in its child ===")
+    idle = used_mib(probe, args.gpu)
+    say(f"  idle used memory: {idle:.0f} MiB")
+    engine = EngineConfig(
+        python=sys.executable,
+        module="scripts.gpu_standin",
+        port=args.port,
+        env={
+            "PYTHONPATH": str(REPO),
+            "SPECTUNE_STANDIN_GIB": str(args.gib),
+            "SPECTUNE_STANDIN_CHILD_GIB": str(args.child_gib),
+            "SPECTUNE_STANDIN_IGNORE_SIGTERM": "1" if ignore_sigterm else "0",
+            "SPECTUNE_STANDIN_MAX_S": "900",
+        },
+        log_dir=args.log_dir,
+        startup_timeout_s=args.startup_timeout,
+        stop_timeout_s=3.0 if ignore_sigterm else 30.0,
+        gpu_release_timeout_s=args.release_timeout,
+        gpu_indices=(args.gpu,),
+    )
+    launcher = Launcher(engine, gpu_probe=probe)
+    try:
+        failures += _launch_and_stop(probe, launcher, args, name=name, idle=idle)
+    finally:
+        try:
+            launcher.stop()  # a no-op after a clean round; after a failed one, nothing may be left
+        except WorkerError as e:
+            failures.append(f"{name}: final stop failed: {e}")
     say(f"  round {name!r}: {'OK' if not failures else 'FAILED'}")
     return failures
 
