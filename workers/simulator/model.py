@@ -21,8 +21,8 @@ import functools
 import hashlib
 import math
 import random
-from statistics import NormalDist
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Literal
 
 from optimizer.space import SearchSpace, SpecConfig, max_draft_tokens
