@@ -187,6 +187,15 @@ def resolve(ns: argparse.Namespace, landscape: Landscape, version: str) -> Resol
                 f"Max running requests is reset to {SPEC_DEFAULT_MAX_RUNNING_REQUESTS} for speculative decoding. "
                 "You can override this by explicitly setting --max-running-requests."
             )
+    if v["tp_size"] is None:
+        v["tp_size"] = landscape.tp_size
+    elif v["tp_size"] != landscape.tp_size:
+        logging.getLogger("sglang").warning(
+            "simulated landscape %s is modelled at tp_size=%d; --tp-size %d only changes what /server_info reports",
+            landscape.name,
+            landscape.tp_size,
+            v["tp_size"],
+        )
     page_size = v["page_size"] if v["page_size"] is not None else 1
     v["page_size"] = page_size
     backend = v["attention_backend"]
@@ -232,15 +241,6 @@ def resolve(ns: argparse.Namespace, landscape: Landscape, version: str) -> Resol
     if flag_set_for(version) is not FlagSet.LEGACY:
         v["cuda_graph_max_bs_decode"] = max_bs
         v["cuda_graph_bs_decode"] = v["cuda_graph_bs"]
-    if v["tp_size"] is None:
-        v["tp_size"] = landscape.tp_size
-    elif v["tp_size"] != landscape.tp_size:
-        logging.getLogger("sglang").warning(
-            "simulated landscape %s is modelled at tp_size=%d; --tp-size %d only changes what /server_info reports",
-            landscape.name,
-            landscape.tp_size,
-            v["tp_size"],
-        )
     return ResolvedArgs(
         values=v,
         speculative=spec,
