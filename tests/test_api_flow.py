@@ -12,7 +12,8 @@ from tests.conftest import INVENTORY, Api, small_spec
 
 
 def ok_metrics(tok_s: float, concurrency: int = 1, **extra: Any) -> dict[str, Any]:
-    level = {"concurrency": concurrency, "output_tok_s": tok_s, "output_tok_s_runs": [tok_s], "itl_ms_p99": 12.0}
+    runs = [tok_s * 0.99, tok_s, tok_s * 1.01]
+    level = {"concurrency": concurrency, "output_tok_s": tok_s, "output_tok_s_runs": runs, "itl_ms_p99": 12.0}
     return {"outcome": "ok", "metrics": {"levels": [level], "startup_s": 3.5, **extra}}
 
 
@@ -71,6 +72,8 @@ def test_rest_session_end_to_end(api: Api, db_url: str) -> None:
     assert shown["trials"]["COMPLETE"] == 1
     assert shown["best"]["trial_number"] == trial["trial_number"]
     assert abs(shown["best"]["speedup"] - 1.05) < 1e-9
+    iv = shown["best"]["speedup_interval_by_level"]["1"]
+    assert iv["low"] < 1.05 < iv["high"] and iv["high"] - iv["low"] < 0.1
     cmd = shown["best"]["launch_command"]
     assert "--speculative-num-steps 3" in cmd and "--speculative-eagle-topk 1" in cmd
     assert "--speculative-num-draft-tokens 4" in cmd and "--cuda-graph-max-bs-decode 1" in cmd

@@ -121,3 +121,14 @@ def test_score_single_level_geomean_and_latency_constraint() -> None:
     assert s2.value == pytest.approx(geometric_mean([1.2, 0.8]))
     s3 = score(Objective(max_p99_itl_ms=20.0), levels, base)
     assert s3.violation == pytest.approx(0.5)
+
+
+def test_ratio_interval_widens_with_noise_and_needs_two_passes() -> None:
+    from optimizer.analysis import ratio_interval
+
+    assert ratio_interval([100.0], [90.0, 91.0]) is None
+    tight = ratio_interval([100.0, 100.5, 99.5], [90.0, 90.2, 89.8])
+    loose = ratio_interval([100.0, 110.0, 90.0], [90.0, 99.0, 81.0])
+    assert tight is not None and loose is not None
+    assert tight.low < 100.0 / 90.0 < tight.high
+    assert (loose.high - loose.low) > 5 * (tight.high - tight.low)

@@ -360,7 +360,8 @@ class LeaseService:
                 if lease.kind != "trial" or lease.trial_number is None or lease.worker_id is None:
                     return ProgressOut(action="continue")
                 spec = study_svc.spec_of(s, lease.study_name)
-                base = self._baseline_tok_s(s, lease.worker_id, study_svc.baseline_key_of(spec))
+                base_row = self._baseline(s, lease.worker_id, study_svc.baseline_key_of(spec))
+                base = None if base_row is None else _tok_s(base_row)
                 number = lease.trial_number
             if base is None or body.concurrency not in base or base[body.concurrency] <= 0:
                 return ProgressOut(action="continue")
@@ -428,13 +429,15 @@ class LeaseService:
             assert lease is not None and lease.worker_id is not None and lease.trial_number is not None
             number = lease.trial_number
             worker_id = lease.worker_id
-            base = self._baseline_tok_s(s, worker_id, study_svc.baseline_key_of(spec))
+            base_row = self._baseline(s, worker_id, study_svc.baseline_key_of(spec))
+            base = None if base_row is None else _tok_s(base_row)
             attrs: dict[str, Any] = {
                 "worker_id": worker_id,
                 "lease_id": lease.id,
                 "attempt": lease.attempt,
                 "config": lease.payload["config"],
                 "config_key": lease.config_key,
+                "baseline_levels": [] if base_row is None else base_row.metrics.get("levels", []),
             }
             if late:
                 # The measurement is real: keep it, and retire the retry that replaced this lease.
@@ -521,14 +524,13 @@ class LeaseService:
     # ------------------------------------------------------------------ helpers
 
     @staticmethod
-    def _baseline_tok_s(s: Session, worker_id: str, key: str) -> dict[int, float] | None:
-        row = s.scalars(
+    def _baseline(s: Session, worker_id: str, key: str) -> BaselineRow | None:
+        return s.scalars(
             select(BaselineRow)
             .where(BaselineRow.worker_id == worker_id, BaselineRow.baseline_key == key)
             .order_by(BaselineRow.measured_at.desc())
             .limit(1)
         ).first()
-        return None if row is None else {int(k): float(v) for k, v in row.tok_s.items()}
 
     @staticmethod
     def _set_config_state(s: Session, study: str, key: str | None, state: str) -> None:
@@ -592,6 +594,10 @@ class LeaseService:
                 "config": p.get("config"),
             }
         )
+
+
+def _tok_s(row: BaselineRow) -> dict[int, float]:
+    return {int(k): float(v) for k, v in row.tok_s.items()}
 
 
 class _WorkerBusy(Exception):

@@ -16,6 +16,7 @@ from api.db import db_now
 from api.errors import ConflictError
 from api.models import LeaseRow, StudyRow, TrialConfigRow
 from optimizer import study as opt
+from optimizer.analysis import level_intervals
 from optimizer.errors import StudyNotFoundError
 from optimizer.plan import baseline_key, server_settings
 from optimizer.sglang import launch_command
@@ -186,6 +187,12 @@ class StudyService:
             "config": config.model_dump(mode="json"),
             "speedup": t.value,
             "speedup_by_level": t.user_attrs.get("speedup_by_level"),
+            "speedup_interval_by_level": {
+                str(c): {"low": iv.low, "high": iv.high}
+                for c, iv in level_intervals(
+                    t.user_attrs.get("levels") or [], t.user_attrs.get("baseline_levels") or []
+                ).items()
+            },
             "levels": t.user_attrs.get("levels"),
             "worker_id": t.user_attrs.get("worker_id"),
             "sglang_version": version,
