@@ -450,3 +450,30 @@ def test_stop_waits_for_the_probe_to_show_the_memory_released(tmp_path: Path, la
     probe.pids = group_members(server.pgid)
     launcher.stop()
     assert probe.after_death == 3  # two polls still holding, then released
+
+
+@needs_simulator
+def test_startup_value_error_is_invalid_config(tmp_path: Path, launchers: list[Launcher]) -> None:
+    # topk > 1 with page size > 1 needs flashinfer, fa3 or triton (sglang.md §2 rule 5).
+    launcher = Launcher(sim_engine(tmp_path))
+    launchers.append(launcher)
+    with pytest.raises(LaunchError) as info:
+        launch(launcher, trial(steps=3, topk=2, ndt=6, page_size=16, attention_backend="torch_native"))
+    assert (info.value.kind, info.value.host_fault) == ("invalid_config", False)
+    assert "ValueError" in info.value.message and "page_size" in info.value.message
+
+
+@needs_simulator
+def test_stop_from_another_thread_cancels_the_launch(tmp_path: Path, launchers: list[Launcher]) -> None:
+    launcher = Launcher(sim_engine(tmp_path, SPECTUNE_SIM_FAULT="hang_startup"))
+    launchers.append(launcher)
+    started: set[int] = set()
+
+    def on_phase(phase: str) -> None:
+        if phase == "waiting_for_port":
+            started.update(descendants([os.getpid()]))
+            threading.Timer(0.5, launcher.stop).start()
+
+    with pytest.raises(LaunchCancelled):
+        launch(launcher, trial(), on_phase=on_phase)
+    assert started and alive(started) == set()
