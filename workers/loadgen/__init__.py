@@ -7,6 +7,14 @@ schedule and ``request.py`` for how tokens are timed.
 
 from workers.loadgen.errors import LoadgenCancelled, LoadgenError
 from workers.loadgen.prompts import builtin_sets, load_prompts
-from workers.loadgen.runner import run_level, run_workload
+from workers.loadgen.runner import make_client, run_level, run_workload
 
-__all__ = ["LoadgenCancelled", "LoadgenError", "builtin_sets", "load_prompts", "run_level", "run_workload"]
+__all__ = [
+    "LoadgenCancelled",
+    "LoadgenError",
+    "builtin_sets",
+    "load_prompts",
+    "make_client",
+    "run_level",
+    "run_workload",
+]

@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 
 from workers.loadgen.errors import LoadgenError
+from workers.loadgen.http1 import LoadgenClient
 from workers.loadgen.sse import DONE, SSEDecodeError, SSEDecoder
 
 # How much of an HTTP error body goes into the error message.
@@ -88,23 +89,15 @@ class _StreamState:
             return
         if self.done:
             raise LoadgenError(f"{self.label}: the server sent an event after [DONE]")
-        try:
-            obj = json.loads(data)
-        except ValueError as e:
-            raise LoadgenError(f"{self.label}: malformed event (not JSON): {data[:200]!r}") from e
-        if not isinstance(obj, dict):
-            raise LoadgenError(f"{self.label}: malformed event (not a JSON object): {data[:200]!r}")
-        error = obj.get("error")
-        if error is not None:
-            raise LoadgenError(f"{self.label}: the server sent an error event: {_error_text(error)}")
-        meta = obj.get("meta_info")
-        tokens = meta.get("completion_tokens") if isinstance(meta, dict) else None
+        meta = _meta_info_fast(data)
+        if meta is None:
+            meta = self._meta_info_full(data)
+        tokens = meta.get("completion_tokens")
         if not isinstance(tokens, int) or isinstance(tokens, bool):
             raise LoadgenError(
                 f"{self.label}: event without meta_info.completion_tokens; is this SGLang's native /generate? "
                 f"event: {data[:200]!r}"
             )
-        assert isinstance(meta, dict)  # for mypy: tokens came from it
         new = tokens - self.prev_tokens
         if new < 0:
             raise LoadgenError(
@@ -126,6 +119,23 @@ class _StreamState:
         reason = meta.get("finish_reason")
         if reason is not None:
             self.finish_reason = reason
+
+    def _meta_info_full(self, data: bytes) -> dict[str, Any]:
+        try:
+            obj = json.loads(data)
+        except ValueError as e:
+            raise LoadgenError(f"{self.label}: malformed event (not JSON): {data[:200]!r}") from e
+        if not isinstance(obj, dict):
+            raise LoadgenError(f"{self.label}: malformed event (not a JSON object): {data[:200]!r}")
+        error = obj.get("error")
+        if error is not None:
+            raise LoadgenError(f"{self.label}: the server sent an error event: {_error_text(error)}")
+        meta = obj.get("meta_info")
+        if not isinstance(meta, dict):
+            raise LoadgenError(
+                f"{self.label}: event without meta_info; is this SGLang's native /generate? event: {data[:200]!r}"
+            )
+        return meta
 
     def result(self, output_len: int, ended: float) -> RequestResult:
         if not self.done and self.finish_reason is None:
@@ -150,6 +160,27 @@ class _StreamState:
             decode_tok_s=decode_tokens / decode_s if decode_tokens > 0 and decode_s > 0 else None,
             itl_s=self.itl,
         )
+
+
+_META_KEY = b'"meta_info":'
+
+
+def _meta_info_fast(data: bytes) -> dict[str, Any] | None:
+    """Parse only the ``meta_info`` object of an event, or return None to parse it all.
+
+    SGLang puts ``meta_info`` last, after the cumulative ``text`` that grows with every token;
+    skipping the text halves the JSON work per event.  The key cannot match inside a string (the
+    quotes would be escaped there).  Anything unexpected - an ``"error"`` anywhere, other keys
+    after ``meta_info``, invalid JSON - falls back to the full parse, which handles it.
+    """
+    i = data.rfind(_META_KEY)
+    if i < 0 or b'"error"' in data or not data.endswith(b"}"):
+        return None
+    try:
+        meta = json.loads(data[i + len(_META_KEY) : -1])
+    except ValueError:
+        return None
+    return meta if isinstance(meta, dict) else None
 
 
 def _error_text(error: object) -> str:
@@ -177,20 +208,15 @@ async def stream_generate(
     payload = generate_payload(prompt, output_len)
     started = perf_counter()
     state = _StreamState(label, started)
-    decoder = SSEDecoder()
     try:
         async with asyncio.timeout(timeout_s):
-            async with client.stream("POST", url, json=payload) as response:
-                if response.status_code != 200:
-                    body = await _read_prefix(response)
-                    raise LoadgenError(f"{label}: HTTP {response.status_code} from {url}: {body}")
-                async for chunk in response.aiter_bytes():
-                    now = perf_counter()
-                    for data in decoder.feed(chunk):
-                        state.on_event(data, now)
-                now = perf_counter()
-                for data in decoder.close():
-                    state.on_event(data, now)
+            if isinstance(client, LoadgenClient):
+                status, body = await client.sse.post(url, json.dumps(payload).encode(), state.on_event)
+                if status != 200:
+                    text = body.decode("utf-8", "replace").strip() or "(empty body)"
+                    raise LoadgenError(f"{label}: HTTP {status} from {url}: {text}")
+            else:
+                await _stream_with_httpx(client, url, payload, state, label)
     except TimeoutError as e:
         raise LoadgenError(
             f"{label}: no complete answer within {timeout_s:g} s after {state.prev_tokens} of {output_len} "
@@ -208,6 +234,24 @@ async def stream_generate(
     except SSEDecodeError as e:
         raise LoadgenError(f"{label}: {e}") from e
     return state.result(output_len, perf_counter())
+
+
+async def _stream_with_httpx(
+    client: httpx.AsyncClient, url: str, payload: dict[str, Any], state: _StreamState, label: str
+) -> None:
+    """The portable path, for any httpx client (about 10x more CPU per event than the fast path)."""
+    decoder = SSEDecoder()
+    async with client.stream("POST", url, json=payload) as response:
+        if response.status_code != 200:
+            body = await _read_prefix(response)
+            raise LoadgenError(f"{label}: HTTP {response.status_code} from {url}: {body}")
+        async for chunk in response.aiter_bytes():
+            now = perf_counter()
+            for data in decoder.feed(chunk):
+                state.on_event(data, now)
+        now = perf_counter()
+        for data in decoder.close():
+            state.on_event(data, now)
 
 
 async def _read_prefix(response: httpx.Response) -> str:

@@ -1,0 +1,249 @@
+"""How many output tokens/s can the load generator consume on one core?  (Run by hand.)
+
+    python benchmarks/loadgen_capacity.py            # full table (about a minute)
+    python benchmarks/loadgen_capacity.py --quick    # fewer, shorter scenarios
+
+A minimal server in a separate process speaks SGLang's native ``/generate`` streaming format
+(cumulative ``text`` of ~4 characters per token, ``meta_info`` with the running
+``completion_tokens``, final chunk with ``spec_verify_ct``, then ``data: [DONE]``), with
+pre-encoded events so that it costs as little CPU as possible.  The load generator
+(``workers.loadgen.run_level``) runs in this process, on one event loop, i.e. one core.
+
+Two kinds of scenario:
+
+- ``flood``: the server writes events as fast as it can.  Reads coalesce several events, so this
+  is the generator's best case (and may be bound by the server on a busy machine).
+- ``paced``: each stream emits one event every ``burst / rate`` seconds, like a real engine, so
+  nearly every event arrives in its own socket read: the generator's worst case per token.
+
+For each scenario the table shows the measured tok/s, the generator's CPU time as a share of one
+core, and its capacity = tokens consumed / generator CPU seconds, i.e. the tok/s it could consume
+if it had a core to itself.  The last column compares that capacity with ``--practical-tok-s``,
+the highest aggregate rate it measures in practice (the simulator's landscapes top out at a few
+thousand tok/s), and the benchmark says whether every scenario keeps the 10x margin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from workers.loadgen import make_client, run_level  # noqa: E402
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# ---------------------------------------------------------------------------------------------
+# The server (runs in a child process: `loadgen_capacity.py --serve`)
+
+_EVENT_CACHE: dict[tuple[int, int], list[bytes]] = {}
+
+
+def _events(output_len: int, burst: int) -> list[bytes]:
+    """Pre-encoded HTTP chunks (one SSE event each) for a request, cumulative like SGLang."""
+    key = (output_len, burst)
+    if key not in _EVENT_CACHE:
+        frames: list[bytes] = []
+        total = cycles = 0
+        while total < output_len:
+            total = min(output_len, total + burst)
+            cycles += 1
+            meta: dict[str, object] = {
+                "id": "0123456789abcdef",
+                "finish_reason": None,
+                "prompt_tokens": 40,
+                "completion_tokens": total,
+                "cached_tokens": 0,
+            }
+            if total == output_len:
+                meta.update(
+                    finish_reason={"type": "length", "length": output_len},
+                    e2e_latency=1.0,
+                    spec_verify_ct=cycles,
+                    spec_accept_length=total / cycles,
+                )
+            frames.append(_frame(json.dumps({"text": "word" * total, "meta_info": meta}).encode()))
+        frames.append(_frame(b"[DONE]") + b"0\r\n\r\n")
+        _EVENT_CACHE[key] = frames
+    return _EVENT_CACHE[key]
+
+
+def _frame(payload: bytes) -> bytes:
+    data = b"data: " + payload + b"\n\n"
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        for _ in range(1_000_000):  # keep-alive, bounded
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(int(x.split(b":")[1]) for x in head.split(b"\r\n") if x.lower().startswith(b"content-length"))
+            body = json.loads(await reader.readexactly(length))
+            words = dict(w.split("=", 1) for w in body["text"].split())
+            frames = _events(int(body["sampling_params"]["max_new_tokens"]), int(words["burst"]))
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+            rate = float(words["rate"])  # tok/s per stream; 0 = flood
+            if rate <= 0:
+                for f in frames:
+                    writer.write(f)
+                    await writer.drain()
+            else:
+                interval = int(words["burst"]) / rate
+                start = time.perf_counter()
+                for i, f in enumerate(frames):
+                    delay = start + i * interval - time.perf_counter()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    writer.write(f)
+                    await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    finally:
+        writer.close()
+
+
+async def _serve() -> None:
+    server = await asyncio.start_server(_handle, "127.0.0.1", 0, backlog=1024)
+    print(server.sockets[0].getsockname()[1], flush=True)
+    # Exit when the parent closes our stdin (or dies): no orphan server.
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, sys.stdin.read)
+    server.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The measurement
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    concurrency: int
+    burst: int  # tokens per event (a verify cycle under speculation)
+    output_len: int
+    num_prompts: int
+    rate_per_stream: float  # tok/s each stream emits; 0 = flood
+    transport: str = "fast"  # "fast": make_client(), as run_workload uses; "httpx": plain httpx streaming
+
+
+@dataclass(frozen=True)
+class Row:
+    scenario: Scenario
+    tok_s: float
+    cpu_share: float
+    capacity_tok_s: float
+    server_cpu_share: float
+
+
+def _proc_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime + stime
+
+
+async def _measure(url: str, sc: Scenario, server_pid: int) -> Row:
+    if sc.transport == "fast":
+        client = make_client(120.0)
+    else:
+        limits = httpx.Limits(max_connections=sc.concurrency, max_keepalive_connections=sc.concurrency)
+        client = httpx.AsyncClient(limits=limits, timeout=120.0, trust_env=False)
+    async with client:
+        prompt = f"burst={sc.burst} rate={sc.rate_per_stream}"
+        kw = {"concurrency": sc.concurrency, "output_len": sc.output_len, "request_timeout_s": 120.0}
+        await run_level(client, url, [prompt], num_prompts=sc.concurrency, warmup_requests=0, repeats=1, **kw)  # type: ignore[arg-type]
+        cpu0, srv0, wall0 = time.process_time(), _proc_cpu_s(server_pid), time.perf_counter()
+        m = await run_level(client, url, [prompt], num_prompts=sc.num_prompts, warmup_requests=0, repeats=1, **kw)  # type: ignore[arg-type]
+        cpu, srv, wall = time.process_time() - cpu0, _proc_cpu_s(server_pid) - srv0, time.perf_counter() - wall0
+    tokens = m.completion_tokens or 0
+    return Row(sc, m.output_tok_s, cpu / wall, tokens / cpu if cpu > 0 else float("inf"), srv / wall)
+
+
+def _scenarios(quick: bool, practical: float) -> list[Scenario]:
+    n = 2 if quick else 4  # passes worth of prompts per stream
+    out = [
+        Scenario("flood", 1, 1, 256, 40 * n, 0),
+        Scenario("flood", 16, 1, 256, 16 * n, 0),
+        Scenario("flood", 64, 1, 256, 64 * n, 0),
+        Scenario("flood", 64, 3, 256, 64 * n, 0),
+        Scenario("flood", 64, 1, 1024, 64 * max(1, n // 2), 0),
+    ]
+    # Paced at the practical peak: each of 64 streams at practical/64 tok/s.
+    for burst in (1, 3):
+        out.append(Scenario("paced", 64, burst, 256, 64 * n // 2, practical / 64))
+    out.append(Scenario("paced", 16, 1, 256, 16 * n, practical / 16))
+    out = out[:4] + out[5:7] if quick else out
+    # httpx's default transport on the worst cases, to show why run_workload does not use it.
+    out.append(Scenario("flood", 64, 1, 256, 64 * n, 0, "httpx"))
+    out.append(Scenario("paced", 64, 1, 256, 64 * n // 2, practical / 64, "httpx"))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--quick", action="store_true", help="fewer, shorter scenarios")
+    ap.add_argument(
+        "--practical-tok-s", type=float, default=5000.0, help="highest aggregate tok/s measured in practice [5000]"
+    )
+    args = ap.parse_args()
+    if args.serve:
+        asyncio.run(_serve())
+        return 0
+    server = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), "--serve"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        url = f"http://127.0.0.1:{port}"
+        rows = []
+        print(f"load generator capacity (one event loop, one core); practical peak {args.practical_tok_s:,.0f} tok/s")
+        header = (
+            f"{'scenario':8} {'transport':9} {'conc':>4} {'tok/ev':>6} {'out_len':>7} {'tok/s':>9} "
+            f"{'gen CPU':>7} {'capacity tok/s':>14} {'x practical':>11} {'server CPU':>10}"
+        )
+        print(header)
+        print("-" * len(header))
+        for sc in _scenarios(args.quick, args.practical_tok_s):
+            row = asyncio.run(_measure(url, sc, server.pid))
+            rows.append(row)
+            print(
+                f"{sc.name:8} {sc.transport:9} {sc.concurrency:>4} {sc.burst:>6} {sc.output_len:>7} {row.tok_s:>9,.0f} "
+                f"{row.cpu_share:>7.0%} {row.capacity_tok_s:>14,.0f} {row.capacity_tok_s / args.practical_tok_s:>10.1f}x "
+                f"{row.server_cpu_share:>10.0%}",
+                flush=True,
+            )
+        worst = min((r for r in rows if r.scenario.transport == "fast"), key=lambda r: r.capacity_tok_s)
+        margin = worst.capacity_tok_s / args.practical_tok_s
+        verdict = "OK" if margin >= 10 else "BELOW the 10x target"
+        print(
+            f"\nworst case (fast path, as run_workload uses): {worst.scenario.name} c={worst.scenario.concurrency} burst={worst.scenario.burst}: "
+            f"{worst.capacity_tok_s:,.0f} tok/s per core = {margin:.1f}x the practical peak -> {verdict}"
+        )
+        return 0 if margin >= 10 else 1
+    finally:
+        if server.stdin is not None:
+            server.stdin.close()
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(10)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
