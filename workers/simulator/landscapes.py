@@ -196,7 +196,7 @@ DENSE_8B_H100 = Landscape(
     capture_extend_s=0.08,
     capture_draft_step_s=0.08,
     prefill_graph_s=3.0,
-    warmup_s=2.0,
+    warmup_s=5.0,  # SGLang warmup request + first health generation
     calibration=(
         CalibrationPoint("no speculation", None, 1, 1, 158.3, "EAGLE-3 paper Tab. 4 (M)"),
         CalibrationPoint("SGLang default 5/4/8", 5, 4, 8, 373.3, "EAGLE-3 paper Tab. 4 (M)"),
