@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -96,7 +97,7 @@ def launch(tmp_path: Path) -> Iterator[object]:
             sim.proc.wait(timeout=10)
 
 
-def sse_events(response: httpx.Response) -> Iterator[tuple[float, object]]:
+def sse_events(response: httpx.Response) -> Iterator[tuple[float, Any]]:
     """(arrival time, parsed data) per SSE event; the string '[DONE]' for the end marker."""
     for line in response.iter_lines():
         if line.startswith("data: "):
