@@ -157,8 +157,10 @@ class Launcher:
     ) -> RunningServer:
         """Stop any previous server, start this one, and return it once `/health_generate` answers 200.
 
-        Raises LaunchError (kind: invalid_config, oom, launch_timeout, crash), LaunchCancelled,
-        and, from stopping the previous server, GpuReleaseTimeout / ProcessSurvivedError.
+        `on_phase` hears, in order: stopping_previous, starting, waiting_for_port, warming_up (port
+        open), reading_server_info, ready.  Raises LaunchError (kind: invalid_config, oom,
+        launch_timeout, crash), LaunchCancelled, ConfigError (log_dir or interpreter unusable) and,
+        from stopping the previous server, GpuReleaseTimeout / ProcessSurvivedError.
         """
         phase = on_phase or (lambda _p: None)
         cancel = cancel or threading.Event()
