@@ -8,7 +8,6 @@ from exit status and log tail alone.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import socket
@@ -216,10 +215,6 @@ def test_stop_group_leaves_nothing_alive(mode: str) -> None:
 
 # --- the simulated engine through the launcher ------------------------------------------------
 
-needs_simulator = pytest.mark.skipif(
-    importlib.util.find_spec("workers.simulator.__main__") is None,
-    reason="the simulated engine (python -m workers.simulator) is not in this tree yet",
-)
 SIM_ENV = {"SPECTUNE_SIM_TIME_SCALE": "0.02", "SPECTUNE_SIM_NOISE": "0", "SPECTUNE_SIM_SPEED": "50"}
 
 
@@ -272,7 +267,6 @@ def launch(
     )
 
 
-@needs_simulator
 def test_ready_server_reports_effective_settings_and_stops_completely(
     tmp_path: Path, launchers: list[Launcher]
 ) -> None:
@@ -301,7 +295,6 @@ def test_ready_server_reports_effective_settings_and_stops_completely(
     launcher.stop()  # idempotent
 
 
-@needs_simulator
 def test_forced_draft_token_count_is_recorded_as_a_mismatch(tmp_path: Path, launchers: list[Launcher]) -> None:
     launcher = Launcher(sim_engine(tmp_path))
     launchers.append(launcher)
@@ -310,7 +303,6 @@ def test_forced_draft_token_count_is_recorded_as_a_mismatch(tmp_path: Path, laun
     assert server.mismatches == {"speculative_num_draft_tokens": (8, 4)}
 
 
-@needs_simulator
 def test_relaunch_stops_the_previous_server_first(tmp_path: Path, launchers: list[Launcher]) -> None:
     launcher = Launcher(sim_engine(tmp_path))
     launchers.append(launcher)
@@ -322,7 +314,6 @@ def test_relaunch_stops_the_previous_server_first(tmp_path: Path, launchers: lis
     assert launcher.current is second and second.log_path != first.log_path
 
 
-@needs_simulator
 def test_flag_name_for_another_version_is_invalid_config_and_host_fault(
     tmp_path: Path, launchers: list[Launcher]
 ) -> None:
@@ -339,7 +330,6 @@ def test_flag_name_for_another_version_is_invalid_config_and_host_fault(
     assert launcher.current is None
 
 
-@needs_simulator
 def test_memory_tight_landscape_with_a_huge_config_is_oom(tmp_path: Path, launchers: list[Launcher]) -> None:
     launcher = Launcher(sim_engine(tmp_path))
     launchers.append(launcher)
@@ -350,7 +340,6 @@ def test_memory_tight_landscape_with_a_huge_config_is_oom(tmp_path: Path, launch
     assert "out of memory" in info.value.message.lower()
 
 
-@needs_simulator
 def test_server_that_never_gets_ready_is_a_launch_timeout_and_is_stopped(
     tmp_path: Path, launchers: list[Launcher]
 ) -> None:
@@ -364,7 +353,6 @@ def test_server_that_never_gets_ready_is_a_launch_timeout_and_is_stopped(
     assert descendants([os.getpid()]) <= before  # nothing of it left
 
 
-@needs_simulator
 def test_cancel_during_startup_stops_the_server(tmp_path: Path, launchers: list[Launcher]) -> None:
     launcher = Launcher(sim_engine(tmp_path, SPECTUNE_SIM_FAULT="hang_startup"))
     launchers.append(launcher)
@@ -384,7 +372,6 @@ def test_cancel_during_startup_stops_the_server(tmp_path: Path, launchers: list[
     assert launcher.current is None
 
 
-@needs_simulator
 def test_server_killed_after_readiness_is_a_crash(tmp_path: Path, launchers: list[Launcher]) -> None:
     launcher = Launcher(sim_engine(tmp_path))
     launchers.append(launcher)
@@ -399,7 +386,6 @@ def test_server_killed_after_readiness_is_a_crash(tmp_path: Path, launchers: lis
     assert group_members(server.pgid) == set()
 
 
-@needs_simulator
 def test_server_crashing_on_its_own_after_readiness(tmp_path: Path, launchers: list[Launcher]) -> None:
     launcher = Launcher(sim_engine(tmp_path, SPECTUNE_SIM_FAULT="crash_after:1"))
     launchers.append(launcher)
@@ -441,7 +427,6 @@ class PidsHeldProbe(ScriptedProbe):
         return [GpuProcess(0, pid, 1024.0) for pid in sorted(self.pids)]
 
 
-@needs_simulator
 def test_stop_waits_for_the_probe_to_show_the_memory_released(tmp_path: Path, launchers: list[Launcher]) -> None:
     probe = PidsHeldProbe()
     launcher = Launcher(sim_engine(tmp_path), gpu_probe=probe)
@@ -452,7 +437,6 @@ def test_stop_waits_for_the_probe_to_show_the_memory_released(tmp_path: Path, la
     assert probe.after_death == 3  # two polls still holding, then released
 
 
-@needs_simulator
 def test_startup_value_error_is_invalid_config(tmp_path: Path, launchers: list[Launcher]) -> None:
     # topk > 1 with page size > 1 needs flashinfer, fa3 or triton (sglang.md §2 rule 5).
     launcher = Launcher(sim_engine(tmp_path))
@@ -463,7 +447,6 @@ def test_startup_value_error_is_invalid_config(tmp_path: Path, launchers: list[L
     assert "ValueError" in info.value.message and "page_size" in info.value.message
 
 
-@needs_simulator
 def test_stop_from_another_thread_cancels_the_launch(tmp_path: Path, launchers: list[Launcher]) -> None:
     launcher = Launcher(sim_engine(tmp_path, SPECTUNE_SIM_FAULT="hang_startup"))
     launchers.append(launcher)
