@@ -158,7 +158,7 @@ MOE_PCIE = Landscape(
 # batch size of the EAGLE-3 paper's Table 3.
 DENSE_8B_H100 = Landscape(
     name="dense-8b-h100",
-    summary="Llama-3.1-8B on one H100 (NVLink-free single GPU); deep chains and trees pay off",
+    summary="Llama-3.1-8B on one H100; deep chains and wide trees pay off",
     modelled_on="Llama-3.1-8B-Instruct + EAGLE-3, 1x H100 80 GB (calibration.md §2a, §3)",
     architecture="LlamaForCausalLM",
     attention="mha",
