@@ -11,8 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,10 +25,14 @@ import httpx
 import pytest
 
 from api.protocol import LevelMetrics
+from optimizer.space import SpecConfig
 from optimizer.spec import Workload
-from workers.loadgen import LoadgenCancelled, LoadgenError, load_prompts, run_level, run_workload
+from tests.servers import free_port, stop_process_group
+from workers.loadgen import LoadgenCancelled, LoadgenError, load_prompts, make_client, run_level, run_workload
 from workers.loadgen.request import stream_generate
 from workers.loadgen.sse import SSEDecoder
+from workers.simulator.landscapes import get_landscape
+from workers.simulator.model import predict
 
 # ---------------------------------------------------------------------------------------------
 # A minimal server speaking SGLang's native /generate streaming format (reference/sglang.md §7).
@@ -408,3 +417,139 @@ def test_prompt_file_names_cannot_escape_the_folder(tmp_path: Path) -> None:
         load_prompts("link.txt", folder)
     with pytest.raises(ValueError, match="no prompt folder configured"):
         load_prompts("mine.jsonl", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Against the simulated engine (a real `python -m workers.simulator` subprocess)
+
+SIM_SPEED = 20.0  # every simulated rate x20: divide measured tok/s by it
+SIM_LANDSCAPE = "moe-pcie"
+SIM_MAX_RUNNING = 8
+SIM_OUTPUT_LEN = 512  # long enough that prefill (~1 decode step per request) is < 1% of a pass
+
+
+@contextmanager
+def simulator(config: SpecConfig | None, log_path: Path) -> Iterator[str]:
+    """Start the simulator with SGLang's flags; yield its URL once /health_generate says 200."""
+    port = free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "workers.simulator",
+        "--model-path",
+        f"sim/{SIM_LANDSCAPE}",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-running-requests",
+        str(SIM_MAX_RUNNING),
+        "--cuda-graph-max-bs-decode",
+        str(SIM_MAX_RUNNING),
+    ]
+    if config is not None:
+        argv += [
+            "--speculative-algorithm",
+            "EAGLE3",
+            "--speculative-draft-model-path",
+            "sim/draft",
+            "--speculative-num-steps",
+            str(config.num_steps),
+            "--speculative-eagle-topk",
+            str(config.topk),
+            "--speculative-num-draft-tokens",
+            str(config.num_draft_tokens),
+        ]
+    env = {
+        **os.environ,
+        "SPECTUNE_SIM_TIME_SCALE": "0.002",
+        "SPECTUNE_SIM_SPEED": str(SIM_SPEED),
+        "SPECTUNE_SIM_NOISE": "0",
+    }
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:  # bounded by the deadline
+            if proc.poll() is not None:
+                raise RuntimeError(f"simulator exited with {proc.returncode}: {log_path.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"{url}/health_generate", timeout=2.0, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"simulator not ready in 90 s: {log_path.read_text()[-2000:]}")
+            time.sleep(0.1)
+        yield url
+    finally:
+        stop_process_group(proc)
+
+
+async def _measure_levels(url: str, levels: list[int]) -> list[LevelMetrics]:
+    prompts = load_prompts("builtin:chat", None)
+    out = []
+    async with make_client(60.0) as client:
+        for c in levels:
+            out.append(
+                await run_level(
+                    client,
+                    url,
+                    prompts,
+                    concurrency=c,
+                    num_prompts=c,
+                    output_len=SIM_OUTPUT_LEN,
+                    warmup_requests=1,
+                    repeats=2,
+                    request_timeout_s=60.0,
+                )
+            )
+    return out
+
+
+@pytest.mark.parametrize(
+    "config",
+    [SpecConfig(num_steps=2, topk=1, num_draft_tokens=3), None],
+    ids=["eagle3-2-1-3", "baseline"],
+)
+def test_measurements_match_the_simulator_model(config: SpecConfig | None, tmp_path: Path) -> None:
+    landscape = get_landscape(SIM_LANDSCAPE)
+    with simulator(config, tmp_path / "sim.log") as url:
+        levels = asyncio.run(_measure_levels(url, [1, 4]))
+        # What the engine itself reports for one request of the same length.
+        direct = httpx.post(
+            f"{url}/generate",
+            json={
+                "text": "Explain speculative decoding.",
+                "sampling_params": {"temperature": 0, "ignore_eos": True, "max_new_tokens": SIM_OUTPUT_LEN},
+            },
+            timeout=60.0,
+            trust_env=False,
+        ).json()["meta_info"]
+    for m in levels:
+        want = predict(
+            landscape,
+            config,
+            m.concurrency,
+            cuda_graph_max_bs=SIM_MAX_RUNNING,
+            max_running_requests=SIM_MAX_RUNNING,
+        )
+        assert m.completion_tokens == 2 * m.concurrency * SIM_OUTPUT_LEN
+        assert m.output_tok_s / SIM_SPEED == pytest.approx(want.output_tok_s, rel=0.03), m
+        for run in m.output_tok_s_runs:
+            assert run / SIM_SPEED == pytest.approx(want.output_tok_s, rel=0.03), m
+        # Per-user decode rate (first to last token of a request): a server whose sockets lack
+        # TCP_NODELAY holds the first chunks of a request on a reused connection for a delayed ACK
+        # (~40 ms), then bursts them, and this rate comes out far too high.
+        assert m.per_user_tok_s is not None
+        assert m.per_user_tok_s / SIM_SPEED == pytest.approx(want.per_user_tok_s, rel=0.03), m
+        if config is None:
+            assert m.accept_length is None and m.spec_verify_ct is None
+            assert "spec_verify_ct" not in direct
+        else:
+            # Same rule as SGLang's meta_info (completion_tokens / spec_verify_ct, first token
+            # included), so it equals the engine's own per-request figure, and the model's AL
+            # up to the one prefill token per request.
+            assert m.accept_length == pytest.approx(direct["spec_accept_length"], rel=1e-9)
+            assert m.accept_length == pytest.approx(want.accept_length, rel=0.01)
