@@ -29,7 +29,8 @@ from optimizer.space import SpecConfig
 from optimizer.spec import Workload
 from tests.servers import free_port, stop_process_group
 from workers.loadgen import LoadgenCancelled, LoadgenError, load_prompts, make_client, run_level, run_workload
-from workers.loadgen.request import stream_generate
+from workers.loadgen.chunked import ChunkedDecoder, ChunkedError
+from workers.loadgen.request import _StreamState, stream_generate
 from workers.loadgen.sse import SSEDecoder
 from workers.simulator.landscapes import get_landscape
 from workers.simulator.model import predict
@@ -46,6 +47,7 @@ from workers.simulator.model import predict
 #   "hangup"      closes the connection mid-stream
 #   "truncated"   ends the HTTP body cleanly mid-stream, without finish_reason or [DONE]
 #   "slow"        sleeps 50 ms between chunks
+#   "paced"       sleeps 2 ms between chunks (so chunks arrive in separate reads)
 #   "stall"       sends one chunk, then nothing for 30 s
 
 
@@ -109,6 +111,8 @@ async def _respond(body: dict[str, object], writer: asyncio.StreamWriter) -> boo
             await asyncio.sleep(30)
         if "slow" in prompt:
             await asyncio.sleep(0.05)
+        if "paced" in prompt:
+            await asyncio.sleep(0.002)
     writer.write(_event(b"[DONE]") + b"0\r\n\r\n")
     await writer.drain()
     return True
@@ -196,7 +200,15 @@ def fake() -> Iterator[FakeSGLang]:
         yield server
 
 
-def _level(url: str, prompts: list[str], **kw: object) -> LevelMetrics:
+def _client(kind: str) -> httpx.AsyncClient:
+    # "fast": make_client(), the path run_workload uses; "httpx": any other client (portable path).
+    return make_client(30.0) if kind == "fast" else httpx.AsyncClient(trust_env=False)
+
+
+CLIENTS = pytest.mark.parametrize("kind", ["fast", "httpx"])
+
+
+def _level(url: str, prompts: list[str], kind: str = "fast", **kw: object) -> LevelMetrics:
     args: dict[str, object] = {
         "concurrency": 2,
         "num_prompts": 6,
@@ -208,7 +220,7 @@ def _level(url: str, prompts: list[str], **kw: object) -> LevelMetrics:
     args.update(kw)
 
     async def go() -> LevelMetrics:
-        async with httpx.AsyncClient(trust_env=False) as client:
+        async with _client(kind) as client:
             return await run_level(client, url, prompts, **args)  # type: ignore[arg-type]
 
     return asyncio.run(go())
@@ -244,12 +256,35 @@ def test_sse_decoder_flushes_last_event_without_blank_line_and_bounds_lines() ->
         small.feed(b"data: " + b"x" * 32)
 
 
+def test_chunked_decoder_any_split_trailers_and_errors() -> None:
+    body = b"5\r\nhello\r\n1;ext=1\r\n \r\n6\r\nworld!\r\n0\r\nX-Trailer: 1\r\n\r\n"
+    for step in (1, 2, 5, len(body)):
+        dec = ChunkedDecoder()
+        out = b"".join(dec.feed(body[i : i + step]) for i in range(0, len(body), step))
+        assert out == b"hello world!" and dec.done, step
+    with pytest.raises(ChunkedError, match="bad chunk size"):
+        ChunkedDecoder().feed(b"zz\r\n")
+    with pytest.raises(ChunkedError, match="not followed by CRLF"):
+        ChunkedDecoder().feed(b"2\r\nabXY")
+
+
+def test_events_parse_whatever_the_key_order() -> None:
+    # The fast meta_info-only parse must give way to the full parse when the layout differs.
+    state = _StreamState("req", 0.0)
+    state.on_event(b'{"text": "a", "meta_info": {"completion_tokens": 1}, "extra": {"x": 1}}', 1.0)
+    state.on_event(b'{"meta_info": {"completion_tokens": 3, "spec_verify_ct": 2}, "text": "\\"meta_info\\":"}', 2.0)
+    assert state.prev_tokens == 3 and state.verify_ct == 2
+    with pytest.raises(LoadgenError, match="error event: bad"):
+        state.on_event(b'{"error": {"message": "bad"}, "meta_info": {"completion_tokens": 4}}', 3.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Measurements against the fake server
 
 
-def test_level_measures_tokens_accept_length_and_latencies(fake: FakeSGLang) -> None:
-    m = _level(fake.url, ["burst=3 a", "burst=3 b"], output_len=16, num_prompts=6, repeats=2)
+@CLIENTS
+def test_level_measures_tokens_accept_length_and_latencies(fake: FakeSGLang, kind: str) -> None:
+    m = _level(fake.url, ["paced burst=3 a", "paced burst=3 b"], kind, output_len=16, num_prompts=6, repeats=2)
     assert m.concurrency == 2
     assert m.num_requests == 12
     assert m.completion_tokens == 12 * 16
@@ -265,9 +300,10 @@ def test_level_measures_tokens_accept_length_and_latencies(fake: FakeSGLang) -> 
     assert m.itl_ms_p50 <= m.itl_ms_p90 <= m.itl_ms_p99  # type: ignore[operator]
 
 
-def test_burst_chunks_spread_over_their_tokens(fake: FakeSGLang) -> None:
+@CLIENTS
+def test_burst_chunks_spread_over_their_tokens(fake: FakeSGLang, kind: str) -> None:
     async def go() -> None:
-        async with httpx.AsyncClient(trust_env=False) as client:
+        async with _client(kind) as client:
             r = await stream_generate(
                 client, fake.url + "/generate", "burst=4 x", output_len=10, timeout_s=10, label="req"
             )
@@ -313,22 +349,29 @@ def test_at_most_concurrency_requests_in_flight(fake: FakeSGLang) -> None:
         ("truncated", r"stream ended after 2 of 16 tokens without a finish_reason"),
     ],
 )
-def test_bad_requests_raise_loadgen_error_naming_the_request(fake: FakeSGLang, prompt: str, message: str) -> None:
+@CLIENTS
+def test_bad_requests_raise_loadgen_error_naming_the_request(
+    fake: FakeSGLang, kind: str, prompt: str, message: str
+) -> None:
     with pytest.raises(LoadgenError, match=message) as info:
-        _level(fake.url, ["baseline", prompt], concurrency=1, num_prompts=2, repeats=1, warmup_requests=0)
+        _level(fake.url, ["baseline", prompt], kind, concurrency=1, num_prompts=2, repeats=1, warmup_requests=0)
     assert "request 2/2" in str(info.value) and "prompt #1" in str(info.value)
 
 
-def test_request_timeout_becomes_loadgen_error(fake: FakeSGLang) -> None:
+@CLIENTS
+def test_request_timeout_becomes_loadgen_error(fake: FakeSGLang, kind: str) -> None:
     with pytest.raises(LoadgenError, match=r"no complete answer within 0.3 s after 1 of 16 tokens"):
-        _level(fake.url, ["stall"], concurrency=1, num_prompts=1, repeats=1, warmup_requests=0, request_timeout_s=0.3)
+        _level(
+            fake.url, ["stall"], kind, concurrency=1, num_prompts=1, repeats=1, warmup_requests=0, request_timeout_s=0.3
+        )
 
 
-def test_unreachable_server_is_loadgen_error() -> None:
+@CLIENTS
+def test_unreachable_server_is_loadgen_error(kind: str) -> None:
     with FakeSGLang() as server:
         url = server.url
     with pytest.raises(LoadgenError, match=r"request .* failed after 0 of 16 tokens: ConnectError"):
-        _level(url, ["x"], concurrency=1, num_prompts=1, repeats=1, warmup_requests=0)
+        _level(url, ["x"], kind, concurrency=1, num_prompts=1, repeats=1, warmup_requests=0)
 
 
 def test_cancel_stops_a_running_workload(fake: FakeSGLang) -> None:
