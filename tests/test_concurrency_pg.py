@@ -97,7 +97,7 @@ def test_sixteen_threads_two_processes_never_share_a_trial(two_servers: Any) -> 
 
     assert set(run_threads(complete, 2 * N_WORKERS)) == {200}
     done = httpx.get(f"{urls[1]}/v1/studies/race/trials", headers=user, timeout=30).json()
-    complete_numbers = Counter(t["number"] for t in done if t["state"] == "COMPLETE" and not t["duplicate_of"])
+    complete_numbers = Counter(t["number"] for t in done if t["state"] == "COMPLETE" and t["duplicate_of"] is None)
     assert complete_numbers == Counter({n: 1 for n in numbers})
     for t in done:
         if t["number"] in numbers:

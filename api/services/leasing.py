@@ -208,11 +208,13 @@ class LeaseService:
             return None
         return lease
 
+    @staticmethod
+    def _launched(s: Session, study: str) -> int:
+        return s.scalar(select(func.count()).select_from(TrialConfigRow).where(TrialConfigRow.study_name == study)) or 0
+
     def _budget_reason(self, s: Session, spec: StudySpec, row: StudyRow, now: datetime) -> str | None:
-        launched = s.scalar(
-            select(func.count()).select_from(TrialConfigRow).where(TrialConfigRow.study_name == spec.name)
-        )
-        if launched is not None and launched >= spec.budget.max_trials:
+        launched = self._launched(s, spec.name)
+        if launched >= spec.budget.max_trials:
             return f"budget used: {launched} of max_trials={spec.budget.max_trials} configurations launched"
         if spec.budget.max_hours is not None and now - row.created_at > timedelta(hours=spec.budget.max_hours):
             return f"budget used: max_hours={spec.budget.max_hours} passed"
@@ -235,6 +237,8 @@ class LeaseService:
                         )
                     )
                     s.flush()
+                    if self._launched(s, spec.name) > spec.budget.max_trials:
+                        raise _BudgetUsed  # a concurrent ask took the last place
                     lease = self._new_lease(s, spec, "trial", worker_id, now, config=asked.config, number=asked.number)
                     if lease is None:
                         raise _WorkerBusy
@@ -245,6 +249,9 @@ class LeaseService:
                 self._answer_duplicate(study, spec, asked)
             except _WorkerBusy:
                 opt.tell_failed(study, asked.number, {"reason": "worker got another lease concurrently"})
+                return None
+            except _BudgetUsed:
+                opt.tell_failed(study, asked.number, {"reason": "budget used by a concurrent ask"})
                 return None
             except BaseException:
                 # Never leave a RUNNING trial behind that no lease will ever finish.
@@ -454,10 +461,14 @@ class LeaseService:
                 self._event(s, "late_report_kept", lease, f"trial {number} reported after its lease expired")
         outcome_state, speedup = self._tell_trial(study, spec, number, body, base, attrs)
         requeue = outcome_state == "retry"
+        to_fail = None
         with u.step() as s:
             now = db_now(s)
             lease = s.get(LeaseRow, lease_id)
             assert lease is not None
+            if lease.state in ("completed", "failed"):
+                # A concurrent repeat of this report got here first (SQLite has no lease lock).
+                return CompleteOut(lease_id=lease.id, state=lease.state, speedup=lease.speedup, duplicate=True)
             lease.finished_at = now
             lease.result = body.model_dump(mode="json")
             lease.speedup = speedup
@@ -472,11 +483,13 @@ class LeaseService:
             elif requeue and failure is not None:
                 if failure.kind != "lost":  # a worker shutting down is not a sick host
                     self._host_failure(s, worker_id, f"{failure.kind}: {failure.message}")
-                failed = self._retry_or_fail(s, spec, lease, now, f"{failure.kind}: {failure.message}")
-                if failed is not None:
-                    self._tell_failed(*failed)
+                to_fail = self._retry_or_fail(s, spec, lease, now, f"{failure.kind}: {failure.message}")
             study_svc.maybe_finish(s, spec, now, self.ctx.storage)
-            return CompleteOut(lease_id=lease.id, state=lease.state, speedup=speedup)
+            out = CompleteOut(lease_id=lease.id, state=lease.state, speedup=speedup)
+        if to_fail is not None:
+            # Outside the step: on SQLite Optuna's write must not wait for our write lock.
+            self._tell_failed(*to_fail)
+        return out
 
     def _tell_trial(
         self,
@@ -601,6 +614,10 @@ def _tok_s(row: BaselineRow) -> dict[int, float]:
 
 
 class _WorkerBusy(Exception):
+    pass
+
+
+class _BudgetUsed(Exception):
     pass
 
 

@@ -1,0 +1,265 @@
+"""`spectune demo`: a whole study on one machine, with nothing but Python.
+
+The API runs on a SQLite file, two workers drive the simulated engine (which speaks SGLang's
+protocol and is calibrated on published measurements), and a demo study runs to its budget.
+Every process is started here, as a real subprocess talking real HTTP on 127.0.0.1, and stopped
+here: the demo exercises exactly what a cluster deployment runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import typer
+
+# The simulated engine runs this much faster than real time (all rates scale equally, so the
+# speedups are unchanged) and starts up in a fraction of the real time.
+SIM_SPEED = 20.0
+SIM_TIME_SCALE = 0.004
+DEMO_DEADLINE_S = 280.0  # the demo must finish well inside 5 minutes on 2 cores
+N_WORKERS = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _demo_spec(name: str, landscape: str, max_trials: int) -> dict[str, Any]:
+    return {
+        "name": name,
+        "model": {"target": landscape, "draft": f"{landscape}-eagle3", "attention_backend": "fa3"},
+        "search_space": {
+            "num_steps": {"low": 1, "high": 10},
+            "topk": [1, 2, 4, 8],
+            "num_draft_tokens": {"low": 2, "high": 64},
+        },
+        "workload": {"output_len": 128, "num_prompts": 16, "concurrency": [1], "warmup_requests": 2, "repeats": 3},
+        "budget": {"max_trials": max_trials},
+        "sampler": "tpe",
+        "seed": 0,
+    }
+
+
+def _write_worker_config(workdir: Path, i: int, api_url: str, landscape: str) -> Path:
+    wdir = workdir / f"worker-{i}"
+    wdir.mkdir(parents=True, exist_ok=True)
+    # The simulated engine reads its landscape from the model path's last component; the
+    # folders exist because the worker checks every registry path at start-up.
+    models = workdir / "sim-models"
+    for name in (landscape, f"{landscape}-eagle3"):
+        (models / name).mkdir(parents=True, exist_ok=True)
+    cfg = wdir / "worker.toml"
+    env = {
+        "SPECTUNE_SIM_SPEED": str(SIM_SPEED),
+        "SPECTUNE_SIM_TIME_SCALE": str(SIM_TIME_SCALE),
+        "SPECTUNE_SIM_HOST_ID": f"demo-host-{i}",
+        "SPECTUNE_SIM_SEED": str(i),
+    }
+    env_lines = "\n".join(f'{k} = "{v}"' for k, v in env.items())
+    cfg.write_text(
+        f"""# Written by `spectune demo`: a worker driving the simulated engine.
+api_url = "{api_url}"
+token_file = "worker.token"
+worker_id = "demo-worker-{i}"
+outbox_dir = "outbox"
+idle_poll_s = 0.5
+idle_poll_max_s = 2
+
+[engine]
+python = "{sys.executable}"
+module = "workers.simulator"
+port = {_free_port()}
+sglang_version = "0.5.23"
+log_dir = "logs"
+
+[engine.env]
+{env_lines}
+
+[timeouts]
+startup_s = 120
+stop_s = 10
+gpu_release_s = 10
+request_s = 120
+
+[models]
+"{landscape}" = "{models}/{landscape}"
+"{landscape}-eagle3" = "{models}/{landscape}-eagle3"
+
+[labels]
+demo = "true"
+"""
+    )
+    return cfg
+
+
+@contextmanager
+def _process(argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    """A child in its own process group; on exit SIGTERM, a bounded wait, then SIGKILL."""
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TZ": "UTC", **(env or {})},
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the API exited with status {proc.returncode}; see {log_path}")
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"the API did not come up within {timeout:.0f} s; see {log_path}")
+
+
+def _progress_line(elapsed: float, study: dict[str, Any]) -> str:
+    t = study["trials"]
+    best = study.get("best")
+    best_s = "none yet"
+    if best:
+        c = best["config"]
+        best_s = (
+            f"{best['speedup']:.3f}x (steps {c['num_steps']}, topk {c['topk']}, draft tokens {c['num_draft_tokens']})"
+        )
+    return (
+        f"[{elapsed:5.0f} s] baselines {study['baselines_measured']}/{N_WORKERS} | trials: "
+        f"{t.get('COMPLETE', 0)} done, {t.get('RUNNING', 0)} running, {t.get('FAIL', 0)} failed | best so far {best_s}"
+    )
+
+
+def _print_result(study: dict[str, Any], trials: list[dict[str, Any]], db_url: str, wall_s: float) -> None:
+    echo = typer.echo
+    echo("")
+    echo(f"Study {study['name']}: {study['state']} ({study.get('finish_reason') or 'deadline'}) in {wall_s:.0f} s")
+    measured = [t for t in trials if t["state"] == "COMPLETE" and t.get("duplicate_of") is None]
+    infeasible = [t for t in measured if not t["feasible"]]
+    echo(f"  {len(measured)} configurations measured ({len(infeasible)} could not run), baseline per worker first")
+    best = study.get("best")
+    if not best:
+        echo("  no configuration finished; see the logs under the demo folder")
+        return
+    c = best["config"]
+    echo("")
+    echo(study["verdict"])
+    echo(
+        f"  best: num_steps={c['num_steps']} topk={c['topk']} num_draft_tokens={c['num_draft_tokens']} (trial {best['trial_number']})"
+    )
+    for level, s in (best.get("speedup_by_level") or {}).items():
+        iv = (best.get("speedup_interval_by_level") or {}).get(level)
+        spread = f"  95% interval {iv['low']:.3f}-{iv['high']:.3f}" if iv else ""
+        lv = next((x for x in best.get("levels") or [] if str(x["concurrency"]) == level), None)
+        al = f", accept length {lv['accept_length']:.2f}" if lv and lv.get("accept_length") else ""
+        echo(f"  concurrency {level}: speedup {s:.3f}x over no speculation{spread}{al}")
+    echo("")
+    echo("Launch it (replace the model names with your paths):")
+    echo(f"  {best['launch_command']}")
+    echo("")
+    echo("Watch the study in optuna-dashboard:")
+    echo(f"  optuna-dashboard {db_url}")
+
+
+def run_demo(*, workdir: Path, landscape: str = "moe-pcie", max_trials: int = 20) -> int:
+    """Run the demo; returns the process exit status."""
+    from api.auth import create_token
+    from api.db import make_engine, make_sessionmaker
+    from api.schema import upgrade
+
+    started = time.monotonic()
+    workdir = workdir.resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    db_path = workdir / "spectune.db"
+    if db_path.exists():
+        db_path.unlink()  # a demo starts from scratch
+    for suffix in ("-wal", "-shm"):
+        Path(f"{db_path}{suffix}").unlink(missing_ok=True)
+    db_url = f"sqlite:///{db_path}"
+    typer.echo(f"spectune demo: API on {db_url}, {N_WORKERS} workers driving the simulated '{landscape}' engine")
+    upgrade(db_url)
+    engine = make_engine(db_url)
+    factory = make_sessionmaker(engine)
+    _, user_token = create_token(factory, "user", "demo-user")
+    _, worker_token = create_token(factory, "worker", "demo-workers")
+    engine.dispose()
+
+    port = _free_port()
+    api_url = f"http://127.0.0.1:{port}"
+    api_log = workdir / "api.log"
+    study_name = f"demo-{landscape}"
+    headers = {"Authorization": f"Bearer {user_token}"}
+    with ExitStack() as stack:
+        api = stack.enter_context(
+            _process(
+                [sys.executable, "-m", "api.cli", "server", "--database-url", db_url, "--port", str(port)],
+                api_log,
+                {"SPECTUNE_HEARTBEAT_INTERVAL_S": "2", "SPECTUNE_LEASE_TTL_S": "20"},
+            )
+        )
+        _wait_healthy(api_url, api, api_log)
+        r = httpx.post(
+            f"{api_url}/v1/studies", json=_demo_spec(study_name, landscape, max_trials), headers=headers, timeout=60
+        )
+        if r.status_code != 201:
+            typer.secho(f"error: could not create the demo study: {r.text}", err=True, fg=typer.colors.RED)
+            return 2
+        workers: list[tuple[subprocess.Popen[bytes], Path]] = []
+        for i in range(N_WORKERS):
+            cfg = _write_worker_config(workdir, i, api_url, landscape)
+            token_file = cfg.parent / "worker.token"
+            token_file.write_text(worker_token + "\n")
+            token_file.chmod(0o600)
+            log_path = cfg.parent / "worker.log"
+            proc = stack.enter_context(
+                _process([sys.executable, "-m", "api.cli", "worker", "--config", str(cfg)], log_path)
+            )
+            workers.append((proc, log_path))
+        last = ""
+        study: dict[str, Any] = {}
+        while time.monotonic() - started < DEMO_DEADLINE_S:
+            study = httpx.get(f"{api_url}/v1/studies/{study_name}", headers=headers, timeout=30).json()
+            line = _progress_line(time.monotonic() - started, study)
+            if line.split("]", 1)[1] != last:
+                typer.echo(line)
+                last = line.split("]", 1)[1]
+            if study["state"] != "running":
+                break
+            if all(p.poll() is not None for p, _ in workers):
+                tail = workers[0][1].read_text()[-1500:]
+                typer.secho(f"error: every worker exited; the first one's log ends with:\n{tail}", err=True)
+                return 1
+            time.sleep(1.0)
+        else:
+            typer.echo("demo deadline reached: stopping the study")
+            study = httpx.post(f"{api_url}/v1/studies/{study_name}/stop", headers=headers, timeout=30).json()
+        trials = httpx.get(f"{api_url}/v1/studies/{study_name}/trials", headers=headers, timeout=30).json()
+        typer.echo("stopping workers and their engines...")
+    _print_result(study, trials, db_url, time.monotonic() - started)
+    (workdir / "result.json").write_text(json.dumps({"study": study, "trials": trials}, indent=2, default=str))
+    typer.echo(f"(logs and the full result are in {workdir})")
+    return 0 if study.get("best") else 1
