@@ -38,12 +38,28 @@ HAVE_SIMULATOR = importlib.util.find_spec("workers.simulator.__main__") is not N
 needs_simulator = pytest.mark.skipif(not HAVE_SIMULATOR, reason="workers.simulator not available yet")
 
 
-def wait_for(pred: Callable[[], bool], timeout_s: float = 20.0, what: str = "condition") -> None:
+def wait_for(
+    pred: Callable[[], bool], timeout_s: float = 20.0, what: str = "condition", context: Callable[[], str] | None = None
+) -> None:
     deadline = time.monotonic() + timeout_s
     while not pred():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            raise AssertionError(f"timed out waiting for {what}" + (f"; worker log:\n{context()}" if context else ""))
         time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def worker_process(config: Path) -> Iterator[tuple[subprocess.Popen[bytes], Callable[[], str]]]:
+    """`python -m workers.agent config` as a real process (real signals); its log goes to a file."""
+    log_path = config.parent / "worker.log"
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "workers.agent", str(config)], stderr=log_file)
+    try:
+        yield proc, lambda: log_path.read_text(errors="replace")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
 
 
 def lease_body(lease_id: str, *, target: str = "llama", draft: str | None = "eagle", **over: Any) -> dict[str, Any]:
@@ -71,6 +87,7 @@ class FakeApi:
     calls: list[tuple[str, str, Any]] = field(default_factory=list)
     held: dict[str, dict[str, Any]] = field(default_factory=dict)
     completed: dict[str, dict[str, Any]] = field(default_factory=dict)
+    expired: set[str] = field(default_factory=set)
     heartbeat_status: dict[str, int] = field(default_factory=dict)
     progress_action: dict[str, str] = field(default_factory=dict)
     complete_status: int | None = None  # e.g. 503 for an outage of the complete endpoint
@@ -98,7 +115,7 @@ class FakeApi:
             with self.lock:
                 self.calls.append(("lease", worker_id, body))
                 current = self.held.get(worker_id)
-                if current is None or current["lease_id"] in self.completed:
+                if current is None or current["lease_id"] in self.completed or current["lease_id"] in self.expired:
                     if not self.queue:
                         return Response(status_code=204)
                     current = self.held[worker_id] = self.queue.pop(0)
@@ -109,6 +126,8 @@ class FakeApi:
             with self.lock:
                 self.calls.append(("heartbeat", lease_id, None))
                 status = self.heartbeat_status.get(lease_id, 200)
+                if status in (409, 410):
+                    self.expired.add(lease_id)  # as the real API: a lost lease is never handed back
             if status != 200:
                 return Response(status_code=status, content=b'{"detail":"lease expired"}')
             return Response(content=b'{"deadline":"2026-11-29T12:05:00Z"}', media_type="application/json")
@@ -177,10 +196,14 @@ def api() -> Iterator[tuple[FakeApi, ApiServer]]:
     server.stop()
 
 
-def write_config(tmp_path: Path, api_url: str, *, token: str = TOKEN, extra: str = "") -> Path:
+def write_config(
+    tmp_path: Path, api_url: str, *, token: str = TOKEN, extra: str = "", time_scale: float = 0.02
+) -> Path:
+    """A worker config driving the simulator; `time_scale` shrinks its start-up (about 30 s real)."""
     (tmp_path / "token").write_text(token + "\n")
     os.chmod(tmp_path / "token", 0o600)
-    for name in ("llama", "eagle"):
+    # The simulator picks its landscape from the last component of the model path.
+    for name in ("dense-8b-h100", "mem-tight", "eagle3-draft"):
         (tmp_path / "models" / name).mkdir(parents=True, exist_ok=True)
     (tmp_path / "prompts").mkdir(exist_ok=True)
     path = tmp_path / "worker.toml"
@@ -198,6 +221,7 @@ python = "{sys.executable}"
 module = "workers.simulator"
 sglang_version = "0.5.23"
 port = {_free_port()}
+env = {{ SPECTUNE_SIM_TIME_SCALE = "{time_scale}" }}
 
 [timeouts]
 startup_s = 60
@@ -206,8 +230,9 @@ api_s = 5
 api_retry_max_s = 0.5
 
 [models]
-llama = "models/llama"
-eagle = "models/eagle"
+llama = "models/dense-8b-h100"
+small-gpu = "models/mem-tight"
+eagle = "models/eagle3-draft"
 
 [labels]
 rack = "r1"
@@ -257,7 +282,7 @@ def test_lease_for_a_model_outside_the_registry_is_refused_as_a_host_fault(tmp_p
         assert name in failure.message and "[models]" in failure.message
     # The inventory told the API what this host has.
     inventory = next(body for e, _, body in fake.calls if e == "lease")
-    assert inventory["models"] == ["eagle", "llama"] and inventory["labels"]["rack"] == "r1"
+    assert inventory["models"] == ["eagle", "llama", "small-gpu"] and inventory["labels"]["rack"] == "r1"
     assert inventory["sglang_version"] == "0.5.23" and fake.names("lease")[0] == "w1"
     assert len(Outbox(tmp_path / "outbox")) == 0
     assert "lease L-1" in caplog.text and TOKEN not in caplog.text
@@ -337,18 +362,12 @@ def test_rejected_report_is_kept_aside_and_the_loop_goes_on(tmp_path, api):
 
 def test_sigterm_while_idle_exits_zero(tmp_path, api):
     fake, server = api
-    config = write_config(tmp_path, server.url)
-    proc = subprocess.Popen([sys.executable, "-m", "workers.agent", str(config)], stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for(lambda: len(fake.names("lease")) >= 2, 60, "the worker to poll")
+    with worker_process(write_config(tmp_path, server.url)) as (proc, log_text):
+        wait_for(lambda: len(fake.names("lease")) >= 2, 120, "the worker to poll", log_text)
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-    assert proc.returncode == 0, err
-    assert "SIGTERM received" in err and TOKEN not in err
+        proc.wait(60)
+        assert proc.returncode == 0, log_text()
+        assert "SIGTERM received" in log_text() and TOKEN not in log_text()
 
 
 def test_bad_config_exits_with_a_clear_message(tmp_path):
@@ -365,7 +384,6 @@ def test_bad_config_exits_with_a_clear_message(tmp_path):
 
 
 @needs_simulator
-@pytest.mark.slow
 def test_trial_runs_end_to_end_with_heartbeats_progress_and_metrics(tmp_path, api):
     fake, server = api
     fake.queue = [lease_body("L-1")]
@@ -384,7 +402,6 @@ def test_trial_runs_end_to_end_with_heartbeats_progress_and_metrics(tmp_path, ap
 
 
 @needs_simulator
-@pytest.mark.slow
 def test_prune_stops_the_benchmark_and_reports_the_levels_measured(tmp_path, api):
     fake, server = api
     fake.queue = [lease_body("L-1")]
@@ -397,7 +414,6 @@ def test_prune_stops_the_benchmark_and_reports_the_levels_measured(tmp_path, api
 
 
 @needs_simulator
-@pytest.mark.slow
 def test_lost_lease_stops_the_server_and_reports_nothing(tmp_path, api):
     fake, server = api
     body = lease_body("L-1")
@@ -408,29 +424,38 @@ def test_lost_lease_stops_the_server_and_reports_nothing(tmp_path, api):
         wait_for(lambda: "L-2" in fake.completed, 120, "the next lease's report")
         assert agent.launcher.current is None
     assert "L-1" not in fake.names("complete")
+    assert processes_mentioning(str(tmp_path / "models")) == []
 
 
 @needs_simulator
-@pytest.mark.slow
 def test_sigterm_during_startup_reports_lost_and_leaves_no_process(tmp_path, api):
     fake, server = api
     fake.queue = [lease_body("L-1")]
-    config = write_config(tmp_path, server.url)
-    proc = subprocess.Popen([sys.executable, "-m", "workers.agent", str(config)], stderr=subprocess.PIPE, text=True)
-    try:
-        # The first heartbeat comes 0.2 s into the lease, while the server is still starting.
-        wait_for(lambda: "L-1" in fake.names("heartbeat"), 60, "the lease to start")
+    # Start-up takes ~10 s here; the first heartbeat comes 0.2 s into the lease.
+    with worker_process(write_config(tmp_path, server.url, time_scale=0.4)) as (proc, log_text):
+        wait_for(lambda: "L-1" in fake.names("heartbeat"), 120, "the lease to start", log_text)
+        assert "ready after" not in log_text()
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-    assert proc.returncode == 0, err
+        proc.wait(90)
+        assert proc.returncode == 0, log_text()
     report = fake.reports()["L-1"]
     assert report.failure is not None and report.failure.kind == "lost"
     assert report.failure.message == "worker shutting down"
     assert processes_mentioning(str(tmp_path)) == []
+
+
+@needs_simulator
+def test_second_sigterm_kills_the_server_group_and_exits_at_once(tmp_path, api):
+    fake, server = api
+    fake.queue = [lease_body("L-1")]
+    with worker_process(write_config(tmp_path, server.url, time_scale=0.4)) as (proc, log_text):
+        wait_for(lambda: processes_mentioning(str(tmp_path / "models")) != [], 120, "the server to start", log_text)
+        proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: "SIGTERM received" in log_text(), 30, "the first signal to be seen", log_text)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        assert proc.returncode == 128 + signal.SIGTERM, log_text()
+    wait_for(lambda: processes_mentioning(str(tmp_path / "models")) == [], 10, "the server group to die")
 
 
 def processes_mentioning(text: str) -> list[int]:
@@ -443,6 +468,6 @@ def processes_mentioning(text: str) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if text in cmdline and "pytest" not in cmdline:
+        if text in cmdline and int(entry.name) != os.getpid():
             found.append(int(entry.name))
     return found
