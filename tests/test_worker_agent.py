@@ -471,3 +471,73 @@ def processes_mentioning(text: str) -> list[int]:
         if text in cmdline and int(entry.name) != os.getpid():
             found.append(int(entry.name))
     return found
+
+
+@needs_simulator
+def test_oom_is_reported_with_its_kind_and_the_worker_goes_on(tmp_path, api):
+    fake, server = api
+    # The 24 GB landscape cannot capture CUDA graphs up to batch 256 next to its weights.
+    oom = lease_body("L-1", target="small-gpu")
+    oom["server"].update(max_running_requests=256, cuda_graph_max_bs=256)
+    fake.queue = [oom, lease_body("L-2")]
+    with running_agent(write_config(tmp_path, server.url)):
+        wait_for(lambda: {"L-1", "L-2"} <= set(fake.completed), 120, "both reports")
+    reports = fake.reports()
+    failure = reports["L-1"].failure
+    assert reports["L-1"].outcome == "failed" and failure is not None
+    assert failure.kind == "oom" and not failure.host_fault and failure.log_tail
+    assert reports["L-2"].outcome == "ok"
+
+
+@needs_simulator
+def test_api_down_during_the_benchmark_the_result_arrives_from_the_outbox(tmp_path, api):
+    fake, server = api
+    body = lease_body("L-1")
+    # About 3 s of decoding after the first level: the API is down well before the report.
+    body["workload"].update(output_len=128, num_prompts=8, warmup_requests=0)
+    fake.queue = [body]
+    outbox = Outbox(tmp_path / "outbox")
+    with running_agent(write_config(tmp_path, server.url)):
+        wait_for(lambda: "L-1" in fake.names("progress"), 120, "the first level")
+        server.stop()
+        wait_for(lambda: len(outbox) == 1, 60, "the report to wait in the outbox")
+        assert "L-1" not in fake.completed
+        server.start()
+        wait_for(lambda: "L-1" in fake.completed, 60, "delivery after the API came back")
+    report = fake.reports()["L-1"]
+    assert report.outcome == "ok" and report.metrics is not None and len(report.metrics.levels) == 2
+    assert len(outbox) == 0
+
+
+class FourGpus:
+    """A GpuProbe (workers.gpu) for a host with four GPUs: what NVML would report."""
+
+    def devices(self):
+        from workers.gpu import GpuDevice
+
+        return [GpuDevice(i, "NVIDIA H200", f"GPU-{i}", 143771.0, 0.0) for i in range(4)]
+
+    def compute_processes(self):
+        return []
+
+    def driver_version(self):
+        return "580.65.06"
+
+
+def test_inventory_lists_the_configured_gpus_and_derives_placement_labels():
+    from workers.inventory import build_inventory
+
+    inv = build_inventory(
+        sglang_version="0.5.23",
+        models=["b", "a"],
+        labels={"zone": "z1"},
+        probe=FourGpus(),
+        gpus=[0, 2],
+        hostname="gpu-7",
+    )
+    assert [g.index for g in inv.gpus] == [0, 2] and inv.gpus[0].memory_mib == 143771
+    assert inv.driver_version == "580.65.06" and inv.models == ["a", "b"]
+    assert inv.labels == {"gpu_count": "2", "gpu_model": "NVIDIA H200", "zone": "z1"}
+    # Labels from the config win over derived ones; no NVML means no GPUs and no driver.
+    bare = build_inventory(sglang_version="0.5.23", models=[], labels={"gpu_count": "8"}, probe=None)
+    assert bare.gpus == [] and bare.driver_version is None and bare.labels == {"gpu_count": "8"}
