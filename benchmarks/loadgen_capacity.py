@@ -2,6 +2,7 @@
 
     python benchmarks/loadgen_capacity.py            # full table (about a minute)
     python benchmarks/loadgen_capacity.py --quick    # fewer, shorter scenarios
+    python benchmarks/loadgen_capacity.py --pin 2,3 --practical-tok-s 8270   # as in benchmarks/README.md
 
 A minimal server in a separate process speaks SGLang's native ``/generate`` streaming format
 (cumulative ``text`` of ~4 characters per token, ``meta_info`` with the running
@@ -13,8 +14,10 @@ Two kinds of scenario:
 
 - ``flood``: the server writes events as fast as it can.  Reads coalesce several events, so this
   is the generator's best case (and may be bound by the server on a busy machine).
-- ``paced``: each stream emits one event every ``burst / rate`` seconds, like a real engine, so
-  nearly every event arrives in its own socket read: the generator's worst case per token.
+- ``stepped``: at the practical peak rate, every stream gets one event per step of a shared
+  clock, as an engine emits every running request's tokens after each decode step: realistic.
+- ``paced``: the same rate, but each stream ticks on its own, so nearly every event arrives in
+  its own socket read and loop wake-up: the generator's worst case per token.
 
 For each scenario the table shows the measured tok/s, the generator's CPU time as a share of one
 core, and its capacity = tokens consumed / generator CPU seconds, i.e. the tok/s it could consume
@@ -95,7 +98,13 @@ async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
             frames = _events(int(body["sampling_params"]["max_new_tokens"]), int(words["burst"]))
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
             rate = float(words["rate"])  # tok/s per stream; 0 = flood
-            if rate <= 0:
+            if words.get("mode") == "stepped":
+                period = int(words["burst"]) / rate
+                for f in frames:
+                    await _tick(period)
+                    writer.write(f)
+                    await writer.drain()
+            elif rate <= 0:
                 for f in frames:
                     writer.write(f)
                     await writer.drain()
@@ -112,6 +121,27 @@ async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
         pass
     finally:
         writer.close()
+
+
+_TICKS: dict[float, asyncio.Future[None]] = {}
+
+
+async def _tick(period: float) -> None:
+    """Wait for the next step of a clock shared by every stream with this period (a decode step)."""
+    if period not in _TICKS:
+        _TICKS[period] = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().create_task(_ticker(period))
+    await _TICKS[period]
+
+
+async def _ticker(period: float) -> None:
+    loop = asyncio.get_running_loop()
+    due = time.perf_counter()
+    for _ in range(10**9):  # lives as long as the server process
+        due += period
+        await asyncio.sleep(max(0.0, due - time.perf_counter()))
+        fut, _TICKS[period] = _TICKS[period], loop.create_future()
+        fut.set_result(None)
 
 
 async def _serve() -> None:
@@ -159,7 +189,7 @@ async def _measure(url: str, sc: Scenario, server_pid: int) -> Row:
         limits = httpx.Limits(max_connections=sc.concurrency, max_keepalive_connections=sc.concurrency)
         client = httpx.AsyncClient(limits=limits, timeout=120.0, trust_env=False)
     async with client:
-        prompt = f"burst={sc.burst} rate={sc.rate_per_stream}"
+        prompt = f"burst={sc.burst} rate={sc.rate_per_stream} mode={sc.name}"
         kw = {"concurrency": sc.concurrency, "output_len": sc.output_len, "request_timeout_s": 120.0}
         await run_level(client, url, [prompt], num_prompts=sc.concurrency, warmup_requests=0, repeats=1, **kw)  # type: ignore[arg-type]
         cpu0, srv0, wall0 = time.process_time(), _proc_cpu_s(server_pid), time.perf_counter()
@@ -178,11 +208,14 @@ def _scenarios(quick: bool, practical: float) -> list[Scenario]:
         Scenario("flood", 64, 3, 256, 64 * n, 0),
         Scenario("flood", 64, 1, 1024, 64 * max(1, n // 2), 0),
     ]
-    # Paced at the practical peak: each of 64 streams at practical/64 tok/s.
-    for burst in (1, 3):
-        out.append(Scenario("paced", 64, burst, 256, 64 * n // 2, practical / 64))
-    out.append(Scenario("paced", 16, 1, 256, 16 * n, practical / 16))
-    out = out[:4] + out[5:7] if quick else out
+    # At the practical peak: each of c streams at practical/c tok/s; "stepped" streams share one
+    # step clock (every running request gets its tokens in the same decode step, as in an engine),
+    # "paced" streams tick independently (more wake-ups: a pessimistic bound).
+    for mode in ("stepped", "paced"):
+        for burst in (1, 3):
+            out.append(Scenario(mode, 64, burst, 256, 64 * n // 2, practical / 64))
+        out.append(Scenario(mode, 16, 1, 256, 16 * n, practical / 16))
+    out = out[:4] + out[5:7] + out[8:10] if quick else out
     # httpx's default transport on the worst cases, to show why run_workload does not use it.
     out.append(Scenario("flood", 64, 1, 256, 64 * n, 0, "httpx"))
     out.append(Scenario("paced", 64, 1, 256, 64 * n // 2, practical / 64, "httpx"))
@@ -196,7 +229,21 @@ def main() -> int:
     ap.add_argument(
         "--practical-tok-s", type=float, default=5000.0, help="highest aggregate tok/s measured in practice [5000]"
     )
+    ap.add_argument("--uvloop", action="store_true", help="run the load generator on uvloop (must be importable)")
+    ap.add_argument(
+        "--pin",
+        metavar="GEN,SERVER",
+        help="pin the generator and the server to these CPU numbers (e.g. 2,3) for a clean one-core figure",
+    )
     args = ap.parse_args()
+    pins = [int(x) for x in args.pin.split(",")] if args.pin else None
+    if pins is not None and len(pins) != 2:
+        ap.error("--pin takes two CPU numbers: GEN,SERVER")
+    loop_factory = None
+    if args.uvloop:
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
     if args.serve:
         asyncio.run(_serve())
         return 0
@@ -207,11 +254,17 @@ def main() -> int:
         text=True,
     )
     try:
+        if pins is not None:
+            os.sched_setaffinity(0, {pins[0]})
+            os.sched_setaffinity(server.pid, {pins[1]})
         assert server.stdout is not None
         port = int(server.stdout.readline())
         url = f"http://127.0.0.1:{port}"
         rows = []
-        print(f"load generator capacity (one event loop, one core); practical peak {args.practical_tok_s:,.0f} tok/s")
+        loop_name = "uvloop" if args.uvloop else "asyncio"
+        print(
+            f"load generator capacity (one {loop_name} event loop, one core); practical peak {args.practical_tok_s:,.0f} tok/s"
+        )
         header = (
             f"{'scenario':8} {'transport':9} {'conc':>4} {'tok/ev':>6} {'out_len':>7} {'tok/s':>9} "
             f"{'gen CPU':>7} {'capacity tok/s':>14} {'x practical':>11} {'server CPU':>10}"
@@ -219,7 +272,8 @@ def main() -> int:
         print(header)
         print("-" * len(header))
         for sc in _scenarios(args.quick, args.practical_tok_s):
-            row = asyncio.run(_measure(url, sc, server.pid))
+            with asyncio.Runner(loop_factory=loop_factory) as runner:
+                row = runner.run(_measure(url, sc, server.pid))
             rows.append(row)
             print(
                 f"{sc.name:8} {sc.transport:9} {sc.concurrency:>4} {sc.burst:>6} {sc.output_len:>7} {row.tok_s:>9,.0f} "

@@ -22,7 +22,7 @@ import asyncio
 from collections.abc import Callable
 from time import perf_counter
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import httpx
@@ -144,8 +144,8 @@ class _Connection(asyncio.BufferedProtocol):
         self.keep_alive = True
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports are not asyncio.Transport subclasses but have the same methods.
+        self.transport = cast(asyncio.Transport, transport)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._view
