@@ -200,7 +200,13 @@ class Agent:
         log.info("worker started: %s", describe(self.inventory))
         try:
             while not self.stop_event.is_set():
-                self.run_once()
+                try:
+                    self.run_once()
+                except AuthError:
+                    raise
+                except Exception:  # e.g. the outbox folder vanished: log, wait, try again
+                    log.exception("worker loop error; continuing")
+                    self._wait_idle("loop error")
         except AuthError as e:
             log.error("%s; the worker cannot work without a valid token and exits", e)
             return EXIT_CONFIG
