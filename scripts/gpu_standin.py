@@ -73,10 +73,14 @@ def _ignore_sigterm_if_asked() -> bool:
 
 
 def run_child() -> int:
+    # stdout is the handshake pipe to the parent, which select()s on it: the child's log lines go
+    # to stderr (the server log), or a log line buffered ahead of the handshake would hide it.
+    handshake = sys.stdout
+    sys.stdout = sys.stderr
     _ignore_sigterm_if_asked()
     parent = os.getppid()
     held = _allocate(_env_float("SPECTUNE_STANDIN_CHILD_GIB", 2.0))
-    print("allocated", flush=True)  # noqa: T201 (the handshake line the parent waits for)
+    print("allocated", file=handshake, flush=True)  # noqa: T201 (the handshake line the parent waits for)
     deadline = time.monotonic() + _env_float("SPECTUNE_STANDIN_MAX_S", 3600.0)
     while os.getppid() == parent and time.monotonic() < deadline:
         time.sleep(0.5)
