@@ -1,4 +1,9 @@
-"""The FastAPI application factory."""
+"""The FastAPI application factory.
+
+Routes, in the order they match: `/healthz`, `/v1/...` (the API), `/docs` and `/openapi.json`,
+`/login` and `/logout`, `/metrics`, then optuna-dashboard mounted at `/` behind `DashboardGate`
+(it must sit at the root: reference/optuna.md §7).
+"""
 
 from __future__ import annotations
 
@@ -10,13 +15,16 @@ from fastapi.responses import JSONResponse
 
 from api import schema
 from api.context import ServiceContext
+from api.dashboard import DashboardGate, login_router
 from api.errors import PayloadTooLargeError, install_error_handlers
+from api.metrics import ApiMetrics, metrics_router
 from api.routes import fleet, leases, studies
 from api.settings import Settings, get_settings
 
 
 def create_app(settings: Settings | None = None, *, check_schema: bool = True) -> FastAPI:
     settings = settings or get_settings()
+    dashboard = DashboardGate()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -28,9 +36,11 @@ def create_app(settings: Settings | None = None, *, check_schema: bool = True) -
                 ctx.close()
                 raise
         app.state.ctx = ctx
+        dashboard.open(ctx)
         try:
             yield
         finally:
+            dashboard.close()
             ctx.close()
 
     app = FastAPI(
@@ -40,6 +50,7 @@ def create_app(settings: Settings | None = None, *, check_schema: bool = True) -
         lifespan=lifespan,
     )
     install_error_handlers(app)
+    metrics = ApiMetrics(lambda: getattr(app.state, "ctx", None))
 
     @app.middleware("http")
     async def limit_body(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
@@ -57,4 +68,10 @@ def create_app(settings: Settings | None = None, *, check_schema: bool = True) -
     app.include_router(studies.router)
     app.include_router(leases.router)
     app.include_router(fleet.router)
+    app.include_router(login_router())
+    app.include_router(metrics_router(metrics))
+    # Outermost, so the latency includes the body-limit check and every route.
+    metrics.install(app)
+    # Last: everything no route above claims goes to the dashboard, which checks the caller.
+    app.mount("/", dashboard)
     return app

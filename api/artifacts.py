@@ -1,0 +1,88 @@
+"""Per-trial artifacts (benchmark report JSON, server-log tail) in the store the dashboard reads.
+
+Optuna keeps an artifact's metadata as a system attr of its trial, and a finished trial is
+immutable: the files must be uploaded *before* the trial is told (reference/optuna.md §8).  So
+the lease service calls `store_trial_artifacts` on `complete`, just before it tells Optuna.
+
+The store is a folder (`SPECTUNE_ARTIFACT_DIR`).  With several API processes on several hosts it
+must be a shared volume: every process writes there and the dashboard of every process reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.artifacts import FileSystemArtifactStore, upload_artifact
+from optuna.artifacts.exceptions import ArtifactNotFound
+
+from api.context import ServiceContext
+
+log = logging.getLogger("spectune.api.artifacts")
+
+BENCHMARK_FILE = "benchmark.json"
+SERVER_LOG_FILE = "server-log-tail.txt"
+
+
+def make_artifact_store(artifact_dir: str | Path) -> FileSystemArtifactStore:
+    """The store under `artifact_dir`, created if missing (the dashboard serves from it too)."""
+    path = Path(artifact_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    return FileSystemArtifactStore(str(path))
+
+
+def store_trial_artifacts(
+    ctx: ServiceContext,
+    study_name: str,
+    trial_number: int,
+    report: dict[str, Any] | str,
+    log_text: str | None = None,
+) -> list[str]:
+    """Upload a trial's benchmark report (JSON) and, when given, its server-log tail.
+
+    Call while the trial is still RUNNING (before `tell`); returns the artifact ids.  Uploading
+    is best effort: a full disk must not lose the measurement itself, so failures are logged and
+    the ids uploaded so far are returned.
+    """
+    store = make_artifact_store(ctx.settings.artifact_dir)
+    study = optuna.load_study(study_name=study_name, storage=ctx.storage)
+    trial = next((t for t in study.get_trials(deepcopy=False) if t.number == trial_number), None)
+    if trial is None:
+        raise KeyError(f"study {study_name!r} has no trial {trial_number}")
+    body = report if isinstance(report, str) else json.dumps(report, indent=2, sort_keys=True, default=str)
+    files = [(BENCHMARK_FILE, body, "application/json")]
+    if log_text:
+        files.append((SERVER_LOG_FILE, log_text, "text/plain"))
+    ids: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="spectune-artifact-") as tmp:
+        for filename, text, mimetype in files:
+            # The dashboard shows the uploaded file's base name, so name the file for the reader.
+            path = Path(tmp) / filename
+            path.write_text(text, encoding="utf-8")
+            try:
+                ids.append(
+                    upload_artifact(
+                        artifact_store=store,
+                        file_path=str(path),
+                        study_or_trial=trial,
+                        storage=ctx.storage,
+                        mimetype=mimetype,
+                        encoding="utf-8",
+                    )
+                )
+            except (OSError, RuntimeError) as e:
+                log.warning("trial %d of %s: could not store %s: %s", trial_number, study_name, filename, e)
+    return ids
+
+
+def read_artifact(store: FileSystemArtifactStore, artifact_id: str) -> bytes:
+    """The bytes of one artifact; KeyError when the store has no such id."""
+    try:
+        with store.open_reader(artifact_id) as f:
+            return f.read()
+    except ArtifactNotFound as e:
+        raise KeyError(artifact_id) from e

@@ -1,0 +1,282 @@
+"""optuna-dashboard inside the API process, behind spectune's tokens, read-only.
+
+optuna-dashboard has no authentication and exposes destructive endpoints (delete study, tell,
+user-attr and note edits, artifact upload/delete, `POST /incompatible-rdb-schema`).  A sub-path
+mount is broken (its page loads `/static/...` and calls `/api/...` at the root), so it is
+mounted at `/` after our own routes (`/v1`, `/healthz`, `/docs`, `/login`, `/metrics` win) and
+every request to it passes `DashboardGate`:
+
+* who: a bearer token (`Authorization: Bearer ...`) or the session cookie set by `/login`; the
+  role must be `user` or `admin` (a worker token may only lease and report).  Without either
+  the answer is 401 (HTML requests get a page that leads to `/login`, still with status 401).
+* what: GET and HEAD only, for every role, admin included.  Telling a trial or deleting a study
+  behind the lease service's back would leave leases and spectune's tables inconsistent; the
+  API and the CLI are the way to change things.  Anything else is answered 403.
+
+The session cookie is `<token id>.<expiry>.<mac>`, an HMAC-SHA256 keyed by the token's stored
+hash: it expires (`SESSION_TTL_S`), dies with the token's revocation, never holds the token, and
+needs no server-side table.  Forging one needs the token hash, i.e. read access to the database.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import html
+import logging
+import re
+import time
+from collections.abc import Callable, Iterable
+from typing import cast
+from urllib.parse import parse_qs, quote
+
+import optuna_dashboard
+from a2wsgi import WSGIMiddleware
+from a2wsgi.wsgi_typing import Environ, StartResponse
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from api.artifacts import make_artifact_store
+from api.auth import Principal, authenticate, hash_token
+from api.context import ServiceContext
+from api.errors import AuthError, ForbiddenError
+from api.models import ApiToken
+from api.notes import refresh_study_note
+
+log = logging.getLogger("spectune.api.dashboard")
+
+SESSION_COOKIE = "spectune_session"
+SESSION_TTL_S = 12 * 3600
+VIEW_ROLES = ("user", "admin")
+SAFE_METHODS = ("GET", "HEAD")
+DEFAULT_NEXT = "/dashboard"
+_STUDY_API = re.compile(r"^/api/studies/(\d+)$")
+
+
+# ---------------------------------------------------------------------------------------- sessions
+
+
+def _mac(token_hash: str, message: str) -> str:
+    return hmac.new(token_hash.encode(), message.encode(), hashlib.sha256).hexdigest()
+
+
+def issue_session(token_id: int, token_hash: str, now: float, ttl_s: int = SESSION_TTL_S) -> str:
+    message = f"{token_id}.{int(now) + ttl_s}"
+    return f"{message}.{_mac(token_hash, message)}"
+
+
+def session_principal(ctx: ServiceContext, cookie: str, now: float) -> Principal:
+    """The principal behind a session cookie; AuthError when it is malformed, expired or revoked."""
+    parts = cookie.split(".")
+    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit():
+        raise AuthError("malformed session cookie: sign in again at /login")
+    token_id, expires, mac = int(parts[0]), int(parts[1]), parts[2]
+    if expires < now:
+        raise AuthError("the session expired: sign in again at /login")
+    with ctx.sessions() as s:
+        row = s.get(ApiToken, token_id)
+        if row is None or not hmac.compare_digest(_mac(row.token_hash, f"{parts[0]}.{parts[1]}"), mac):
+            raise AuthError("invalid session: sign in again at /login")
+        if row.revoked_at is not None:
+            raise AuthError("the token behind this session was revoked; ask an admin for a new one")
+        return Principal(token_id=row.id, name=row.name, role=row.role, worker_id=row.worker_id)  # type: ignore[arg-type]
+
+
+def viewer(ctx: ServiceContext, authorization: str | None, cookie: str | None) -> Principal:
+    """Who is asking, from the bearer header (preferred) or the session cookie; must may view."""
+    if authorization:
+        with ctx.sessions() as s:
+            principal = authenticate(s, authorization)
+    elif cookie:
+        principal = session_principal(ctx, cookie, time.time())
+    else:
+        raise AuthError("sign in at /login, or send 'Authorization: Bearer <token>'")
+    if principal.role not in VIEW_ROLES:
+        raise ForbiddenError(f"a {principal.role} token may not view the dashboard; use a user or admin token")
+    return principal
+
+
+# ---------------------------------------------------------------------------------------- the gate
+
+
+class DashboardGate:
+    """ASGI app mounted at `/`: authenticates, allows reads only, then runs optuna-dashboard.
+
+    The dashboard needs the process's Optuna storage, which exists only once the lifespan has
+    opened the ServiceContext: `open(ctx)` builds it, `close()` drops it.
+    """
+
+    def __init__(self) -> None:
+        self._ctx: ServiceContext | None = None
+        self._app: ASGIApp | None = None
+
+    def open(self, ctx: ServiceContext) -> None:
+        store = make_artifact_store(ctx.settings.artifact_dir)
+        wsgi = optuna_dashboard.wsgi(ctx.storage, artifact_store=store)
+        self._ctx = ctx
+        self._app = cast(ASGIApp, WSGIMiddleware(_NoteRefresher(wsgi, ctx), workers=4))
+
+    def close(self) -> None:
+        self._ctx, self._app = None, None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self._ctx is None or self._app is None:
+            await _send(send, 503, b'{"detail": "the dashboard is not available"}', "application/json")
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        try:
+            await run_in_threadpool(viewer, self._ctx, headers.get("authorization"), _cookie(headers))
+        except AuthError as e:
+            await self._unauthorized(scope, headers, send, e.message)
+            return
+        except ForbiddenError as e:
+            await _send(send, 403, _json_error("forbidden", e.message), "application/json")
+            return
+        if scope["method"] not in SAFE_METHODS:
+            message = (
+                f"{scope['method']} {scope['path']}: the dashboard is read-only through spectune; "
+                "change studies with the API or `spectune study ...`"
+            )
+            await _send(send, 403, _json_error("forbidden", message), "application/json")
+            return
+        await self._app(scope, receive, send)
+
+    @staticmethod
+    async def _unauthorized(scope: Scope, headers: dict[str, str], send: Send, message: str) -> None:
+        if scope["method"] == "GET" and "text/html" in headers.get("accept", ""):
+            target = scope["path"] + ("?" + scope["query_string"].decode("latin-1") if scope["query_string"] else "")
+            login = "/login?next=" + quote(target, safe="")
+            page = _page(
+                "Sign in required",
+                f'<meta http-equiv="refresh" content="0; url={html.escape(login)}">'
+                f'<p>{html.escape(message)}</p><p><a href="{html.escape(login)}">Sign in</a></p>',
+            )
+            await _send(send, 401, page.encode(), "text/html; charset=utf-8", bearer=True)
+            return
+        await _send(send, 401, _json_error("unauthorized", message), "application/json", bearer=True)
+
+
+class _NoteRefresher:
+    """WSGI wrapper: before the dashboard serves a study, bring its note up to date."""
+
+    def __init__(self, app: Callable[[Environ, StartResponse], Iterable[bytes]], ctx: ServiceContext) -> None:
+        self._app = app
+        self._ctx = ctx
+
+    def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
+        match = _STUDY_API.match(environ.get("PATH_INFO", "").rstrip("/"))
+        if match and environ.get("REQUEST_METHOD") == "GET":
+            try:
+                name = self._ctx.storage.get_study_name_from_id(int(match.group(1)))
+                refresh_study_note(self._ctx, name)
+            except Exception as e:  # noqa: BLE001 - a stale note must never break the page
+                log.warning("could not refresh the note of study id %s: %s", match.group(1), e)
+        result: Iterable[bytes] = self._app(environ, start_response)
+        return result
+
+
+def _cookie(headers: dict[str, str]) -> str | None:
+    for part in headers.get("cookie", "").split(";"):
+        key, _, value = part.strip().partition("=")
+        if key == SESSION_COOKIE and value:
+            return value
+    return None
+
+
+def _json_error(code: str, message: str) -> bytes:
+    import json
+
+    return json.dumps({"error": {"code": code, "message": message}, "detail": message}).encode()
+
+
+async def _send(send: Send, status: int, body: bytes, content_type: str, *, bearer: bool = False) -> None:
+    headers = [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode())]
+    if bearer:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+# ---------------------------------------------------------------------------------------- login
+
+
+def _page(title: str, body: str) -> str:
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)} · spectune</title>
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<style>
+body {{ font-family: system-ui, sans-serif; background: #f4f5f7; margin: 0; }}
+main {{ max-width: 26rem; margin: 12vh auto; background: #fff; padding: 2rem; border-radius: 8px;
+        box-shadow: 0 1px 4px rgba(0,0,0,.15); }}
+h1 {{ font-size: 1.3rem; margin-top: 0; }}
+input[type=password] {{ width: 100%; box-sizing: border-box; padding: .55rem; font-family: monospace; }}
+button {{ margin-top: 1rem; padding: .5rem 1.2rem; }}
+.error {{ color: #b00020; }}
+.hint {{ color: #555; font-size: .9rem; }}
+</style></head><body><main>{body}</main></body></html>"""
+
+
+def _safe_next(value: str | None) -> str:
+    # Only same-site paths: an open redirect would turn the login page into a phishing aid.
+    if value and value.startswith("/") and not value.startswith("//") and "\\" not in value:
+        return value
+    return DEFAULT_NEXT
+
+
+def login_page(next_path: str, error: str | None = None) -> str:
+    err = f'<p class="error">{html.escape(error)}</p>' if error else ""
+    return _page(
+        "Sign in",
+        f"""<h1>spectune dashboard</h1>{err}
+<form method="post" action="/login">
+<label for="token">API token (role user or admin)</label>
+<input type="password" id="token" name="token" autocomplete="off" autofocus required>
+<input type="hidden" name="next" value="{html.escape(next_path)}">
+<button type="submit" id="sign-in">Sign in</button>
+</form>
+<p class="hint">Create one with <code>spectune token create --role user</code>.
+The session lasts {SESSION_TTL_S // 3600} h; <a href="/logout">sign out</a>.</p>""",
+    )
+
+
+def login_router() -> APIRouter:
+    router = APIRouter(tags=["dashboard"], include_in_schema=False)
+
+    @router.get("/login")
+    def show_login(next: str | None = None) -> HTMLResponse:
+        return HTMLResponse(login_page(_safe_next(next)))
+
+    @router.post("/login")
+    async def do_login(request: Request) -> Response:
+        form = parse_qs((await request.body()).decode("utf-8", "replace"))
+        token = (form.get("token") or [""])[0].strip()
+        next_path = _safe_next((form.get("next") or [""])[0])
+        ctx: ServiceContext = request.app.state.ctx
+        try:
+            principal = await run_in_threadpool(viewer, ctx, f"Bearer {token}" if token else None, None)
+        except (AuthError, ForbiddenError) as e:
+            status = 403 if isinstance(e, ForbiddenError) else 401
+            return HTMLResponse(login_page(next_path, e.message), status_code=status)
+        cookie = issue_session(principal.token_id, hash_token(token), time.time())
+        response = RedirectResponse(next_path, status_code=303)
+        response.set_cookie(
+            SESSION_COOKIE,
+            cookie,
+            max_age=SESSION_TTL_S,
+            httponly=True,
+            samesite="strict",
+            secure=request.url.scheme == "https",
+            path="/",
+        )
+        log.info("dashboard sign-in: token %d (%s, %s)", principal.token_id, principal.name, principal.role)
+        return response
+
+    @router.api_route("/logout", methods=["GET", "POST"])
+    def logout() -> Response:
+        response = RedirectResponse("/login", status_code=303)
+        response.delete_cookie(SESSION_COOKIE, path="/", httponly=True, samesite="strict")
+        return response
+
+    return router

@@ -1,0 +1,114 @@
+"""The study note optuna-dashboard shows: spec, baseline, best so far and verdict, in markdown.
+
+optuna-dashboard keeps notes as study system attrs (`optuna_dashboard.save_note`).  The note is
+rewritten only when its text changed, so refreshing it on every dashboard poll costs one read.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import optuna
+from optuna_dashboard import get_note, save_note
+from sqlalchemy import select
+
+from api.context import ServiceContext
+from api.models import BaselineRow, StudyRow
+from api.services.studies import StudyService
+from optimizer.errors import StudyNotFoundError
+
+log = logging.getLogger("spectune.api.notes")
+
+
+def _fmt(x: Any, digits: int = 3) -> str:
+    return "—" if x is None else f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def baseline_lines(ctx: ServiceContext, baseline_key: str) -> list[str]:
+    """One line per host: its latest baseline output tok/s at each concurrency level."""
+    with ctx.sessions() as s:
+        rows = s.scalars(
+            select(BaselineRow).where(BaselineRow.baseline_key == baseline_key).order_by(BaselineRow.measured_at)
+        ).all()
+    latest = {row.worker_id: row for row in rows}
+    lines = []
+    for worker, row in sorted(latest.items()):
+        levels = ", ".join(
+            f"c={c}: {float(v):.1f} tok/s" for c, v in sorted(row.tok_s.items(), key=lambda kv: int(kv[0]))
+        )
+        lines.append(f"- `{worker}` ({row.measured_at:%Y-%m-%d %H:%M} UTC): {levels}")
+    return lines
+
+
+def objective_text(objective: dict[str, Any]) -> str:
+    level = objective.get("concurrency")
+    text = f"speedup at concurrency {level}" if level else "geometric-mean speedup over the concurrency levels"
+    limits = [f"{k.removeprefix('max_')} ≤ {v}" for k, v in objective.items() if k.startswith("max_") and v is not None]
+    return text + (f" with {', '.join(limits)}" if limits else "")
+
+
+def render_note(shown: dict[str, Any], baselines: list[str]) -> str:
+    """The markdown note for a study, from `StudyService.show` output and the baseline lines."""
+    spec = shown["spec"]
+    model, space, workload, budget = spec["model"], spec["search_space"], spec["workload"], spec["budget"]
+    counts = shown["trials"]
+    out = [
+        f"# {shown['name']}",
+        "",
+        f"**State:** {shown['state']}" + (f" — {shown['finish_reason']}" if shown.get("finish_reason") else ""),
+        "",
+        f"**Verdict:** {shown['verdict']}",
+        "",
+        "## Spec",
+        f"- model `{model['target']}`, draft `{model['draft']}`, tp {model.get('tp_size', 1)}, "
+        f"attention backend `{model.get('attention_backend')}`",
+        f"- search: steps {space['num_steps']['low']}–{space['num_steps']['high']}, topk {space['topk']}, "
+        f"draft tokens {space['num_draft_tokens']['low']}–{space['num_draft_tokens']['high']}",
+        f"- workload: concurrency {workload['concurrency']}, output {workload['output_len']} tokens, "
+        f"{workload['num_prompts']} prompts × {workload['repeats']} repeats",
+        f"- objective: {objective_text(spec.get('objective') or {})}; sampler `{spec.get('sampler')}`",
+        "- budget: " + ", ".join(f"{k} {v}" for k, v in budget.items() if v is not None),
+        "",
+        "## Baseline (no speculation)",
+        *(baselines or ["- not measured yet"]),
+        "",
+        "## Trials",
+        "- " + ", ".join(f"{k.lower()} {v}" for k, v in counts.items() if v) if any(counts.values()) else "- none yet",
+        "",
+        "## Best so far",
+    ]
+    best = shown.get("best")
+    if best is None:
+        out.append("- none yet")
+    else:
+        c = best["config"]
+        out.append(
+            f"- trial {best['trial_number']}: steps {c['num_steps']}, topk {c['topk']}, "
+            f"draft tokens {c['num_draft_tokens']} → **{_fmt(best['speedup'])}×** the baseline"
+        )
+        for level, iv in (best.get("speedup_interval_by_level") or {}).items():
+            out.append(f"- concurrency {level}: 95% interval {iv['low']:.3f}–{iv['high']:.3f}")
+        out += ["", "```", best["launch_command"], "```"]
+    return "\n".join(out) + "\n"
+
+
+def refresh_study_note(ctx: ServiceContext, name: str) -> bool:
+    """Rewrite the study's note if it changed; False for a study spectune does not manage."""
+    try:
+        shown = StudyService(ctx).show(name)
+    except StudyNotFoundError:
+        return False
+    body = render_note(shown, baseline_lines(ctx, _baseline_key(ctx, name)))
+    study = optuna.load_study(study_name=name, storage=ctx.storage)
+    if get_note(study) != body:
+        save_note(study, body)
+    return True
+
+
+def _baseline_key(ctx: ServiceContext, name: str) -> str:
+    with ctx.sessions() as s:
+        row = s.get(StudyRow, name)
+        if row is None:
+            raise StudyNotFoundError(name)
+        return row.baseline_key
