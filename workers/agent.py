@@ -90,6 +90,8 @@ class ServerLauncher(Protocol):
 
     def stop(self) -> None: ...
 
+    def kill_now(self) -> int | None: ...
+
 
 RunWorkload = Callable[..., list[LevelMetrics]]
 LoadPrompts = Callable[[str, Path | None], list[str]]
@@ -182,16 +184,13 @@ class Agent:
 
     def force_stop(self) -> None:
         """Second stage: kill the server's whole process group now.  The caller then exits."""
-        pgid = _server_pgid(self.launcher)
-        if pgid is None:
-            return
-        log.error("killing the server's process group %d", pgid)
         try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+            pgid = self.launcher.kill_now()
         except OSError as e:
-            log.error("could not kill process group %d: %s", pgid, e)
+            log.error("could not kill the server's process group: %s", e)
+            return
+        if pgid is not None:
+            log.error("killed the server's process group %d", pgid)
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -441,18 +440,6 @@ class Agent:
             log.error("stopping the server: %s", e)
         except Exception:
             log.exception("stopping the server failed")
-
-
-def _server_pgid(launcher: ServerLauncher) -> int | None:
-    """The process group of the running or starting server, for the second-signal kill."""
-    if launcher.current is not None:
-        return launcher.current.pgid
-    # Launcher exposes a server only once it is ready; while it starts up the group is the
-    # launcher's child's (start_new_session: pgid = pid).  Read defensively: this is a stop-gap
-    # until the launcher offers a public handle on a starting server.
-    child = getattr(launcher, "_child", None)
-    pgid = getattr(child, "pgid", None)
-    return pgid if isinstance(pgid, int) else None
 
 
 class ShutdownSignals:

@@ -68,7 +68,7 @@ class GpuReleaseTimeout(WorkerError):
             f"GPU memory not released {timeout_s:.0f} s after the server stopped{where}: "
             f"{'; '.join(parts)}. The driver frees memory asynchronously; if this persists, check "
             "`nvidia-smi` for those PIDs (a process stuck in the driver needs the host's attention) "
-            "or raise gpu_release_timeout_s in the worker config"
+            "or raise timeouts.gpu_release_s in the worker config"
         )
         self.held_mib = dict(held_mib)
         self.timeout_s = timeout_s

@@ -12,6 +12,7 @@ import itertools
 import logging
 import os
 import shlex
+import signal
 import subprocess
 import threading
 import time
@@ -316,6 +317,23 @@ class Launcher:
             error.add_note(f"cleanup after the failed launch also failed: {cleanup_error}")
 
     # -- stop -------------------------------------------------------------------------------
+
+    def kill_now(self) -> int | None:
+        """SIGKILL the process group of the running or starting server at once, without waiting.
+
+        For a worker's second shutdown signal, when there is no time for a clean stop.  Returns
+        the process group killed, or None when there was none.  Does not reap or wait for GPU
+        memory: the next stop() or launch() does that.
+        """
+        with self._state_lock:
+            child = self._child
+        if child is None or child.stopped:
+            return None
+        try:
+            os.killpg(child.pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return child.pgid
 
     def stop(self) -> None:
         """Stop the current (or starting) server and wait until its GPU memory is free; idempotent.
