@@ -9,7 +9,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 
@@ -33,7 +33,7 @@ class CliError(Exception):
     """A problem the user can fix; printed without a traceback."""
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
     raise typer.Exit(2)
 
@@ -223,16 +223,130 @@ def study_create(
 
 @study_app.command("list")
 def study_list(api_url: ApiUrl = "http://127.0.0.1:8000", token: Token = None) -> None:
+    """Every study with its state and trial counts."""
+    from api.report.tables import table
+
+    rows = []
     for st in _call("GET", "/v1/studies", api_url, token):
         t = st["trials"]
-        typer.echo(
-            f"{st['name']}\t{st['state']}\t{st['model']}\tcomplete={t.get('COMPLETE', 0)} running={t.get('RUNNING', 0)}"
-        )
+        rows.append([st["name"], st["state"], st["model"], t.get("COMPLETE", 0), t.get("RUNNING", 0), t.get("FAIL", 0)])
+    typer.echo(table(["study", "state", "model", "complete", "running", "failed"], rows))
 
 
 @study_app.command("show")
-def study_show(name: str, api_url: ApiUrl = "http://127.0.0.1:8000", token: Token = None) -> None:
-    typer.echo(json.dumps(_call("GET", f"/v1/studies/{name}", api_url, token), indent=2, default=str))
+def study_show(
+    name: str,
+    api_url: ApiUrl = "http://127.0.0.1:8000",
+    token: Token = None,
+    as_json: Annotated[bool, typer.Option("--json", help="the raw study document instead of tables")] = False,
+) -> None:
+    """The study, its best configuration, and a table of its trials with the key metrics."""
+    from api.report.tables import study_summary, trials_table
+
+    shown = _call("GET", f"/v1/studies/{name}", api_url, token)
+    if as_json:
+        typer.echo(json.dumps(shown, indent=2, default=str))
+        return
+    trials = _call("GET", f"/v1/studies/{name}/trials", api_url, token)
+    typer.echo(study_summary(shown))
+    typer.echo("")
+    typer.echo(trials_table(shown, trials))
+
+
+@study_app.command("watch")
+def study_watch(
+    name: str,
+    api_url: ApiUrl = "http://127.0.0.1:8000",
+    token: Token = None,
+    interval: Annotated[float, typer.Option(min=0.2, help="seconds between polls")] = 5.0,
+    timeout: Annotated[float, typer.Option(min=0, help="give up after this many seconds (exit 1)")] = 24 * 3600.0,
+) -> None:
+    """Follow a study live: a line whenever something changes, until it is finished or stopped."""
+    import time
+
+    from api.report.tables import progress_line
+
+    deadline = time.monotonic() + timeout
+    last = ""
+    while True:
+        shown = _call("GET", f"/v1/studies/{name}", api_url, token)
+        line = progress_line(shown)
+        if line != last:
+            typer.echo(f"{time.strftime('%H:%M:%S', time.gmtime())}  {line}")
+            last = line
+        if shown["state"] != "running":
+            typer.echo(shown["verdict"])
+            if shown.get("best"):
+                typer.echo(shown["best"]["launch_command"])
+            return
+        if time.monotonic() + interval > deadline:
+            typer.secho(f"study {name} is still running after {timeout:.0f} s", err=True, fg=typer.colors.YELLOW)
+            raise typer.Exit(1)
+        time.sleep(interval)
+
+
+@study_app.command("best")
+def study_best(
+    name: str,
+    api_url: ApiUrl = "http://127.0.0.1:8000",
+    token: Token = None,
+    fmt: Annotated[str, typer.Option("--format", help="sglang: the launch command; json: the settings")] = "sglang",
+) -> None:
+    """The best configuration so far: the SGLang launch command, or its settings as JSON."""
+    if fmt not in ("sglang", "json"):
+        _fail(f"unknown --format {fmt!r}; choose sglang or json")
+    shown = _call("GET", f"/v1/studies/{name}", api_url, token)
+    best = shown.get("best")
+    if best is None:
+        _fail(f"study {name} has no measured configuration yet (state {shown['state']}); try again later")
+    if fmt == "sglang":
+        typer.echo(best["launch_command"])
+    else:
+        typer.echo(json.dumps({"study": name, "state": shown["state"], "verdict": shown["verdict"], **best}, indent=2))
+
+
+@app.command()
+def report(
+    name: str,
+    output: Annotated[Path, typer.Option("-o", "--output", help="the HTML file to write")] = Path("report.html"),
+    database_url: Annotated[
+        str | None,
+        typer.Option("--database-url", envvar="SPECTUNE_DATABASE_URL", help="read the database directly"),
+    ] = None,
+    api_url: ApiUrl = "http://127.0.0.1:8000",
+    token: Token = None,
+    plots_dir: Annotated[Path | None, typer.Option(help="also write each plot as a PNG file here")] = None,
+) -> None:
+    """Write one self-contained HTML report (plots embedded) explaining a study.
+
+    Reads the database directly with --database-url (or SPECTUNE_DATABASE_URL); otherwise asks
+    the API with a token.
+    """
+    from api.report import ReportSourceError, build_report, load_from_api, load_from_database
+
+    _ensure_utc()
+    try:
+        if database_url:
+            typer.echo(f"reading study {name} from the database", err=True)
+            data = load_from_database(database_url, name)
+        else:
+            typer.echo(f"reading study {name} from {api_url}", err=True)
+            with _client(api_url, token) as client:
+                data = load_from_api(client, name)
+    except ReportSourceError as e:
+        _fail(str(e))
+    typer.echo(f"{len(data.trials)} trials; drawing the plots", err=True)
+    rendered = build_report(data)
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(rendered.html, encoding="utf-8")
+        if plots_dir is not None:
+            plots_dir.mkdir(parents=True, exist_ok=True)
+            for plot in rendered.plots:
+                (plots_dir / f"{plot.name}.png").write_bytes(plot.png)
+    except OSError as e:
+        _fail(f"cannot write the report: {e}")
+    typer.echo(f"wrote {output} ({len(rendered.plots)} plots, {len(rendered.html) // 1024} KiB)")
 
 
 def main() -> None:

@@ -1,0 +1,139 @@
+"""What the report plots, computed from a study's trials (the `/v1/studies/{name}/trials` shape).
+
+Speculative decoding, per request: tokens per cycle = accept length (AL); cycle time ≈ draft
+steps × draft cost + verify cost(draft tokens) + overhead; throughput = AL / cycle time.  So for
+each measured trial at the level of interest:
+
+* per-token accept rate = (AL − 1) / (draft tokens − 1): the share of drafted tokens accepted
+  (the bonus token excluded), the number that tells whether deeper drafts still pay;
+* cycle time = AL / per-user tok/s (seconds per verify cycle of one request);
+* the split of the cycle into draft and verify parts comes from a least-squares fit over the
+  trials, cycle = a + b·steps + c·draft_tokens: b·steps is the draft part, a + c·draft_tokens
+  the verify part (with fixed overhead).  It is an estimate: the fit assumes each draft step
+  costs the same and verify grows linearly with the tree size, and needs at least four trials
+  spanning steps and draft tokens; otherwise the report shows the measured cycle only.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+MIN_FIT_TRIALS = 4
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured configuration at the level of interest."""
+
+    number: int
+    steps: int
+    topk: int
+    draft_tokens: int
+    speedup: float
+    feasible: bool
+    accept_length: float | None
+    per_user_tok_s: float | None
+    startup_s: float | None
+    speedup_by_level: dict[int, float]
+
+    @property
+    def label(self) -> str:
+        return f"{self.steps}/{self.topk}/{self.draft_tokens}"
+
+    @property
+    def accept_rate(self) -> float | None:
+        if self.accept_length is None or self.draft_tokens <= 1:
+            return None
+        return (self.accept_length - 1.0) / (self.draft_tokens - 1.0)
+
+    @property
+    def cycle_ms(self) -> float | None:
+        if self.accept_length is None or not self.per_user_tok_s:
+            return None
+        return 1000.0 * self.accept_length / self.per_user_tok_s
+
+
+@dataclass(frozen=True)
+class CycleFit:
+    """cycle_ms ≈ overhead_ms + draft_step_ms·steps + verify_token_ms·draft_tokens."""
+
+    overhead_ms: float
+    draft_step_ms: float
+    verify_token_ms: float
+    r2: float
+    n: int
+
+    def draft_ms(self, p: Point) -> float:
+        return self.draft_step_ms * p.steps
+
+    def verify_ms(self, p: Point) -> float:
+        return self.overhead_ms + self.verify_token_ms * p.draft_tokens
+
+
+def level_of_interest(shown: dict[str, Any]) -> int:
+    """The objective's concurrency, or the lowest measured one for a geometric-mean objective."""
+    spec = shown["spec"]
+    level = (spec.get("objective") or {}).get("concurrency")
+    return int(level) if level else int(min(spec["workload"]["concurrency"]))
+
+
+def points(trials: list[dict[str, Any]], level: int) -> list[Point]:
+    """Every configuration launched and measured (duplicates answered from another trial skipped)."""
+    out = []
+    for t in trials:
+        config = t.get("config")
+        if t["state"] != "COMPLETE" or config is None or t.get("duplicate_of") is not None or t["speedup"] is None:
+            continue
+        at = next((lv for lv in t.get("levels") or [] if lv.get("concurrency") == level), None)
+        out.append(
+            Point(
+                number=t["number"],
+                steps=int(config["num_steps"]),
+                topk=int(config["topk"]),
+                draft_tokens=int(config["num_draft_tokens"]),
+                speedup=float(t["speedup"]),
+                feasible=bool(t.get("feasible", True)) and not t.get("failure_kind"),
+                accept_length=None if at is None else at.get("accept_length"),
+                per_user_tok_s=None if at is None else at.get("per_user_tok_s"),
+                startup_s=t.get("startup_s"),
+                speedup_by_level={int(k): float(v) for k, v in (t.get("speedup_by_level") or {}).items()},
+            )
+        )
+    return out
+
+
+def fit_cycle(pts: list[Point]) -> CycleFit | None:
+    """Least squares of cycle time on (1, steps, draft tokens); None when it is not determined."""
+    usable = [p for p in pts if p.feasible and p.cycle_ms is not None]
+    if len(usable) < MIN_FIT_TRIALS:
+        return None
+    x = np.array([[1.0, p.steps, p.draft_tokens] for p in usable])
+    y = np.array([p.cycle_ms for p in usable], dtype=float)
+    if np.linalg.matrix_rank(x) < 3:  # e.g. every trial topk 1: draft tokens = steps + 1
+        return None
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    resid = y - x @ coef
+    total = float(np.sum((y - y.mean()) ** 2))
+    r2 = 1.0 - float(np.sum(resid**2)) / total if total > 0 else 1.0
+    return CycleFit(float(coef[0]), float(coef[1]), float(coef[2]), r2, len(usable))
+
+
+def failures_by_kind(trials: list[dict[str, Any]]) -> Counter[str]:
+    """Failure kinds told to Optuna, plus trials that ended FAIL (host faults after retries)."""
+    kinds: Counter[str] = Counter()
+    for t in trials:
+        if t.get("duplicate_of") is not None:  # answered from another trial, never launched
+            continue
+        if t.get("failure_kind"):
+            kinds[str(t["failure_kind"])] += 1
+        elif t["state"] == "FAIL":
+            kinds["gave up (host faults)"] += 1
+    return kinds
+
+
+def levels_measured(pts: list[Point]) -> list[int]:
+    return sorted({c for p in pts for c in p.speedup_by_level})

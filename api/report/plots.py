@@ -1,0 +1,172 @@
+"""The report's figures, drawn with matplotlib's Agg renderer into PNG bytes.
+
+`Figure` objects are used directly (never pyplot), so there is no global figure state and no
+display backend: this runs on a headless API host or in a worker thread.
+"""
+
+from __future__ import annotations
+
+import io
+from collections import Counter
+
+from matplotlib.figure import Figure
+
+from api.report.analysis import CycleFit, Point
+
+DPI = 110
+FEASIBLE, INFEASIBLE, BEST, GRID = "#1f77b4", "#d62728", "#ff7f0e", "#dddddd"
+TOPK_COLORS = {1: "#1f77b4", 2: "#2ca02c", 4: "#9467bd", 8: "#8c564b"}
+
+
+def png(fig: Figure) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=DPI, bbox_inches="tight")
+    return buf.getvalue()
+
+
+def _best(pts: list[Point]) -> Point | None:
+    feasible = [p for p in pts if p.feasible]
+    return max(feasible, key=lambda p: p.speedup) if feasible else None
+
+
+def speedup_vs_params(pts: list[Point], level: int) -> Figure:
+    fig = Figure(figsize=(12, 3.8))
+    best = _best(pts)
+    for ax, attr, name in zip(
+        fig.subplots(1, 3, sharey=True),
+        ("steps", "topk", "draft_tokens"),
+        ("num_steps", "topk", "num_draft_tokens"),
+        strict=True,
+    ):
+        ok = [p for p in pts if p.feasible]
+        bad = [p for p in pts if not p.feasible]
+        ax.scatter([getattr(p, attr) for p in ok], [p.speedup for p in ok], c=FEASIBLE, label="measured", zorder=3)
+        if bad:
+            ax.scatter([getattr(p, attr) for p in bad], [p.speedup for p in bad], c=INFEASIBLE, marker="x",
+                       label="failed (placeholder value)", zorder=3)  # fmt: skip
+        if best is not None:
+            ax.scatter([getattr(best, attr)], [best.speedup], c=BEST, marker="*", s=260, label="best", zorder=4)
+        ax.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="baseline")
+        ax.set_xlabel(name)
+        if attr == "topk":
+            ax.set_xscale("log", base=2)
+        ax.grid(color=GRID)
+    fig.axes[0].set_ylabel(f"speedup at concurrency {level}")
+    fig.axes[0].legend(fontsize=8, loc="lower left")
+    fig.suptitle("Speedup over the baseline against each parameter")
+    return fig
+
+
+def acceptance(pts: list[Point]) -> Figure:
+    fig = Figure(figsize=(12, 3.8))
+    ax_al, ax_rate = fig.subplots(1, 2)
+    with_al = [p for p in pts if p.accept_length is not None]
+    for topk in sorted({p.topk for p in with_al}):
+        group = sorted((p for p in with_al if p.topk == topk), key=lambda p: p.steps)
+        color = TOPK_COLORS.get(topk, "black")
+        ax_al.plot([p.steps for p in group], [p.accept_length for p in group], "o", color=color, label=f"topk {topk}")
+        ax_rate.plot([p.steps for p in group], [p.accept_rate for p in group], "o", color=color, label=f"topk {topk}")
+    ax_al.set_title("Accept length (tokens per verify cycle)")
+    ax_al.set_xlabel("num_steps")
+    ax_al.set_ylabel("accept length")
+    ax_rate.set_title("Per-token accept rate (AL − 1) / (draft tokens − 1)")
+    ax_rate.set_xlabel("num_steps")
+    ax_rate.set_ylabel("accept rate")
+    ax_rate.set_ylim(0, 1.05)
+    for ax in (ax_al, ax_rate):
+        ax.grid(color=GRID)
+        if with_al:
+            ax.legend(fontsize=8)
+    return fig
+
+
+def cycle_split(pts: list[Point], fit: CycleFit | None) -> Figure:
+    measured = sorted(
+        (p for p in pts if p.feasible and p.cycle_ms is not None), key=lambda p: (p.steps, p.draft_tokens)
+    )
+    fig = Figure(figsize=(12, 4.2))
+    ax = fig.subplots()
+    x = list(range(len(measured)))
+    cycles = [p.cycle_ms or 0.0 for p in measured]
+    if fit is not None:
+        draft = [max(fit.draft_ms(p), 0.0) for p in measured]
+        verify = [max(fit.verify_ms(p), 0.0) for p in measured]
+        ax.bar(
+            x,
+            verify,
+            color="#9ecae1",
+            label=f"verify + overhead ≈ {fit.overhead_ms:.1f} + {fit.verify_token_ms:.2f}·tokens ms",
+        )
+        ax.bar(x, draft, bottom=verify, color="#fdae6b", label=f"draft ≈ {fit.draft_step_ms:.2f} ms × steps")
+        ax.set_title(f"Cycle time split (least-squares fit over {fit.n} trials, R² = {fit.r2:.2f})")
+    else:
+        ax.bar(x, cycles, color="#bdbdbd", label="measured cycle (too few trials to split)")
+        ax.set_title("Cycle time per configuration")
+    ax.plot(x, cycles, "k.", label="measured cycle = AL / per-user tok/s")
+    ax.set_xticks(x, [p.label for p in measured], rotation=60, fontsize=8)
+    ax.set_xlabel("configuration (steps/topk/draft tokens)")
+    ax.set_ylabel("ms per cycle")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", color=GRID)
+    return fig
+
+
+def speedup_vs_concurrency(pts: list[Point], top: int = 6) -> Figure:
+    fig = Figure(figsize=(8, 4.2))
+    ax = fig.subplots()
+    ranked = sorted((p for p in pts if p.feasible and len(p.speedup_by_level) > 1), key=lambda p: -p.speedup)[:top]
+    for p in ranked:
+        levels = sorted(p.speedup_by_level)
+        ax.plot(levels, [p.speedup_by_level[c] for c in levels], "o-", label=f"#{p.number} {p.label}")
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("speedup")
+    ax.set_title("Speedup against concurrency (best configurations)")
+    ax.legend(fontsize=8)
+    ax.grid(color=GRID)
+    return fig
+
+
+def startup_times(pts: list[Point]) -> Figure:
+    timed = sorted((p for p in pts if p.startup_s is not None), key=lambda p: p.startup_s or 0.0)
+    fig = Figure(figsize=(8, max(2.5, 0.28 * len(timed) + 1)))
+    ax = fig.subplots()
+    ax.barh([f"#{p.number} {p.label}" for p in timed], [p.startup_s or 0.0 for p in timed], color="#74c476")
+    ax.set_xlabel("server start-up (s): launch to ready, CUDA-graph capture included")
+    ax.set_title("Start-up time per configuration")
+    ax.tick_params(axis="y", labelsize=8)
+    ax.grid(axis="x", color=GRID)
+    return fig
+
+
+def failures(kinds: Counter[str]) -> Figure:
+    fig = Figure(figsize=(7, 3.2))
+    ax = fig.subplots()
+    names = sorted(kinds)
+    ax.bar(names, [kinds[k] for k in names], color=INFEASIBLE)
+    ax.set_ylabel("trials")
+    ax.set_title("Failures by kind")
+    ax.grid(axis="y", color=GRID)
+    return fig
+
+
+def history(pts: list[Point]) -> Figure:
+    ordered = sorted(pts, key=lambda p: p.number)
+    fig = Figure(figsize=(8, 3.6))
+    ax = fig.subplots()
+    ax.scatter([p.number for p in ordered], [p.speedup for p in ordered],
+               c=[FEASIBLE if p.feasible else INFEASIBLE for p in ordered], zorder=3)  # fmt: skip
+    best_so_far, running = [], float("-inf")
+    for p in ordered:
+        if p.feasible:
+            running = max(running, p.speedup)
+        best_so_far.append(running if running > float("-inf") else float("nan"))
+    ax.step([p.number for p in ordered], best_so_far, where="post", color=BEST, label="best so far")
+    ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    ax.set_xlabel("trial")
+    ax.set_ylabel("speedup")
+    ax.set_title("Search progress")
+    ax.legend(fontsize=8)
+    ax.grid(color=GRID)
+    return fig

@@ -1,0 +1,172 @@
+"""The report as one HTML file: text, tables and PNG plots inlined as base64 data URIs.
+
+Nothing is loaded from anywhere when the file is opened (no scripts, fonts or images outside
+it), so it can be mailed, archived or opened on an air-gapped machine.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from matplotlib.figure import Figure
+
+from api.report import analysis as an
+from api.report import plots
+from api.report.source import StudyData
+
+
+@dataclass(frozen=True)
+class Plot:
+    name: str
+    title: str
+    caption: str
+    png: bytes
+
+
+@dataclass
+class Report:
+    html: str
+    plots: list[Plot] = field(default_factory=list)
+
+
+def _e(value: Any) -> str:
+    return html.escape(str(value))
+
+
+def _num(value: float | None, digits: int = 3) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def _plots(data: StudyData, pts: list[an.Point], level: int) -> list[Plot]:
+    fit = an.fit_cycle(pts)
+    wanted: list[tuple[str, str, str, Figure]] = []
+    if pts:
+        wanted += [
+            ("speedup", "Speedup against steps, topk and draft tokens",
+             "Each dot is one configuration launched and measured; crosses are failed configurations "
+             "(their value is the worst seen, a placeholder); the dashed line is the baseline.",
+             plots.speedup_vs_params(pts, level)),
+            ("acceptance", "Accept length and per-token accept rate against steps",
+             "Accept length alone misleads: each extra step adds less, while the per-token rate "
+             "(AL − 1) / (draft tokens − 1) shows how much of the drafting is wasted.",
+             plots.acceptance(pts)),
+            ("cycle", "Where the cycle time goes",
+             "Cycle = accept length / per-user tok/s.  The split is an estimate from the least-squares fit "
+             "cycle = a + b·steps + c·draft tokens over the trials: b·steps is drafting, a + c·tokens is "
+             "verification and overhead."
+             + ("" if fit else " Too few trials (or only topk 1) to fit it: measured cycles only."),
+             plots.cycle_split(pts, fit)),
+            ("history", "Search progress", "Speedup of each trial in order, with the best so far.", plots.history(pts)),
+        ]  # fmt: skip
+    if len(an.levels_measured(pts)) > 1:
+        wanted.append(
+            ("concurrency", "Speedup against concurrency",
+             "Verification cost grows with batch size, so the best configuration shrinks as concurrency grows.",
+             plots.speedup_vs_concurrency(pts))
+        )  # fmt: skip
+    if any(p.startup_s is not None for p in pts):
+        wanted.append(
+            ("startup", "Start-up time per configuration",
+             "Launch to ready, including CUDA-graph capture: the price of every restart.",
+             plots.startup_times(pts))
+        )  # fmt: skip
+    kinds = an.failures_by_kind(data.trials)
+    if kinds:
+        wanted.append(("failures", "Failures by kind", "Failed configurations and host faults.", plots.failures(kinds)))
+    return [Plot(name, title, caption, plots.png(fig)) for name, title, caption, fig in wanted]
+
+
+def _winner(shown: dict[str, Any]) -> str:
+    best = shown.get("best")
+    if best is None:
+        return "<p>No configuration has been measured yet.</p>"
+    c = best["config"]
+    rows = [
+        ("trial", best["trial_number"]),
+        ("num_steps / topk / num_draft_tokens", f"{c['num_steps']} / {c['topk']} / {c['num_draft_tokens']}"),
+        ("cuda_graph_max_bs", c.get("cuda_graph_max_bs") or "default"),
+        ("speedup (objective)", _num(best["speedup"])),
+    ]
+    intervals = best.get("speedup_interval_by_level") or {}
+    for level, value in sorted((best.get("speedup_by_level") or {}).items(), key=lambda kv: int(kv[0])):
+        iv = intervals.get(level)
+        band = f" (95% interval {iv['low']:.3f}–{iv['high']:.3f})" if iv else " (no interval: fewer than 2 repeats)"
+        rows.append((f"speedup at concurrency {level}", f"{value:.3f}{band}"))
+    rows += [("measured on", best.get("worker_id") or "—"), ("SGLang", best.get("sglang_version") or "—")]
+    table = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in rows)
+    return f'<table class="kv">{table}</table><p>Launch command:</p><pre class="cmd">{_e(best["launch_command"])}</pre>'
+
+
+def _trial_table(trials: list[dict[str, Any]], level: int) -> str:
+    pts = {p.number: p for p in an.points(trials, level)}
+    head = (
+        "<tr><th>#</th><th>state</th><th>steps/topk/tokens</th><th>speedup</th><th>accept length</th>"
+        "<th>accept rate</th><th>cycle ms</th><th>start-up s</th><th>worker</th><th>failure / note</th></tr>"
+    )
+    rows = []
+    for t in sorted(trials, key=lambda t: t["number"]):
+        c = t.get("config") or {}
+        p = pts.get(t["number"])
+        note = t.get("failure_kind") or ""
+        if t.get("duplicate_of") is not None:
+            note = f"same configuration as trial {t['duplicate_of']}"
+        cfg = f"{c.get('num_steps')}/{c.get('topk')}/{c.get('num_draft_tokens')}" if c else "—"
+        rows.append(
+            f"<tr><td>{t['number']}</td><td>{_e(t['state'])}</td><td>{_e(cfg)}</td>"
+            f"<td>{_num(t.get('speedup'))}</td><td>{_num(p.accept_length if p else None, 2)}</td>"
+            f"<td>{_num(p.accept_rate if p else None, 2)}</td><td>{_num(p.cycle_ms if p else None, 1)}</td>"
+            f"<td>{_num(t.get('startup_s'), 1)}</td><td>{_e(t.get('worker_id') or '—')}</td><td>{_e(note)}</td></tr>"
+        )
+    return f'<table class="trials">{head}{"".join(rows)}</table>'
+
+
+CSS = """
+body { font-family: system-ui, sans-serif; margin: 2rem auto; max-width: 1200px; color: #222; padding: 0 1rem; }
+h1 { margin-bottom: .2rem; } .sub { color: #555; margin-top: 0; }
+.verdict { font-size: 1.15rem; padding: .6rem .9rem; background: #eef5ff; border-left: 4px solid #1f77b4; }
+table { border-collapse: collapse; margin: .6rem 0; font-size: .9rem; }
+th, td { border: 1px solid #ddd; padding: .25rem .5rem; text-align: left; }
+table.kv th { background: #f6f6f6; }
+table.trials td:nth-child(n+4):nth-child(-n+8) { text-align: right; font-variant-numeric: tabular-nums; }
+pre.cmd { background: #f6f6f6; padding: .7rem; white-space: pre-wrap; word-break: break-all; }
+figure { margin: 1.5rem 0; } figure img { max-width: 100%; border: 1px solid #eee; }
+figcaption { color: #444; font-size: .9rem; }
+"""
+
+
+def build_report(data: StudyData, *, generated_at: datetime | None = None) -> Report:
+    """Render the study into one HTML document and the plots it embeds."""
+    shown = data.shown
+    level = an.level_of_interest(shown)
+    pts = an.points(data.trials, level)
+    figures = _plots(data, pts, level)
+    when = (generated_at or datetime.now(UTC)).strftime("%Y-%m-%d %H:%M UTC")
+    spec = shown["spec"]
+    model = spec["model"]
+    state = shown["state"] + (f" — {shown['finish_reason']}" if shown.get("finish_reason") else "")
+    counts = ", ".join(f"{k.lower()} {v}" for k, v in shown["trials"].items() if v) or "none"
+    figure_html = "".join(
+        f'<figure id="plot-{p.name}"><h3>{_e(p.title)}</h3>'
+        f'<img src="data:image/png;base64,{base64.b64encode(p.png).decode()}" alt="{_e(p.title)}">'
+        f"<figcaption>{_e(p.caption)}</figcaption></figure>"
+        for p in figures
+    )
+    doc = f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>spectune report: {_e(shown["name"])}</title>
+<style>{CSS}</style></head><body>
+<h1>spectune report: {_e(shown["name"])}</h1>
+<p class="sub">{_e(model["target"])} with draft {_e(model["draft"])}, tp {_e(model.get("tp_size", 1))} ·
+state {_e(state)} · trials: {_e(counts)} · generated {when}</p>
+<p class="verdict">{_e(shown["verdict"])}</p>
+<h2>The winner</h2>{_winner(shown)}
+<h2>Why</h2>
+<p>Plots at concurrency {level} unless said otherwise; {len(pts)} configurations measured.</p>
+{figure_html or "<p>No measured trials yet.</p>"}
+<h2>Every trial</h2>{_trial_table(data.trials, level)}
+</body></html>
+"""
+    return Report(html=doc, plots=figures)

@@ -1,0 +1,84 @@
+"""Plain-text tables and progress lines for the CLI (`spectune study list|show|watch`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from api.report import analysis as an
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Left-aligned columns, two spaces apart; None shows as a dash."""
+    cells = [[("—" if v is None else str(v)) for v in row] for row in rows]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+    return "\n".join(lines)
+
+
+def _f(value: float | None, digits: int) -> str | None:
+    return None if value is None else f"{value:.{digits}f}"
+
+
+def study_summary(shown: dict[str, Any]) -> str:
+    spec = shown["spec"]
+    state = shown["state"] + (f" ({shown['finish_reason']})" if shown.get("finish_reason") else "")
+    lines = [
+        f"study    {shown['name']}: {spec['model']['target']} + {spec['model']['draft']}, {state}",
+        f"verdict  {shown['verdict']}",
+    ]
+    best = shown.get("best")
+    if best:
+        c = best["config"]
+        lines.append(
+            f"best     trial {best['trial_number']}: steps {c['num_steps']}, topk {c['topk']}, "
+            f"draft tokens {c['num_draft_tokens']} -> {best['speedup']:.3f}x"
+        )
+        lines.append(f"launch   {best['launch_command']}")
+    return "\n".join(lines)
+
+
+def trials_table(shown: dict[str, Any], trials: list[dict[str, Any]]) -> str:
+    level = an.level_of_interest(shown)
+    pts = {p.number: p for p in an.points(trials, level)}
+    rows = []
+    for t in sorted(trials, key=lambda t: t["number"]):
+        c = t.get("config") or {}
+        p = pts.get(t["number"])
+        at: dict[str, Any] = next((lv for lv in t.get("levels") or [] if lv.get("concurrency") == level), {})
+        note = t.get("failure_kind")
+        if t.get("duplicate_of") is not None:
+            note = f"= trial {t['duplicate_of']}"
+        rows.append(
+            [
+                t["number"],
+                t["state"],
+                f"{c.get('num_steps')}/{c.get('topk')}/{c.get('num_draft_tokens')}" if c else None,
+                _f(t.get("speedup"), 3),
+                _f(at.get("output_tok_s"), 1),
+                _f(p.accept_length if p else None, 2),
+                _f(p.accept_rate if p else None, 2),
+                _f(at.get("itl_ms_p99"), 1),
+                _f(t.get("startup_s"), 1),
+                t.get("worker_id"),
+                note,
+            ]
+        )
+    headers = ["#", "state", "steps/topk/tok", "speedup", f"tok/s@{level}", "AL", "rate", "itl p99", "start s"]
+    return table([*headers, "worker", "note"], rows)
+
+
+def progress_line(shown: dict[str, Any]) -> str:
+    """One line of `study watch`: state, a bar of the trial budget, counts and the best so far."""
+    counts = shown["trials"]
+    budget = int(shown["spec"]["budget"]["max_trials"])
+    launched = int(shown.get("configurations_launched") or 0)
+    filled = min(20, round(20 * launched / budget)) if budget else 0
+    bar = "#" * filled + "." * (20 - filled)
+    best = shown.get("best")
+    best_text = f"best {best['speedup']:.3f}x (trial {best['trial_number']})" if best else "no result yet"
+    return (
+        f"{shown['state']:<8} [{bar}] {launched}/{budget} launched  complete {counts.get('COMPLETE', 0)}  "
+        f"running {counts.get('RUNNING', 0)}  failed {counts.get('FAIL', 0)}  {best_text}"
+    )
