@@ -26,14 +26,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import optuna
-from optuna.distributions import BaseDistribution, CategoricalDistribution, IntDistribution
 from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
 from optimizer.errors import StudyExistsError, StudyNotFoundError, TrialStateError
 from optimizer.objective import CONSTRAINT_KEY, FAILED_LAUNCH_VIOLATION
 from optimizer.samplers import make_sampler
-from optimizer.space import SGLANG_DEFAULTS, SearchSpace, SpecConfig, params_of
+from optimizer.space import SGLANG_DEFAULTS, SpecConfig, params_of
 from optimizer.spec import StudySpec
 
 SPEC_ATTR = "spectune_spec"
@@ -46,18 +45,6 @@ class AskedTrial:
     trial_id: int
     params: dict[str, Any]
     config: SpecConfig
-
-
-def distributions(space: SearchSpace) -> dict[str, BaseDistribution]:
-    dists: dict[str, BaseDistribution] = {
-        "num_steps": IntDistribution(space.num_steps.low, space.num_steps.high),
-        "topk": CategoricalDistribution(sorted(space.topk)),
-    }
-    if any(t > 1 for t in space.topk):
-        dists["num_draft_tokens"] = IntDistribution(space.num_draft_tokens.low, space.num_draft_tokens.high)
-    if space.cuda_graph_max_bs is not None:
-        dists["cuda_graph_max_bs"] = CategoricalDistribution(sorted(space.cuda_graph_max_bs))
-    return dists
 
 
 def warm_start_configs(spec: StudySpec) -> list[SpecConfig]:

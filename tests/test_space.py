@@ -87,11 +87,18 @@ def test_server_args_for_trial_and_baseline() -> None:
     assert base == trial.baseline()
     args = build_server_args(trial, version="0.5.23", model_path="/m/t", draft_model_path="/m/d")
     assert args[args.index("--max-running-requests") + 1] == "8"
-    assert args[args.index("--cuda-graph-max-bs-decode") + 1] == "8"
+    # While tuning, graphs are captured for the workload's levels only (shorter start-up).
+    i = args.index("--cuda-graph-bs-decode")
+    assert args[i + 1 : i + 3] == ["1", "8"] and "--cuda-graph-max-bs-decode" not in args
     assert "--cuda-graph-max-bs" not in args
+    # The server to deploy captures every size up to the largest level.
+    deploy = build_server_args(
+        server_settings(spec, cfg, deployment=True), version="0.5.23", model_path="/m/t", draft_model_path="/m/d"
+    )
+    assert deploy[deploy.index("--cuda-graph-max-bs-decode") + 1] == "8" and "--cuda-graph-bs-decode" not in deploy
     assert args[args.index("--speculative-draft-model-path") + 1] == "/m/d"
     legacy = build_server_args(base, version="0.5.13", model_path="/m/t", draft_model_path=None)
-    assert "--cuda-graph-max-bs" in legacy and not any(a.startswith("--speculative") for a in legacy)
+    assert "--cuda-graph-bs" in legacy and not any(a.startswith("--speculative") for a in legacy)
     assert "--attention-backend" in legacy
     line = launch_command(trial)
     assert line.startswith("python -m sglang.launch_server --model-path t")

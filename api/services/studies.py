@@ -179,7 +179,7 @@ class StudyService:
     @staticmethod
     def _describe_best(spec: StudySpec, t: FrozenTrial) -> dict[str, Any]:
         config = SpecConfig.model_validate(t.user_attrs["config"])
-        settings = server_settings(spec, config)
+        settings = server_settings(spec, config, deployment=True)
         version = t.user_attrs.get("sglang_version") or "0.5.23"
         return {
             "trial_number": t.number,

@@ -1,0 +1,307 @@
+"""A fitted model of why a configuration wins or loses (design.md), used to choose the next trial.
+
+Every measured trial yields, per concurrency level b, the accept length AL (tokens per verify
+cycle, bonus included: completion_tokens / spec_verify_ct) and the per-request cycle time
+(AL / per-user tok/s); its host's baseline yields the plain decode step s_b.  The model:
+
+* acceptance: a conditional acceptance a_i per draft position i (a random walk in logit space, so
+  positions never measured follow the deepest one measured), and a tree gain g: a tree of width
+  w = min(topk, 1 + (n-1)/d) at depth d = min(steps, n-1) cuts each position's rejection
+  probability by (1-g)^log2(w).  AL = 1 + sum_j prod_{i<=j} a_i'.
+* cost, relative to one plain decode step at the same batch (host offsets and drift cancel):
+  r_b = steps * delta * (1 + gamma (topk-1)) + phi(b n) / phi(b) + omega / phi(b), where
+  phi(N) = 1 + beta min(N-1, x) + beta' max(0, N-1-x) is the target forward over N tokens
+  (steep up to a knee x on MoE and slow interconnects, linear on dense models).
+* speedup at level b = AL / r_b.
+
+These are the relations of reference/calibration.md §6 written as a regression.  Both halves are
+fitted by regularised least squares (priors from the published ranges, so two or three trials
+already give a usable answer), and a Laplace approximation gives each prediction a standard
+deviation for the acquisition function.  The fit is milliseconds for tens of trials.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from numpy.typing import NDArray
+from scipy.optimize import least_squares
+
+from optimizer.space import SpecConfig
+
+FloatArray = NDArray[np.float64]
+
+# Priors (mean, sd) in the units above; ranges from reference/calibration.md §4-6.
+_ACCEPT_FIRST = (math.log(0.7 / 0.3), 1.2)  # logit of a_1: 0.55-0.85 in public data
+_ACCEPT_STEP_SD = 0.35  # logit change from one position to the next
+_TREE_GAIN = (0.15, 0.1)
+_DELTA = (0.1, 0.15)  # draft step / decode step
+_GAMMA = (0.02, 0.05)  # extra draft cost per extra topk branch
+_BETA = (0.1, 0.4)  # verify cost per extra token up to the knee
+_BETA_AFTER = (0.02, 0.2)
+_OMEGA = (0.1, 0.3)  # fixed per-cycle overhead / decode step
+# Knees tried for the verify cost; 0 means one slope throughout (dense targets).
+KNEES = (0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
+# Relative measurement noise of AL and of the cycle ratio (a few % per level, from the loadgen).
+AL_NOISE = 0.02
+COST_NOISE = 0.02
+# Floor on a prediction's sd: the model is a simplification of a real server.
+MODEL_FLOOR = 0.01
+# Graphs missing at a level make that level run eagerly (calibration.md §5).
+EAGER_PENALTY = 1.37
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One measured level of one trial."""
+
+    num_steps: int
+    topk: int
+    num_draft_tokens: int
+    concurrency: int
+    accept_length: float
+    cycle_ratio: float  # cycle time / baseline decode step at the same level and host
+    eager: bool = False
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """Configurations to score, as parallel arrays (canonical values)."""
+
+    configs: tuple[SpecConfig, ...]
+    steps: FloatArray
+    topk: FloatArray
+    ndt: FloatArray
+    graph_bs: FloatArray  # largest captured batch; +inf when captured for every level
+
+    @classmethod
+    def of(cls, configs: Sequence[SpecConfig]) -> Candidates:
+        cs = tuple(c.canonical() for c in configs)
+        return cls(
+            configs=cs,
+            steps=np.array([c.num_steps for c in cs], dtype=float),
+            topk=np.array([c.topk for c in cs], dtype=float),
+            ndt=np.array([c.num_draft_tokens for c in cs], dtype=float),
+            graph_bs=np.array([math.inf if c.cuda_graph_max_bs is None else c.cuda_graph_max_bs for c in cs]),
+        )
+
+
+def accept_lengths(steps: FloatArray, topk: FloatArray, ndt: FloatArray, logits: FloatArray, gain: float) -> FloatArray:
+    """AL for each configuration (vectorised over configurations)."""
+    depth = np.minimum(steps, ndt - 1.0)
+    width = np.minimum(topk, 1.0 + (ndt - 1.0) / np.maximum(depth, 1.0))
+    keep = np.where(width > 1.0, (1.0 - gain) ** np.log2(np.maximum(width, 1.0)), 1.0)
+    positions = int(max(depth.max(initial=1.0), 1.0))
+    rates = _expand(logits, positions)
+    a = 1.0 - (1.0 - rates[None, :]) * keep[:, None]
+    mask = np.arange(positions)[None, :] < depth[:, None]
+    cum = np.cumprod(np.where(mask, a, 1.0), axis=1)
+    out: FloatArray = 1.0 + np.where(mask, cum, 0.0).sum(axis=1)
+    return out
+
+
+def _expand(logits: FloatArray, positions: int) -> FloatArray:
+    """Acceptance per position 1..positions: the last fitted position repeats beyond the fit."""
+    if positions <= len(logits):
+        u = logits[:positions]
+    else:
+        u = np.concatenate([logits, np.full(positions - len(logits), logits[-1])])
+    out: FloatArray = 1.0 / (1.0 + np.exp(-u))
+    return out
+
+
+def _phi(tokens: FloatArray, beta: float, knee: float, beta_after: float) -> FloatArray:
+    extra = np.maximum(tokens - 1.0, 0.0)
+    out: FloatArray = 1.0 + beta * np.minimum(extra, knee) + beta_after * np.maximum(extra - knee, 0.0)
+    return out
+
+
+def cycle_ratios(
+    steps: FloatArray,
+    topk: FloatArray,
+    ndt: FloatArray,
+    batch: FloatArray,
+    cost: FloatArray,
+    knee: float,
+) -> FloatArray:
+    """r_b for each (configuration, level) pair; `cost` = (delta, gamma, beta, beta', omega)."""
+    delta, gamma, beta, beta_after, omega = (float(v) for v in cost)
+    phi_b = _phi(batch, beta, knee, beta_after)
+    out: FloatArray = (
+        steps * delta * (1.0 + gamma * (topk - 1.0)) + _phi(batch * ndt, beta, knee, beta_after) / phi_b + omega / phi_b
+    )
+    return out
+
+
+@dataclass
+class FittedModel:
+    logits: FloatArray
+    gain: float
+    accept_cov: FloatArray
+    cost: FloatArray
+    knee: float
+    cost_cov: FloatArray
+    n_observations: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def predict_log_speedup(
+        self,
+        cand: Candidates,
+        levels: Sequence[int],
+        weights: Sequence[float],
+        *,
+        with_sd: bool = True,
+    ) -> tuple[FloatArray, FloatArray]:
+        """Mean and sd of the weighted mean over levels of log(speedup) for every candidate."""
+        theta = np.concatenate([self.logits, [self.gain], self.cost])
+        mean = self._objective(theta, cand, levels, weights)
+        if not with_sd:
+            return mean, np.zeros_like(mean)
+        cov = np.zeros((len(theta), len(theta)))
+        na = len(self.logits) + 1
+        cov[:na, :na] = self.accept_cov
+        cov[na:, na:] = self.cost_cov
+        grads = np.empty((len(theta), len(mean)))
+        for j in range(len(theta)):
+            h = 1e-4 * max(1.0, abs(theta[j]))
+            bumped = theta.copy()
+            bumped[j] += h
+            grads[j] = (self._objective(bumped, cand, levels, weights) - mean) / h
+        var = np.einsum("ic,ij,jc->c", grads, cov, grads)
+        return mean, np.sqrt(np.maximum(var, 0.0) + MODEL_FLOOR**2)
+
+    def _objective(
+        self, theta: FloatArray, cand: Candidates, levels: Sequence[int], weights: Sequence[float]
+    ) -> FloatArray:
+        na = len(self.logits)
+        logits, gain, cost = theta[:na], float(np.clip(theta[na], 0.0, 0.95)), np.maximum(theta[na + 1 :], 0.0)
+        al = accept_lengths(cand.steps, cand.topk, cand.ndt, logits, gain)
+        total = np.zeros(len(cand.configs))
+        for level, w in zip(levels, weights, strict=True):
+            b = np.full(len(cand.configs), float(level))
+            r = cycle_ratios(cand.steps, cand.topk, cand.ndt, b, cost, self.knee)
+            r = np.where(cand.graph_bs < level, r * EAGER_PENALTY, r)
+            total += w * (np.log(al) - np.log(r))
+        return total / float(sum(weights))
+
+    def accept_length(self, config: SpecConfig) -> float:
+        c = Candidates.of([config])
+        return float(accept_lengths(c.steps, c.topk, c.ndt, self.logits, self.gain)[0])
+
+
+def fit(observations: Sequence[Observation], max_steps: int) -> FittedModel | None:
+    """Fit both halves; None when there is nothing to fit."""
+    if not observations:
+        return None
+    logits, gain, acov = _fit_acceptance(observations, max_steps)
+    cost, knee, ccov = _fit_cost(observations)
+    return FittedModel(logits, gain, acov, cost, knee, ccov, len(observations))
+
+
+def _fit_acceptance(obs: Sequence[Observation], max_steps: int) -> tuple[FloatArray, float, FloatArray]:
+    # One AL per configuration (mean over its levels and repeats): acceptance does not depend on
+    # the batch, and weighting every level would count one measurement several times.
+    by_config: dict[tuple[int, int, int], list[float]] = {}
+    for o in obs:
+        by_config.setdefault((o.num_steps, o.topk, o.num_draft_tokens), []).append(o.accept_length)
+    keys = list(by_config)
+    steps = np.array([k[0] for k in keys], dtype=float)
+    topk = np.array([k[1] for k in keys], dtype=float)
+    ndt = np.array([k[2] for k in keys], dtype=float)
+    al = np.array([sum(v) / len(v) for v in by_config.values()])
+    sd = AL_NOISE * al / np.sqrt([len(v) for v in by_config.values()])
+    depth = int(max(1, min(max_steps, int(np.minimum(steps, ndt - 1).max()))))
+
+    def residuals(p: FloatArray) -> FloatArray:
+        u, g = p[:depth], p[depth]
+        pred = accept_lengths(steps, topk, ndt, u, g)
+        prior = [(u[0] - _ACCEPT_FIRST[0]) / _ACCEPT_FIRST[1]]
+        prior += list(np.diff(u) / _ACCEPT_STEP_SD)
+        prior.append((g - _TREE_GAIN[0]) / _TREE_GAIN[1])
+        return np.concatenate([(pred - al) / sd, prior])
+
+    x0 = np.concatenate([np.full(depth, _ACCEPT_FIRST[0]), [_TREE_GAIN[0]]])
+    lo = np.concatenate([np.full(depth, -8.0), [0.0]])
+    hi = np.concatenate([np.full(depth, 8.0), [0.9]])
+    res = least_squares(residuals, x0, bounds=(lo, hi), method="trf")
+    return res.x[:depth].copy(), float(res.x[depth]), _laplace(res.jac)
+
+
+def _fit_cost(obs: Sequence[Observation]) -> tuple[FloatArray, float, FloatArray]:
+    usable = [o for o in obs if not o.eager]
+    if not usable:
+        usable = list(obs)
+    steps = np.array([o.num_steps for o in usable], dtype=float)
+    topk = np.array([o.topk for o in usable], dtype=float)
+    ndt = np.array([o.num_draft_tokens for o in usable], dtype=float)
+    batch = np.array([o.concurrency for o in usable], dtype=float)
+    ratio = np.array([o.cycle_ratio for o in usable])
+    priors = (_DELTA, _GAMMA, _BETA, _BETA_AFTER, _OMEGA)
+    mu = np.array([p[0] for p in priors])
+    psd = np.array([p[1] for p in priors])
+    best: tuple[float, FloatArray, float, FloatArray] | None = None
+    for knee in KNEES:
+
+        def residuals(p: FloatArray, knee: float = float(knee)) -> FloatArray:
+            pred = cycle_ratios(steps, topk, ndt, batch, p, knee)
+            return np.concatenate([(np.log(pred) - np.log(ratio)) / COST_NOISE, (p - mu) / psd])
+
+        res = least_squares(residuals, mu.copy(), bounds=(np.zeros(5), np.full(5, 5.0)), method="trf")
+        if best is None or res.cost < best[0]:
+            best = (float(res.cost), res.x.copy(), float(knee), _laplace(res.jac))
+    assert best is not None
+    return best[1], best[2], best[3]
+
+
+def _laplace(jac: FloatArray) -> FloatArray:
+    """Covariance of the parameters at the optimum of a whitened least-squares problem."""
+    h = jac.T @ jac
+    return np.asarray(np.linalg.pinv(h + 1e-9 * np.eye(len(h))), dtype=np.float64)
+
+
+# ---------------------------------------------------------------------------------------------
+# From stored trial attributes to observations
+
+
+def observations_from_attrs(
+    config: Mapping[str, Any], levels: Iterable[Mapping[str, Any]], baseline_levels: Iterable[Mapping[str, Any]]
+) -> list[Observation]:
+    """Observations of one trial from what the service stores with it (see api.services.leasing).
+
+    A level needs the accept length and a per-user rate for the trial and the baseline; levels
+    without them (an engine that reports no accept length) are skipped.
+    """
+    cfg = SpecConfig.model_validate(dict(config)).canonical()
+    base = {int(b["concurrency"]): b for b in baseline_levels}
+    out = []
+    for lv in levels:
+        c = int(lv["concurrency"])
+        al = lv.get("accept_length")
+        b = base.get(c)
+        if al is None or al < 1.0 or b is None:
+            continue
+        user = _per_user(lv, c)
+        base_user = _per_user(b, c)
+        if user is None or base_user is None:
+            continue
+        cycle = al / user
+        step = 1.0 / base_user
+        eager = cfg.cuda_graph_max_bs is not None and cfg.cuda_graph_max_bs < c
+        out.append(
+            Observation(cfg.num_steps, cfg.topk, cfg.num_draft_tokens, c, float(al), float(cycle / step), eager=eager)
+        )
+    return out
+
+
+def _per_user(level: Mapping[str, Any], concurrency: int) -> float | None:
+    v = level.get("per_user_tok_s")
+    if v is None or v <= 0:
+        total = level.get("output_tok_s")
+        if total is None or total <= 0:
+            return None
+        return float(total) / concurrency
+    return float(v)
