@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import select
 import signal
 import socket
@@ -36,7 +37,7 @@ from typing import Any, Protocol
 from api.protocol import CompleteIn, Failure, FailureKind, Inventory, LeaseOut, LevelMetrics, Metrics, ProgressIn
 from optimizer.sglang import ServerSettings
 from workers.client import ApiClient, ApiError, ApiUnavailable, AuthError, Backoff, LeaseLost, make_http_client
-from workers.config import WorkerConfig, load_config, read_token
+from workers.config import DEFAULT_ALLOWED_EXTRA_ARGS, WorkerConfig, load_config, read_token
 from workers.errors import ConfigError, LaunchCancelled, LaunchError, WorkerError
 from workers.gpu import GpuProbe, open_probe
 from workers.heartbeat import Heartbeat
@@ -51,6 +52,8 @@ EXIT_CONFIG = 2  # bad config or token: systemd must not restart-loop on it (Res
 
 _MAX_MESSAGE = 4000  # api.protocol.Failure.message
 _MAX_LOG_TAIL = 20_000
+# A word-valued server flag: never empty, never an option itself, no spaces, quotes or paths.
+_SAFE_WORD_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:+-]{0,63}$")
 
 
 class Server(Protocol):
@@ -109,6 +112,8 @@ class AgentSettings:
     idle_poll_s: float = 5.0
     idle_poll_max_s: float = 60.0
     api_retry_max_s: float = 60.0
+    # Extra server flags a lease may carry (WorkerConfig.engine.allowed_extra_args).
+    allowed_extra_args: frozenset[str] = frozenset(DEFAULT_ALLOWED_EXTRA_ARGS)
 
 
 def _failed(kind: FailureKind, message: str, *, log_tail: str = "", host_fault: bool = False) -> CompleteIn:
@@ -116,6 +121,30 @@ def _failed(kind: FailureKind, message: str, *, log_tail: str = "", host_fault: 
         message = message[: _MAX_MESSAGE - 3] + "..."
     failure = Failure(kind=kind, message=message, log_tail=log_tail[-_MAX_LOG_TAIL:], host_fault=host_fault)
     return CompleteIn(outcome="failed", failure=failure)
+
+
+def server_settings_refusal(settings: ServerSettings, allowed_extra_args: frozenset[str]) -> str | None:
+    """Why this worker will not launch these settings, or None.
+
+    The worker does not trust the API (SECURITY.md): a study's extra flags were checked against
+    the API's allowlist, but only this host's own list decides what it runs.  Values become
+    single argv elements (never a shell), and a word value that looked like an option would let
+    argparse read it as a flag, so such values are refused too.
+    """
+    refused = sorted(flag for flag in settings.extra_args if flag not in allowed_extra_args)
+    if refused:
+        allowed = ", ".join(sorted(allowed_extra_args)) or "none"
+        return (
+            f"server flag(s) {', '.join(refused)} not on this worker's allowlist (allowed: {allowed}); "
+            "add them to engine.allowed_extra_args in the worker config if this host should accept them, "
+            "or remove them from the study's model.extra_args"
+        )
+    for flag, value in sorted(settings.extra_args.items()):
+        if isinstance(value, str) and not _SAFE_WORD_RE.match(value):
+            return f"server flag {flag} has the value {value[:80]!r}; only a short word (letters, digits, . _ : + -) is accepted"
+    if not _SAFE_WORD_RE.match(settings.attention_backend):
+        return f"attention backend {settings.attention_backend[:80]!r} is not a backend name"
+    return None
 
 
 def describe_lease(lease: LeaseOut) -> str:
@@ -302,6 +331,10 @@ class Agent:
                 "add them to [models] in the worker config, or place the study on workers that have them",
                 host_fault=True,
             )
+        refusal = server_settings_refusal(settings, self.settings.allowed_extra_args)
+        if refusal is not None:
+            log.warning("lease %s refused: %s", lid, refusal)
+            return _failed("invalid_config", refusal, host_fault=True)
         try:
             prompts = self._load_prompts(lease.workload.prompts, self.settings.prompt_dir)
         except (ValueError, OSError, LoadgenError) as e:
@@ -564,6 +597,7 @@ def build_agent(cfg: WorkerConfig, *, stop_event: threading.Event, http: Any, pr
         idle_poll_s=cfg.idle_poll_s,
         idle_poll_max_s=cfg.idle_poll_max_s,
         api_retry_max_s=cfg.timeouts.api_retry_max_s,
+        allowed_extra_args=frozenset(cfg.engine.allowed_extra_args),
     )
     return Agent(
         client=client,

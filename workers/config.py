@@ -39,6 +39,49 @@ LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # A module path for `python -m`: dotted identifiers only, so nothing else can be smuggled in.
 MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+# A long option of the server's command line, as argparse spells them.
+FLAG_RE = re.compile(r"^--[a-z0-9][a-z0-9-]{0,62}$")
+
+# Extra server flags this worker passes on from a lease when its config says nothing else.  The
+# API checks a study's extra_args against its own allowlist (optimizer/spec.py), but the worker
+# must not trust the API (SECURITY.md): these shape the server and name no file, no network
+# address and no code.  `--trust-remote-code` is deliberately missing: it runs Python shipped
+# with a model, so an operator opts in per host.
+DEFAULT_ALLOWED_EXTRA_ARGS: tuple[str, ...] = (
+    "--chunked-prefill-size",
+    "--disable-overlap-schedule",
+    "--disable-radix-cache",
+    "--dp-size",
+    "--dtype",
+    "--enable-dp-attention",
+    "--ep-size",
+    "--kv-cache-dtype",
+    "--max-prefill-tokens",
+    "--moe-runner-backend",
+    "--quantization",
+    "--schedule-conservativeness",
+)
+# Flags the worker sets itself from its own config or typed lease values, or that name paths,
+# addresses or code: no allowlist may let a lease set them (argparse keeps the last occurrence,
+# so an extra `--model-path` would override the registry's path).
+RESERVED_FLAGS = frozenset(
+    {
+        "--model-path",
+        "--tokenizer-path",
+        "--speculative-draft-model-path",
+        "--host",
+        "--port",
+        "--download-dir",
+        "--config",
+        "--chat-template",
+        "--json-model-override-args",
+        "--preferred-sampling-params",
+        "--enable-custom-logit-processor",
+        "--custom-weight-loader",
+        "--api-key",
+        "--log-requests",
+    }
+)
 
 
 class _Section(BaseModel):
@@ -58,6 +101,8 @@ class EngineSection(_Section):
     # Override the version read from the interpreter (only when detection is impossible).
     sglang_version: str | None = None
     log_dir: Path = Path("logs")
+    # Extra server flags a lease may ask for (study `model.extra_args`); any other is refused.
+    allowed_extra_args: tuple[str, ...] = DEFAULT_ALLOWED_EXTRA_ARGS
 
     @field_validator("module")
     @classmethod
@@ -65,6 +110,18 @@ class EngineSection(_Section):
         if not MODULE_RE.match(v):
             raise ValueError(f"{v!r} is not a Python module path; use e.g. 'sglang.launch_server'")
         return v
+
+    @field_validator("allowed_extra_args")
+    @classmethod
+    def _allowed_extra_args(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for flag in v:
+            if not FLAG_RE.match(flag):
+                raise ValueError(f"{flag!r} is not a server flag; write long options such as '--dtype'")
+            if flag in RESERVED_FLAGS:
+                raise ValueError(
+                    f"{flag} cannot be allowed: the worker sets it itself, or it names a file, an address or code"
+                )
+        return tuple(sorted(set(v)))
 
     @field_validator("env")
     @classmethod
