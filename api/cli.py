@@ -125,6 +125,9 @@ def token_create(
     name: Annotated[str, typer.Option(help="a label for the token")] = "",
     worker_id: Annotated[str | None, typer.Option(help="bind a worker token to one worker id")] = None,
     database_url: DbUrl = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="write the token to this file (mode 0600) instead of stdout")
+    ] = None,
 ) -> None:
     """Create a token and print it (shown once; only its hash is stored)."""
     from api.auth import create_token
@@ -141,7 +144,18 @@ def token_create(
         _fail(f"cannot create the token ({e}); did you run `spectune db upgrade`?")
     finally:
         engine.dispose()
-    typer.echo(token)
+    if output is None:
+        typer.echo(token)
+        return
+    try:
+        # Created 0600 from the start: the token is never readable by others, not even briefly.
+        fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(token + "\n")
+        os.chmod(output, 0o600)
+    except OSError as e:
+        _fail(f"cannot write the token to {output}: {e.strerror}")
+    typer.echo(f"{role} token written to {output}")
 
 
 @token_app.command("revoke")
