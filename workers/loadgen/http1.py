@@ -30,6 +30,9 @@ import httpx
 from workers.loadgen.chunked import ChunkedDecoder, ChunkedError
 from workers.loadgen.sse import SSEDecodeError, SSEDecoder
 
+# Connecting to a local server should be quick; a hung connect should not wait the whole
+# request time-out.
+CONNECT_TIMEOUT_S = 30.0
 # A response head larger than this is not SGLang's (its heads are a few hundred bytes).
 MAX_HEAD_BYTES = 64 * 1024
 # How much of a non-200 body is kept for the error message.
@@ -296,3 +299,14 @@ class LoadgenClient(httpx.AsyncClient):
     ) -> None:
         self.sse.close()
         await super().__aexit__(exc_type, exc_value, traceback)
+
+
+def make_client(request_timeout_s: float = 600.0) -> LoadgenClient:
+    """The client ``run_workload`` uses: an httpx client carrying the fast SSE path.
+
+    ``trust_env=False``: the engine is on this host, so an HTTP(S)_PROXY meant for the API must
+    not route benchmark traffic through a proxy.
+    """
+    connect_s = min(CONNECT_TIMEOUT_S, request_timeout_s)
+    timeout = httpx.Timeout(request_timeout_s, connect=connect_s)
+    return LoadgenClient(connect_timeout_s=connect_s, timeout=timeout, trust_env=False)

@@ -5,32 +5,58 @@ Per level: ``warmup_requests`` untimed requests, then ``repeats`` timed passes o
 ``i`` of every pass (and of the warm-up) uses ``prompts[i % len(prompts)]``, so a baseline and a
 trial see the same prompts in the same order.
 
-Concurrency is a fixed set of ``concurrency`` worker tasks that take the next request index
-from a shared counter: no task per request and no semaphore queue, so the generator itself adds
-little scheduling work per request.
+A pass runs on this process's event loop (passes.py), or, at high concurrency on a host with
+cores to spare, spread over several generator processes (shards.py) that together measure
+exactly what one loop would, so the generator stays >= 10x faster than what it measures.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from time import perf_counter
 
 import httpx
 
 from api.protocol import LevelMetrics
 from optimizer.spec import Workload
-from workers.loadgen.errors import LoadgenCancelled, LoadgenError
-from workers.loadgen.http1 import LoadgenClient
-from workers.loadgen.request import RequestResult, stream_generate
+from workers.loadgen.http1 import CONNECT_TIMEOUT_S, make_client
+from workers.loadgen.passes import CANCEL_POLL_S, in_request_order, raise_if_cancelled, run_workers
+from workers.loadgen.shards import ShardPool, available_cpus
 from workers.loadgen.stats import PassResult, summarize_level
 
-# How often a running pass looks at the cancel event: bounds how late a cancel is noticed.
-CANCEL_POLL_S = 0.05
-# Connecting to a local server should be quick; a hung connect should not wait the whole
-# request time-out.
-CONNECT_TIMEOUT_S = 30.0
+__all__ = [
+    "CANCEL_POLL_S",
+    "CONNECT_TIMEOUT_S",
+    "MAX_PROCESSES",
+    "STREAMS_PER_PROCESS",
+    "default_processes",
+    "make_client",
+    "run_level",
+    "run_workload",
+]
+
+# One event loop consumes >= 40k one-token events/s; an engine's busiest setting emits ~8k/s at
+# concurrency 64, i.e. ~130 events/s per stream.  16 streams per process keeps each loop near
+# 2k events/s, >= 20x below its capacity, with headroom for engines twice as fast.
+STREAMS_PER_PROCESS = 16
+# Beyond this, more processes add start-up time and contention but no useful margin.
+MAX_PROCESSES = 8
+
+PassRunner = Callable[[int, str], Awaitable[PassResult]]
+"""Runs one pass of ``count`` requests labelled ``phase``."""
+
+
+def default_processes(concurrency: int, cpus: int) -> int:
+    """How many generator processes a level of ``concurrency`` streams gets on ``cpus`` CPUs.
+
+    One per STREAMS_PER_PROCESS streams, at most MAX_PROCESSES, and at most half the CPUs: the
+    engine's own scheduler, tokenizer and detokenizer processes need cores on the same host.
+    So a 2-core machine never shards, and a 16-core GPU host runs concurrency 64 on 4 processes.
+    """
+    return max(1, min(math.ceil(concurrency / STREAMS_PER_PROCESS), MAX_PROCESSES, cpus // 2))
 
 
 async def run_level(
@@ -45,6 +71,7 @@ async def run_level(
     repeats: int,
     request_timeout_s: float = 600.0,
     cancel: threading.Event | None = None,
+    processes: int = 1,
 ) -> LevelMetrics:
     """Measure one concurrency level.
 
@@ -53,31 +80,27 @@ async def run_level(
     the client; and plain httpx streaming costs about 10x more CPU per event than the fast path
     that ``make_client()`` clients carry.
 
+    ``processes`` > 1 spreads the streams over that many generator processes (at most one per
+    stream), started for this call; they use their own fast-path clients, not ``client``.
+    ``run_workload`` does this by itself when it helps (``default_processes``).
+
     Raises:
         ValueError: an argument is out of range or there are no prompts.
         LoadgenError: a request failed (the message names it and says why).
         LoadgenCancelled: ``cancel`` was set; requests in flight are abandoned.
     """
     _check_args(prompts, concurrency, num_prompts, output_len, warmup_requests, repeats, request_timeout_s)
-    url = base_url.rstrip("/") + "/generate"
-
-    async def one_pass(count: int, phase: str) -> PassResult:
-        return await _run_pass(
-            client=client,
-            url=url,
-            prompts=prompts,
-            count=count,
-            concurrency=concurrency,
-            output_len=output_len,
-            timeout_s=request_timeout_s,
-            cancel=cancel,
-            phase=phase,
-        )
-
-    if warmup_requests:
-        await one_pass(warmup_requests, f"c={concurrency} warm-up")
-    passes = [await one_pass(num_prompts, f"c={concurrency} pass {r + 1}/{repeats}") for r in range(repeats)]
-    return summarize_level(concurrency, passes)
+    if processes < 1:
+        raise ValueError(f"processes must be >= 1, got {processes}")
+    processes = min(processes, concurrency)
+    args = (concurrency, num_prompts, warmup_requests, repeats)
+    if processes > 1:
+        async with ShardPool(
+            processes, base_url=base_url, prompts=prompts, request_timeout_s=request_timeout_s
+        ) as pool:
+            return await _measure_level(_sharded_runner(pool, processes, concurrency, output_len, cancel), *args)
+    local = _local_runner(client, base_url, prompts, concurrency, output_len, request_timeout_s, cancel)
+    return await _measure_level(local, *args)
 
 
 def run_workload(
@@ -88,15 +111,36 @@ def run_workload(
     cancel: threading.Event | None = None,
     on_level: Callable[[int, LevelMetrics], bool] | None = None,
     request_timeout_s: float = 600.0,
+    processes: int | None = None,
 ) -> list[LevelMetrics]:
     """Measure every concurrency level of ``workload`` in order; blocking (runs its own event loop).
 
     ``on_level(index, metrics)`` is called after each level (from the loop's thread, with no
     request in flight); returning False stops before the next level (the API said prune).
-    Setting ``cancel`` from another thread raises LoadgenCancelled within about 50 ms.
+    Setting ``cancel`` from another thread raises LoadgenCancelled within about 100 ms.
+
+    ``processes``: generator processes per level; None picks ``default_processes(concurrency,
+    available CPUs)`` per level, 1 keeps everything on this thread's event loop.  A level's
+    processes are started before its warm-up and kept for the following levels.
     """
+    if processes is not None and processes < 1:
+        raise ValueError(f"processes must be >= 1, got {processes}")
+    cpus = available_cpus()
+
+    def per_level(concurrency: int) -> int:
+        wanted = default_processes(concurrency, cpus) if processes is None else processes
+        return min(wanted, concurrency)
+
     return asyncio.run(
-        _run_workload(base_url, workload, prompts, cancel=cancel, on_level=on_level, timeout_s=request_timeout_s)
+        _run_workload(
+            base_url,
+            workload,
+            prompts,
+            cancel=cancel,
+            on_level=on_level,
+            timeout_s=request_timeout_s,
+            per_level=per_level,
+        )
     )
 
 
@@ -108,106 +152,110 @@ async def _run_workload(
     cancel: threading.Event | None,
     on_level: Callable[[int, LevelMetrics], bool] | None,
     timeout_s: float,
+    per_level: Callable[[int], int],
 ) -> list[LevelMetrics]:
+    _check_args(
+        prompts,
+        min(workload.concurrency),
+        workload.num_prompts,
+        workload.output_len,
+        workload.warmup_requests,
+        workload.repeats,
+        timeout_s,
+    )
     results: list[LevelMetrics] = []
+    pool_size = max(per_level(c) for c in workload.concurrency)
     async with make_client(timeout_s) as client:
-        for index, concurrency in enumerate(workload.concurrency):
-            _raise_if_cancelled(cancel)
-            metrics = await run_level(
-                client,
-                base_url,
-                prompts,
-                concurrency=concurrency,
-                num_prompts=workload.num_prompts,
-                output_len=workload.output_len,
-                warmup_requests=workload.warmup_requests,
-                repeats=workload.repeats,
-                request_timeout_s=timeout_s,
-                cancel=cancel,
-            )
-            results.append(metrics)
-            if on_level is not None and not on_level(index, metrics):
-                break
+        # One pool for the whole workload, sized for its largest level; it starts on first use.
+        pool = (
+            ShardPool(pool_size, base_url=base_url, prompts=prompts, request_timeout_s=timeout_s)
+            if pool_size > 1
+            else None
+        )
+        try:
+            for index, concurrency in enumerate(workload.concurrency):
+                raise_if_cancelled(cancel)
+                procs = per_level(concurrency)
+                if pool is not None and procs > 1:
+                    run = _sharded_runner(pool, procs, concurrency, workload.output_len, cancel)
+                else:
+                    run = _local_runner(client, base_url, prompts, concurrency, workload.output_len, timeout_s, cancel)
+                metrics = await _measure_level(
+                    run, concurrency, workload.num_prompts, workload.warmup_requests, workload.repeats
+                )
+                results.append(metrics)
+                if on_level is not None and not on_level(index, metrics):
+                    break
+        finally:
+            if pool is not None:
+                await pool.aclose()
     return results
 
 
-def make_client(request_timeout_s: float = 600.0) -> httpx.AsyncClient:
-    """The client ``run_workload`` uses: an httpx client carrying the fast SSE path (http1.py).
-
-    The fast path keeps the generator far from being the bottleneck (http1.py says why).
-    ``trust_env=False``: the engine is on this host, so an HTTP(S)_PROXY meant for the API must
-    not route benchmark traffic through a proxy.
-    """
-    connect_s = min(CONNECT_TIMEOUT_S, request_timeout_s)
-    timeout = httpx.Timeout(request_timeout_s, connect=connect_s)
-    return LoadgenClient(connect_timeout_s=connect_s, timeout=timeout, trust_env=False)
+async def _measure_level(
+    run_pass: PassRunner, concurrency: int, num_prompts: int, warmup_requests: int, repeats: int
+) -> LevelMetrics:
+    if warmup_requests:
+        await run_pass(warmup_requests, f"c={concurrency} warm-up")
+    passes = [await run_pass(num_prompts, f"c={concurrency} pass {r + 1}/{repeats}") for r in range(repeats)]
+    return summarize_level(concurrency, passes)
 
 
-async def _run_pass(
-    *,
+def _local_runner(
     client: httpx.AsyncClient,
-    url: str,
+    base_url: str,
     prompts: Sequence[str],
-    count: int,
     concurrency: int,
     output_len: int,
     timeout_s: float,
     cancel: threading.Event | None,
-    phase: str,
-) -> PassResult:
-    _raise_if_cancelled(cancel)
-    results: list[RequestResult | None] = [None] * count
-    next_index = 0
+) -> PassRunner:
+    url = base_url.rstrip("/") + "/generate"
 
-    async def worker() -> None:
-        nonlocal next_index
-        while next_index < count:  # each turn claims one of `count` indices: bounded
-            i = next_index
+    async def run_pass(count: int, phase: str) -> PassResult:
+        raise_if_cancelled(cancel)
+        next_index = 0
+
+        def claim() -> int:
+            nonlocal next_index
             next_index += 1
-            j = i % len(prompts)
-            results[i] = await stream_generate(
-                client,
-                url,
-                prompts[j],
-                output_len=output_len,
-                timeout_s=timeout_s,
-                label=f"request {i + 1}/{count} ({phase}, prompt #{j})",
-            )
+            return next_index - 1
 
-    started = perf_counter()
-    await _run_tasks([worker() for _ in range(min(concurrency, count))], cancel, phase)
-    wall_s = perf_counter() - started
-    done = [r for r in results if r is not None]
-    if len(done) != count:  # cannot happen unless a worker exits early: fail loudly, not silently
-        raise LoadgenError(f"{phase}: only {len(done)} of {count} requests completed")
-    return PassResult(wall_s=wall_s, requests=done)
+        started = perf_counter()
+        done = await run_workers(
+            client=client,
+            url=url,
+            prompts=prompts,
+            count=count,
+            workers=min(concurrency, count),
+            output_len=output_len,
+            timeout_s=timeout_s,
+            phase=phase,
+            claim=claim,
+            cancel=cancel,
+        )
+        wall_s = perf_counter() - started
+        return PassResult(wall_s=wall_s, requests=in_request_order(done, count, phase))
 
-
-async def _run_tasks(coros: list[Coroutine[object, object, None]], cancel: threading.Event | None, phase: str) -> None:
-    """Run the workers; the first failure or a cancel stops them all and is raised."""
-    pending: set[asyncio.Task[None]] = {asyncio.create_task(c) for c in coros}
-    try:
-        while pending:  # ends when every worker is done, one fails, or cancel is set
-            done, pending = await asyncio.wait(
-                pending,
-                timeout=CANCEL_POLL_S if cancel is not None else None,
-                return_when=asyncio.FIRST_EXCEPTION,
-            )
-            # Look at every finished task so no exception goes unretrieved; raise the first.
-            errors = [e for t in done if (e := t.exception()) is not None]
-            if errors:
-                raise errors[0]
-            _raise_if_cancelled(cancel, phase)
-    finally:
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
+    return run_pass
 
 
-def _raise_if_cancelled(cancel: threading.Event | None, phase: str = "") -> None:
-    if cancel is not None and cancel.is_set():
-        raise LoadgenCancelled(f"load generator cancelled{' during ' + phase if phase else ''}")
+def _sharded_runner(
+    pool: ShardPool, processes: int, concurrency: int, output_len: int, cancel: threading.Event | None
+) -> PassRunner:
+    async def run_pass(count: int, phase: str) -> PassResult:
+        raise_if_cancelled(cancel)
+        sharded = await pool.run_pass(
+            count=count,
+            concurrency=concurrency,
+            output_len=output_len,
+            phase=phase,
+            cancel=cancel,
+            processes=processes,
+        )
+        return sharded.result
+
+    return run_pass
 
 
 def _check_args(
