@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,13 +47,14 @@ class AskedTrial:
     config: SpecConfig
 
 
-def warm_start_configs(spec: StudySpec) -> list[SpecConfig]:
-    """The user's warm starts, then SGLang's own defaults where they fit the space, each once."""
+def warm_start_configs(spec: StudySpec, prior: Sequence[SpecConfig] = ()) -> list[SpecConfig]:
+    """The user's warm starts, then `prior` (best configurations of earlier studies of the same
+    model and hardware), then SGLang's own defaults, each once and only where they fit the space."""
     space = spec.search_space
     graph = space.cuda_graph_max_bs
     out: list[SpecConfig] = []
     seen: set[str] = set()
-    candidates = list(spec.warm_start)
+    candidates = list(spec.warm_start) + list(prior)
     for d in SGLANG_DEFAULTS:
         # A default with graph tuning on takes the largest choice: SGLang's own default is large.
         candidates.append(d if graph is None else d.model_copy(update={"cuda_graph_max_bs": max(graph)}))
@@ -65,7 +66,7 @@ def warm_start_configs(spec: StudySpec) -> list[SpecConfig]:
     return out
 
 
-def create_study(storage: BaseStorage, spec: StudySpec) -> optuna.Study:
+def create_study(storage: BaseStorage, spec: StudySpec, prior: Sequence[SpecConfig] = ()) -> optuna.Study:
     try:
         study = optuna.create_study(storage=storage, study_name=spec.name, direction="maximize")
     except optuna.exceptions.DuplicatedStudyError as e:
@@ -77,9 +78,11 @@ def create_study(storage: BaseStorage, spec: StudySpec) -> optuna.Study:
         # consulted while enqueued trials remain.
         configs: Iterable[SpecConfig] = spec.search_space.iter_configs()
     else:
-        configs = warm_start_configs(spec)
+        configs = warm_start_configs(spec, prior)
+    prior_keys = {c.canonical().key for c in prior}
     for cfg in configs:
-        study.enqueue_trial(params_of(cfg), user_attrs={"source": "grid" if spec.sampler == "grid" else "warm_start"})
+        source = "grid" if spec.sampler == "grid" else "prior_study" if cfg.key in prior_keys else "warm_start"
+        study.enqueue_trial(params_of(cfg), user_attrs={"source": source})
     return study
 
 
@@ -89,7 +92,10 @@ def load_study(storage: BaseStorage, spec: StudySpec) -> optuna.Study:
     # reproducible for a seeded study without repeating the same proposal every time.
     seed = None if spec.seed is None else spec.seed * 1_000_003 + n_trials
     try:
-        return optuna.load_study(study_name=spec.name, storage=storage, sampler=make_sampler(spec, seed))
+        # No Optuna pruner: spectune decides pruning itself, from the noise seen (optimizer.pruning).
+        return optuna.load_study(
+            study_name=spec.name, storage=storage, sampler=make_sampler(spec, seed), pruner=optuna.pruners.NopPruner()
+        )
     except KeyError as e:
         raise StudyNotFoundError(spec.name) from e
 
@@ -176,11 +182,25 @@ def tell_failed(study: optuna.Study, number: int, attrs: dict[str, Any]) -> Froz
     return study.tell(trial, state=TrialState.FAIL)
 
 
-def report_progress(study: optuna.Study, number: int, step: int, value: float) -> bool:
-    """Record an intermediate value; True when the pruner says stop."""
+def record_progress(
+    study: optuna.Study, number: int, step: int, value: float, attrs: dict[str, Any] | None = None
+) -> None:
+    """Record an intermediate value (the speedup at the level just measured) and attrs."""
     trial = _trial(study, number)
     trial.report(value, step)
-    return trial.should_prune()
+    if attrs:
+        _set_attrs(trial, attrs)
+
+
+def intermediate_values(study: optuna.Study, number: int) -> dict[int, float]:
+    return dict(get_trial(study, number).intermediate_values)
+
+
+def tell_pruned(study: optuna.Study, number: int, attrs: dict[str, Any]) -> FrozenTrial:
+    """Stopped early because it could not win: PRUNED (TPE reads it; the model sampler uses its levels)."""
+    trial = _trial(study, number)
+    _set_attrs(trial, attrs)
+    return study.tell(trial, state=TrialState.PRUNED)
 
 
 def pessimistic_value(study: optuna.Study) -> float:

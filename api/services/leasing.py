@@ -29,8 +29,11 @@ from api.errors import ConflictError, ForbiddenError, LeaseGoneError, NotFoundEr
 from api.models import BaselineRow, EventRow, LeaseRow, StudyRow, TrialConfigRow, WorkerRow
 from api.protocol import CompleteIn, CompleteOut, HeartbeatOut, Inventory, LeaseOut, ProgressIn, ProgressOut
 from api.services import studies as study_svc
+from optimizer import confirmation as confirm
+from optimizer import pruning
 from optimizer import study as opt
 from optimizer.errors import TrialStateError
+from optimizer.infeasible import known_to_fail, oom_points
 from optimizer.objective import CONSTRAINT_KEY, LevelResult, score
 from optimizer.plan import server_settings
 from optimizer.space import SpecConfig
@@ -131,10 +134,83 @@ class LeaseService:
                 claimed = self._claim_queued(s, spec.name, worker_id, now)
                 if claimed is not None:
                     return self._lease_out(claimed)
-                if self._budget_reason(s, spec, row, now) is not None:
+                confirming = study_svc.confirming(s, spec.name)
+                if not confirming and self._budget_reason(s, spec, row, now) is not None:
+                    # Finishing may start the confirmation of the best candidates instead.
                     study_svc.maybe_finish(s, spec, now, self.ctx.storage)
-                    return None
+                    confirming = study_svc.confirming(s, spec.name)
+                    if not confirming:
+                        return None
+                if confirming:
+                    lease = self._confirm_lease(s, spec, worker_id, key, now)
+                    return None if lease is None else self._lease_out(lease)
             return self._ask_new(u, spec, worker_id)
+
+    def _confirm_lease(self, s: Session, spec: StudySpec, worker_id: str, key: str, now: datetime) -> LeaseRow | None:
+        """A queued confirmation for this worker, preceded by a fresh baseline on the same host.
+
+        The pairing: a confirm lease is handed to a worker only when its latest baseline was
+        measured after the confirmation began and after its previous confirmation ended, i.e.
+        right before; otherwise the worker gets that baseline lease first.  A candidate is
+        confirmed on another worker than the one that measured it, when another one is alive.
+        """
+        queued = s.scalars(
+            select(LeaseRow)
+            .where(LeaseRow.study_name == spec.name, LeaseRow.kind == "confirm", LeaseRow.state == "queued")
+            .order_by(LeaseRow.created_at, LeaseRow.trial_number)
+            .with_for_update(skip_locked=True)
+        ).all()
+        for lease in queued:
+            avoid = (lease.payload.get("confirm") or {}).get("avoid_worker")
+            if avoid == worker_id and self._another_capable_worker(s, key, worker_id, now):
+                continue
+            base = self._baseline(s, worker_id, key)
+            if base is None or base.measured_at < self._confirm_pairing_since(s, spec.name, worker_id):
+                return self._new_lease(s, spec, "baseline", worker_id, now, config=None, number=None)
+            lease.state = "active"
+            lease.worker_id = worker_id
+            lease.leased_at = now
+            lease.deadline = now + timedelta(seconds=self.settings.lease_ttl_s)
+            info = dict(lease.payload.get("confirm") or {})
+            info["baseline_id"] = base.id
+            lease.payload = {**lease.payload, "confirm": info}
+            try:
+                with s.begin_nested():
+                    s.flush()
+            except IntegrityError as e:  # the worker got another lease concurrently
+                raise ConflictError("this worker already holds an active lease; ask again") from e
+            log.info("lease %s: study %s confirms trial %s on %s", lease.id, spec.name, lease.trial_number, worker_id)
+            return lease
+        return None
+
+    @staticmethod
+    def _confirm_pairing_since(s: Session, study: str, worker_id: str) -> datetime:
+        started = s.scalar(
+            select(func.min(LeaseRow.created_at)).where(LeaseRow.study_name == study, LeaseRow.kind == "confirm")
+        )
+        last = s.scalar(
+            select(func.max(LeaseRow.finished_at)).where(
+                LeaseRow.study_name == study, LeaseRow.kind == "confirm", LeaseRow.worker_id == worker_id
+            )
+        )
+        assert started is not None
+        return max(started, last) if last is not None else started
+
+    def _another_capable_worker(self, s: Session, key: str, worker_id: str, now: datetime) -> bool:
+        """Is another live, healthy worker able to run this study (it measured its baseline)?"""
+        since = now - timedelta(seconds=3 * self.settings.lease_ttl_s)
+        found = s.scalars(
+            select(WorkerRow.id)
+            .join(BaselineRow, BaselineRow.worker_id == WorkerRow.id)
+            .where(
+                BaselineRow.baseline_key == key,
+                WorkerRow.id != worker_id,
+                WorkerRow.quarantined.is_(False),
+                WorkerRow.last_seen >= since,
+            )
+            .limit(1)
+        ).first()
+        return found is not None
 
     def _has_fresh_baseline(self, s: Session, worker_id: str, key: str, now: datetime) -> bool:
         since = now - timedelta(seconds=self.settings.baseline_max_age_s)
@@ -148,7 +224,7 @@ class LeaseService:
     def _claim_queued(self, s: Session, study: str, worker_id: str, now: datetime) -> LeaseRow | None:
         q = (
             select(LeaseRow)
-            .where(LeaseRow.study_name == study, LeaseRow.state == "queued")
+            .where(LeaseRow.study_name == study, LeaseRow.state == "queued", LeaseRow.kind == "trial")
             .order_by(LeaseRow.created_at)
             .limit(1)
             .with_for_update(skip_locked=True)
@@ -225,6 +301,22 @@ class LeaseService:
         for _ in range(MAX_DUPLICATE_PROPOSALS):
             study = opt.load_study(storage, spec)
             asked = opt.ask(study, spec)
+            proof = known_to_fail(asked.config, oom_points(study.get_trials(deepcopy=False)))
+            if proof is not None:
+                # Needs at least the memory of a configuration that ran out of it: no launch.
+                opt.tell_infeasible(
+                    study,
+                    asked.number,
+                    {
+                        "inferred_from": proof.trial_number,
+                        "failure_kind": "oom",
+                        "failure_message": f"not launched: needs at least the GPU memory of trial "
+                        f"{proof.trial_number} ({proof.config.key}), which ran out of memory",
+                    },
+                )
+                log.info("study %s trial %d %s: skipped, known to run out of memory (trial %d)",
+                         spec.name, asked.number, asked.config.key, proof.trial_number)  # fmt: skip
+                continue
             try:
                 with u.step() as s:
                     now = db_now(s)
@@ -274,6 +366,8 @@ class LeaseService:
             opt.tell_value(study, asked.number, previous.value, violation, {**previous.user_attrs, **attrs})
         elif prior.state == "infeasible":
             opt.tell_infeasible(study, asked.number, attrs)
+        elif prior.state == "pruned":
+            opt.tell_pruned(study, asked.number, attrs)
         else:
             opt.tell_failed(study, asked.number, {**attrs, "reason": "duplicate of a configuration in flight"})
 
@@ -301,6 +395,10 @@ class LeaseService:
                         failed = self._retry_or_fail(s, spec, lease, now, "lease expired")
                         if failed is not None:
                             to_fail.append(failed)
+                    elif lease.kind == "confirm":
+                        spec = study_svc.spec_of(s, lease.study_name)
+                        self._retry_confirm(s, lease, now, "lease expired")
+                        study_svc.maybe_finish(s, spec, now, self.ctx.storage)
             for spec, number, reason in to_fail:
                 self._tell_failed(spec, number, reason)
         return len(expired)
@@ -318,6 +416,28 @@ class LeaseService:
             return None
         self._set_config_state(s, spec.name, lease.config_key, "failed")
         return spec, lease.trial_number, f"{reason}; gave up after {lease.attempt} attempts"
+
+    def _retry_confirm(self, s: Session, lease: LeaseRow, now: datetime, reason: str) -> None:
+        """Queue a confirmation again (its baseline pairing is redone), up to max_attempts."""
+        if lease.attempt >= self.settings.max_attempts:
+            self._event(s, "confirm_given_up", lease, f"{reason}; gave up after {lease.attempt} attempts")
+            return
+        info = {k: v for k, v in (lease.payload.get("confirm") or {}).items() if k != "baseline_id"}
+        s.add(
+            LeaseRow(
+                id=str(uuid.uuid4()),
+                study_name=lease.study_name,
+                kind="confirm",
+                state="queued",
+                worker_id=None,
+                trial_number=lease.trial_number,
+                attempt=lease.attempt + 1,
+                config_key=lease.config_key,
+                payload={**lease.payload, "confirm": info},
+                created_at=now,
+            )
+        )
+        self._event(s, "confirm_requeued", lease, f"{reason}; attempt {lease.attempt + 1} queued")
 
     def _tell_failed(self, spec: StudySpec, number: int, reason: str) -> None:
         study = opt.load_study(self.ctx.storage, spec)
@@ -372,12 +492,41 @@ class LeaseService:
                 number = lease.trial_number
             if base is None or body.concurrency not in base or base[body.concurrency] <= 0:
                 return ProgressOut(action="continue")
-            study = opt.load_study(self.ctx.storage, spec)
-            try:
-                prune = opt.report_progress(study, number, body.step, body.output_tok_s / base[body.concurrency])
-            except TrialStateError:
-                raise ConflictError(f"trial {number} is already finished; stop this work") from None
-            return ProgressOut(action="prune" if prune else "continue")
+            return self._progress_trial(spec, number, body, body.output_tok_s / base[body.concurrency])
+
+    def _progress_trial(self, spec: StudySpec, number: int, body: ProgressIn, speedup: float) -> ProgressOut:
+        """Record the level's speedup; prune when the trial can no longer win (optimizer.pruning)."""
+        study = opt.load_study(self.ctx.storage, spec)
+        try:
+            trial = opt.get_trial(study, number)
+            if trial.state.is_finished():
+                raise TrialStateError(f"trial {number} is {trial.state.name}")
+            partial = {int(k): float(v) for k, v in (trial.user_attrs.get("progress_speedup_by_level") or {}).items()}
+            partial[body.concurrency] = speedup
+            opt.record_progress(
+                study,
+                number,
+                body.step,
+                speedup,
+                {"progress_speedup_by_level": {str(k): v for k, v in partial.items()}},
+            )
+            if set(spec.workload.concurrency) <= set(partial):
+                return ProgressOut(action="continue")  # nothing left to save
+            decision = pruning.decide(spec, study.get_trials(deepcopy=False), partial)
+            if not decision.prune:
+                return ProgressOut(action="continue")
+            opt.record_progress(
+                study,
+                number,
+                body.step,
+                speedup,
+                {"pruned": {"after_concurrency": body.concurrency, "reason": decision.reason}},
+            )
+        except TrialStateError:
+            raise ConflictError(f"trial {number} is already finished; stop this work") from None
+        log.info("study %s trial %d pruned after concurrency %d: %s", spec.name, number, body.concurrency,
+                 decision.reason)  # fmt: skip
+        return ProgressOut(action="prune")
 
     # ------------------------------------------------------------------ complete
 
@@ -398,7 +547,65 @@ class LeaseService:
                 kind = lease.kind
             if kind == "baseline":
                 return self._complete_baseline(u, spec, lease_id, body, late)
+            if kind == "confirm":
+                return self._complete_confirm(u, spec, lease_id, body, late)
             return self._complete_trial(u, spec, lease_id, body, late)
+
+    def _complete_confirm(self, u: Any, spec: StudySpec, lease_id: str, body: CompleteIn, late: bool) -> CompleteOut:
+        """A candidate re-measured: its speedup and interval against the baseline paired with it."""
+        with u.step() as s:
+            now = db_now(s)
+            lease = s.get(LeaseRow, lease_id)
+            assert lease is not None and lease.worker_id is not None
+            info = dict(lease.payload.get("confirm") or {})
+            key = study_svc.baseline_key_of(spec)
+            base_row = s.get(BaselineRow, info["baseline_id"]) if "baseline_id" in info else None
+            if base_row is None:
+                base_row = self._baseline(s, lease.worker_id, key)
+            lease.finished_at = now
+            if late:
+                for other in s.scalars(
+                    select(LeaseRow).where(
+                        LeaseRow.study_name == spec.name,
+                        LeaseRow.kind == "confirm",
+                        LeaseRow.trial_number == lease.trial_number,
+                        LeaseRow.state.in_(("queued", "active")),
+                        LeaseRow.id != lease.id,
+                    )
+                ):
+                    other.state = "superseded"
+                    other.finished_at = now
+                self._event(s, "late_report_kept", lease, f"confirmation of trial {lease.trial_number} reported late")
+            if body.outcome == "ok" and body.metrics is not None and base_row is not None:
+                levels = [lv.model_dump(mode="json") for lv in body.metrics.levels]
+                base_levels = base_row.metrics.get("levels", [])
+                result = confirm.confirm_result(spec, levels, base_levels)
+                lease.state = "completed"
+                lease.speedup = result.value
+                lease.result = {
+                    **body.model_dump(mode="json"),
+                    "confirmation": {
+                        **result.as_json(),
+                        "baseline_id": base_row.id,
+                        "baseline_lease_id": base_row.lease_id,
+                        "baseline_measured_at": base_row.measured_at.isoformat(),
+                        "baseline_levels": base_levels,
+                    },
+                }
+                self._host_success(s, lease.worker_id)
+            else:
+                lease.state = "failed"
+                lease.result = body.model_dump(mode="json")
+                failure = body.failure
+                reason = "no baseline to pair with" if failure is None else f"{failure.kind}: {failure.message}"
+                if failure is not None and (failure.host_fault or failure.kind not in CONFIG_FAILURES):
+                    if failure.kind != "lost":
+                        self._host_failure(s, lease.worker_id, reason)
+                    self._retry_confirm(s, lease, now, reason)
+                else:
+                    self._event(s, "confirm_failed", lease, reason)
+            study_svc.maybe_finish(s, spec, now, self.ctx.storage)
+            return CompleteOut(lease_id=lease.id, state=lease.state, speedup=lease.speedup)
 
     def _complete_baseline(self, u: Any, spec: StudySpec, lease_id: str, body: CompleteIn, late: bool) -> CompleteOut:
         with u.step() as s:
@@ -480,6 +687,9 @@ class LeaseService:
             elif outcome_state == "infeasible":
                 self._set_config_state(s, spec.name, lease.config_key, "infeasible")
                 self._host_success(s, worker_id)
+            elif outcome_state == "pruned":
+                self._set_config_state(s, spec.name, lease.config_key, "pruned")
+                self._host_success(s, worker_id)
             elif requeue and failure is not None:
                 if failure.kind != "lost":  # a worker shutting down is not a sick host
                     self._host_failure(s, worker_id, f"{failure.kind}: {failure.message}")
@@ -500,7 +710,7 @@ class LeaseService:
         base: dict[int, float] | None,
         attrs: dict[str, Any],
     ) -> tuple[str, float | None]:
-        """Tell Optuna; returns (done | infeasible | retry, speedup)."""
+        """Tell Optuna; returns (done | infeasible | pruned | retry, speedup)."""
         try:
             if body.outcome == "ok":
                 assert body.metrics is not None
@@ -511,8 +721,22 @@ class LeaseService:
                     for lv in body.metrics.levels
                 ]
                 measured = {lv.concurrency: base[lv.concurrency] for lv in levels if lv.concurrency in base}
-                sc = score(spec.objective, levels, measured)
                 m = body.metrics
+                if {lv.concurrency for lv in levels} < set(spec.workload.concurrency):
+                    # Stopped early (pruned): a partial workload must not pose as a measured value.
+                    partial = {str(lv.concurrency): lv.output_tok_s / measured[lv.concurrency] for lv in levels
+                               if lv.concurrency in measured}  # fmt: skip
+                    attrs |= {
+                        "partial_speedup_by_level": partial,
+                        "baseline_tok_s": {str(k): v for k, v in measured.items()},
+                        "levels": [lv.model_dump(mode="json") for lv in m.levels],
+                        "startup_s": m.startup_s,
+                        "effective": m.effective,
+                        "sglang_version": m.sglang_version,
+                    }
+                    opt.tell_pruned(study, number, attrs)
+                    return "pruned", None
+                sc = score(spec.objective, levels, measured)
                 attrs |= {
                     "speedup_by_level": {str(k): v for k, v in sc.speedups.items()},
                     "baseline_tok_s": {str(k): v for k, v in measured.items()},

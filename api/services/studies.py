@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import uuid
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -14,9 +16,11 @@ from sqlalchemy.orm import Session
 from api.context import ServiceContext
 from api.db import db_now
 from api.errors import ConflictError
-from api.models import LeaseRow, StudyRow, TrialConfigRow
+from api.models import BaselineRow, LeaseRow, StudyRow, TrialConfigRow, WorkerRow
+from optimizer import answers
+from optimizer import confirmation as confirm
 from optimizer import study as opt
-from optimizer.analysis import level_intervals
+from optimizer.analysis import Interval, level_intervals
 from optimizer.errors import StudyNotFoundError
 from optimizer.plan import baseline_key, server_settings
 from optimizer.sglang import launch_command
@@ -37,9 +41,21 @@ def baseline_key_of(spec: StudySpec) -> str:
     return baseline_key(spec)
 
 
+def confirming(s: Session, name: str) -> bool:
+    """Has the study begun confirming its candidates (it then asks for no new configuration)?"""
+    found = s.scalars(
+        select(LeaseRow.id).where(LeaseRow.study_name == name, LeaseRow.kind == "confirm").limit(1)
+    ).first()
+    return found is not None
+
+
 def maybe_finish(s: Session, spec: StudySpec, now: datetime, storage: optuna.storages.BaseStorage) -> None:
-    """Mark a running study finished once its budget is used and nothing is in flight."""
-    row = s.get(StudyRow, spec.name)
+    """Once the budget is used and nothing is in flight: confirm the top candidates, then finish.
+
+    The study stays `running` while its confirmations run (new key `phase` says which), and moves
+    to `finished` only when every confirmation is done or given up.
+    """
+    row = s.get(StudyRow, spec.name, with_for_update=True)
     if row is None or row.state != "running":
         return
     pending = s.scalar(
@@ -48,6 +64,14 @@ def maybe_finish(s: Session, spec: StudySpec, now: datetime, storage: optuna.sto
         .where(LeaseRow.study_name == spec.name, LeaseRow.kind != "baseline", LeaseRow.state.in_(("queued", "active")))
     )
     if pending:
+        return
+    if confirming(s, spec.name):
+        done = s.scalar(
+            select(func.count())
+            .select_from(LeaseRow)
+            .where(LeaseRow.study_name == spec.name, LeaseRow.kind == "confirm", LeaseRow.state == "completed")
+        )
+        _finish(row, now, f"{row.finish_reason or 'budget used'}; {done or 0} confirmed")
         return
     launched = s.scalar(select(func.count()).select_from(TrialConfigRow).where(TrialConfigRow.study_name == spec.name))
     launched = launched or 0
@@ -60,11 +84,59 @@ def maybe_finish(s: Session, spec: StudySpec, now: datetime, storage: optuna.sto
         reason = "every valid configuration in the search space was measured"
     elif spec.budget.patience is not None:
         reason = _patience_reason(spec, storage)
-    if reason is not None:
-        row.state = "finished"
-        row.finished_at = now
-        row.finish_reason = reason
-        log.info("study %s finished: %s", spec.name, reason)
+    if reason is None:
+        return
+    if start_confirmation(s, spec, now, storage):
+        row.finish_reason = f"{reason}; confirming the best candidates against fresh baselines"[:256]
+        log.info("study %s: %s; confirming", spec.name, reason)
+        return
+    _finish(row, now, reason)
+
+
+def _finish(row: StudyRow, now: datetime, reason: str) -> None:
+    row.state = "finished"
+    row.finished_at = now
+    row.finish_reason = reason[:256]
+    log.info("study %s finished: %s", row.name, reason)
+
+
+def start_confirmation(s: Session, spec: StudySpec, now: datetime, storage: optuna.storages.BaseStorage) -> bool:
+    """Queue one confirm lease per candidate; False when there is nothing to confirm."""
+    if spec.confirmation.top <= 0:
+        return False
+    study = optuna.load_study(study_name=spec.name, storage=storage)
+    chosen = confirm.candidates(study.get_trials(deepcopy=False), spec.confirmation.top)
+    if not chosen:
+        return False
+    capable = set(s.scalars(select(BaselineRow.worker_id).where(BaselineRow.baseline_key == baseline_key(spec))).all())
+    for t in chosen:
+        config = SpecConfig.model_validate(t.user_attrs["config"])
+        measured_on = t.user_attrs.get("worker_id")
+        s.add(
+            LeaseRow(
+                id=str(uuid.uuid4()),
+                study_name=spec.name,
+                kind="confirm",
+                state="queued",
+                worker_id=None,
+                trial_number=t.number,
+                attempt=1,
+                config_key=config.key,
+                payload={
+                    "server": server_settings(spec, config).model_dump(mode="json"),
+                    "workload": spec.workload.model_dump(mode="json"),
+                    "config": config.model_dump(mode="json"),
+                    "confirm": {
+                        # Another host than the one that found it, when the study has several.
+                        "avoid_worker": measured_on if len(capable - {measured_on}) > 0 else None,
+                        "search_speedup": t.value,
+                    },
+                },
+                created_at=now,
+            )
+        )
+    s.flush()
+    return True
 
 
 def _patience_reason(spec: StudySpec, storage: optuna.storages.BaseStorage) -> str | None:
@@ -73,10 +145,16 @@ def _patience_reason(spec: StudySpec, storage: optuna.storages.BaseStorage) -> s
     study = optuna.load_study(study_name=spec.name, storage=storage)
     best_value: float | None = None
     since_best = 0
-    for t in sorted(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)), key=lambda t: t.number):
-        if "duplicate_of" in t.user_attrs or t.value is None:
+    states = (TrialState.COMPLETE, TrialState.PRUNED)
+    for t in sorted(study.get_trials(deepcopy=False, states=states), key=lambda t: t.number):
+        if "duplicate_of" in t.user_attrs or "inferred_from" in t.user_attrs:
             continue
-        if opt.is_feasible(t) and (best_value is None or t.value > best_value):
+        if (
+            t.state == TrialState.COMPLETE
+            and t.value is not None
+            and opt.is_feasible(t)
+            and (best_value is None or t.value > best_value)
+        ):
             best_value, since_best = t.value, 0
         else:
             since_best += 1
@@ -93,7 +171,7 @@ class StudyService:
         validate_spec(spec)
         # Optuna's unique study name is the arbiter of "name taken": it is checked first, and
         # our row follows.  (On SQLite our transaction must not hold the write lock meanwhile.)
-        opt.create_study(self.ctx.storage, spec)
+        opt.create_study(self.ctx.storage, spec, prior=self.prior_best(spec))
         with self.ctx.unit() as u, u.step() as s:
             s.add(
                 StudyRow(
@@ -105,6 +183,53 @@ class StudyService:
                 )
             )
         return self.show(spec.name)
+
+    def prior_best(self, spec: StudySpec) -> list[SpecConfig]:
+        """Warm starts from finished studies of the same model on the same hardware.
+
+        Same model: target, draft, tp size, attention backend and page size.  Same hardware:
+        the same placement labels, and the GPUs of the worker that measured the old winner are a
+        model that registered workers holding this target have today (when any are known).
+        Their winner and per-level winners come first, most recent study first (at most 4).
+        """
+        m = spec.model
+        with self.ctx.sessions() as s:
+            rows = s.scalars(
+                select(StudyRow)
+                .where(StudyRow.state == "finished", StudyRow.name != spec.name)
+                .order_by(StudyRow.finished_at.desc())
+                .limit(20)
+            ).all()
+            workers = {w.id: w.inventory for w in s.scalars(select(WorkerRow)).all()}
+        gpus_now = {
+            g.get("name")
+            for inv in workers.values()
+            if m.target in (inv.get("models") or [])
+            for g in inv.get("gpus") or []
+        }
+        out: list[SpecConfig] = []
+        for row in rows:
+            other = StudySpec.model_validate(row.spec)
+            o = other.model
+            same_model = (o.target, o.draft, o.tp_size, o.attention_backend, o.page_size) == (
+                m.target, m.draft, m.tp_size, m.attention_backend, m.page_size
+            )  # fmt: skip
+            if not same_model or other.placement != spec.placement:
+                continue
+            shown = self.show(row.name)
+            winner = shown.get("winner")
+            if winner is None:
+                continue
+            measured_on = workers.get(winner.get("confirmed_on") or winner.get("worker_id") or "", {})
+            gpus_then = {g.get("name") for g in measured_on.get("gpus") or []}
+            if gpus_now and gpus_then and not gpus_then & gpus_now:
+                continue
+            configs = [winner["config"]] + [a["config"] for a in (shown.get("best_by_level") or {}).values()]
+            for c in configs:
+                cfg = SpecConfig.model_validate(c)
+                if cfg.key not in {x.key for x in out}:
+                    out.append(cfg)
+        return out[:4]
 
     def list_studies(self) -> list[dict[str, Any]]:
         with self.ctx.sessions() as s:
@@ -160,11 +285,30 @@ class StudyService:
                 .select_from(LeaseRow)
                 .where(LeaseRow.study_name == name, LeaseRow.kind == "baseline", LeaseRow.state == "completed")
             )
+            confirm_rows = s.scalars(
+                select(LeaseRow)
+                .where(LeaseRow.study_name == name, LeaseRow.kind == "confirm")
+                .order_by(LeaseRow.created_at)
+            ).all()
+            confirmations = _confirmations(confirm_rows)
         counts, trials = self._trial_counts(name)
         best = opt.best_trial_of(trials)
+        best_doc = None if best is None else self._describe_best(spec, best)
+        winner = self._winner(spec, trials, best, best_doc, confirmations)
+        measured = sum(
+            1
+            for t in trials
+            if t.state == TrialState.COMPLETE and "duplicate_of" not in t.user_attrs and opt.is_feasible(t)
+        )
+        if row.state != "running":
+            phase = "done" if row.state == "finished" else row.state
+        else:
+            phase = "confirmation" if confirmations else "search"
+        exported = answers.adaptive_export(spec, trials)
         return {
             "name": name,
             "state": row.state,
+            "phase": phase,
             "finish_reason": row.finish_reason,
             "created_at": row.created_at,
             "finished_at": row.finished_at,
@@ -172,9 +316,50 @@ class StudyService:
             "trials": counts,
             "configurations_launched": launched,
             "baselines_measured": baselines,
-            "best": None if best is None else self._describe_best(spec, best),
-            "verdict": _verdict(best),
+            "best": best_doc,
+            "winner": winner,
+            "confirmation": confirmations,
+            "best_by_level": {str(k): v.as_json() for k, v in answers.best_by_level(spec, trials).items()},
+            "adaptive_spec": None if exported is None else exported.as_json(),
+            "verdict": _verdict(winner, measured),
         }
+
+    def _winner(
+        self,
+        spec: StudySpec,
+        trials: list[FrozenTrial],
+        best: FrozenTrial | None,
+        best_doc: dict[str, Any] | None,
+        confirmations: list[dict[str, Any]],
+    ) -> dict[str, Any] | None:
+        """The recommended configuration: the best confirmed one, else the best measured one."""
+        done = [c for c in confirmations if c["state"] == "completed" and c.get("speedup") is not None]
+        ok = [c for c in done if (c.get("violation") or 0.0) <= 0] or done
+        if ok:
+            top = max(ok, key=lambda c: (float(c["speedup"]), -int(c["trial_number"])))
+            t = next(t for t in trials if t.number == top["trial_number"])
+            doc = self._describe_best(spec, t)
+            doc |= {
+                "search_speedup": t.value,
+                "speedup": top["speedup"],
+                "speedup_interval": top["speedup_interval"],
+                "speedup_by_level": top["speedup_by_level"],
+                "speedup_interval_by_level": top["speedup_interval_by_level"],
+                "confirmed": True,
+                "confirmed_on": top["worker_id"],
+            }
+            return doc
+        if best is None or best_doc is None:
+            return None
+        ivs = level_intervals(best.user_attrs.get("levels") or [], best.user_attrs.get("baseline_levels") or [])
+        iv = confirm.objective_interval(spec, float(best.value or 0.0), ivs)
+        out: dict[str, Any] = best_doc | {
+            "search_speedup": best.value,
+            "speedup_interval": None if iv is None else {"low": iv.low, "high": iv.high},
+            "confirmed": False,
+            "confirmed_on": None,
+        }
+        return out
 
     @staticmethod
     def _describe_best(spec: StudySpec, t: FrozenTrial) -> dict[str, Any]:
@@ -231,9 +416,50 @@ class StudyService:
         return out
 
 
-def _verdict(best: FrozenTrial | None) -> str:
-    if best is None or best.value is None:
+def _confirmations(rows: Sequence[LeaseRow]) -> list[dict[str, Any]]:
+    """One entry per confirmed candidate: its latest attempt (a completed one wins)."""
+    latest: dict[int, LeaseRow] = {}
+    for r in rows:
+        if r.trial_number is None:
+            continue
+        prev = latest.get(r.trial_number)
+        if prev is None or prev.state != "completed":
+            latest[r.trial_number] = r
+    out = []
+    for number, r in sorted(latest.items()):
+        info = (r.result or {}).get("confirmation") or {}
+        out.append(
+            {
+                "trial_number": number,
+                "config": r.payload.get("config"),
+                "state": r.state,
+                "attempt": r.attempt,
+                "worker_id": r.worker_id,
+                "search_speedup": (r.payload.get("confirm") or {}).get("search_speedup"),
+                "speedup": r.speedup,
+                "speedup_interval": info.get("speedup_interval"),
+                "speedup_by_level": info.get("speedup_by_level"),
+                "speedup_interval_by_level": info.get("speedup_interval_by_level"),
+                "violation": info.get("violation"),
+                "baseline_measured_at": info.get("baseline_measured_at"),
+            }
+        )
+    return out
+
+
+def _verdict(winner: dict[str, Any] | None, measured: int) -> str:
+    if winner is None or winner.get("speedup") is None:
         return "no result yet"
-    if best.value > 1.0:
-        return f"speculation pays: best configuration is {best.value:.3f}x the baseline (trial {best.number})"
-    return f"speculation does not pay here: the best configuration reaches only {best.value:.3f}x the baseline"
+    c = winner["config"]
+    label = f"steps {c['num_steps']} / topk {c['topk']} / draft tokens {c['num_draft_tokens']} (trial {winner['trial_number']})"
+    iv = winner.get("speedup_interval")
+    interval = None if iv is None else Interval(float(winner["speedup"]), float(iv["low"]), float(iv["high"]))
+    where = f" on {winner['confirmed_on']}" if winner.get("confirmed_on") else ""
+    return confirm.verdict(
+        float(winner["speedup"]),
+        interval,
+        label=label,
+        measured=measured,
+        confirmed=bool(winner["confirmed"]),
+        where=where,
+    )

@@ -1,0 +1,142 @@
+"""Confirmation: re-measure the top candidates next to a fresh baseline, and say what it means.
+
+When the search budget is used, the few best configurations are measured again, each on a worker
+right after that worker measured a fresh baseline (a baseline lease on the same host just
+before the confirm lease; the worker runs one server at a time, so "next to" means the
+baseline is the last thing that host measured before the candidate).  Drift and host offsets
+then cancel in the ratio, and the winner is the candidate with the best confirmed objective,
+reported with the 95% interval of its confirmation (delta method on the log ratio of the
+repeated passes, `optimizer.analysis`).
+
+Only candidates within `CANDIDATE_WINDOW` of the best measured value are confirmed: one that far
+behind cannot overtake the best on a re-measurement, and each confirmation is a restart.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from optuna.trial import FrozenTrial, TrialState
+
+from optimizer.analysis import Z95, Interval, level_intervals
+from optimizer.objective import LevelResult, score
+from optimizer.spec import StudySpec
+
+CANDIDATE_WINDOW = 0.05
+
+
+def _measured(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
+    out = []
+    for t in trials:
+        if t.state != TrialState.COMPLETE or t.value is None or "duplicate_of" in t.user_attrs:
+            continue
+        if t.constraints and any(v > 0 for v in t.constraints.values()):
+            continue
+        if "config" in t.user_attrs and t.user_attrs.get("levels"):
+            out.append(t)
+    return out
+
+
+def candidates(trials: Sequence[FrozenTrial], top: int) -> list[FrozenTrial]:
+    """The distinct configurations worth confirming, best measured first (at most `top`)."""
+    if top <= 0:
+        return []
+    ranked = sorted(_measured(trials), key=lambda t: (-float(t.value or 0.0), t.number))
+    out: list[FrozenTrial] = []
+    seen: set[str] = set()
+    for t in ranked:
+        key = str(t.user_attrs.get("config_key"))
+        if key in seen:
+            continue
+        if out and float(t.value or 0.0) < float(out[0].value or 0.0) * (1.0 - CANDIDATE_WINDOW):
+            break
+        seen.add(key)
+        out.append(t)
+        if len(out) >= top:
+            break
+    return out
+
+
+@dataclass(frozen=True)
+class Confirmed:
+    """One candidate's re-measurement against the baseline measured right before it."""
+
+    value: float
+    interval: Interval | None
+    speedup_by_level: dict[int, float]
+    intervals_by_level: dict[int, Interval]
+    violation: float
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "speedup": self.value,
+            "speedup_interval": None if self.interval is None else _iv(self.interval),
+            "speedup_by_level": {str(k): v for k, v in self.speedup_by_level.items()},
+            "speedup_interval_by_level": {str(k): _iv(v) for k, v in self.intervals_by_level.items()},
+            "violation": self.violation,
+        }
+
+
+def _iv(iv: Interval) -> dict[str, float]:
+    return {"low": iv.low, "high": iv.high}
+
+
+def confirm_result(
+    spec: StudySpec, levels: Sequence[Mapping[str, Any]], baseline_levels: Sequence[Mapping[str, Any]]
+) -> Confirmed:
+    """The objective and its interval from one confirm measurement and its paired baseline."""
+    base = {int(b["concurrency"]): float(b["output_tok_s"]) for b in baseline_levels}
+    results = [
+        LevelResult(int(lv["concurrency"]), float(lv["output_tok_s"]), lv.get("itl_ms_p99"), lv.get("ttft_ms_p99"))
+        for lv in levels
+    ]
+    sc = score(spec.objective, [r for r in results if r.concurrency in base], base)
+    ivs = level_intervals(levels, baseline_levels)
+    return Confirmed(sc.value, objective_interval(spec, sc.value, ivs), sc.speedups, ivs, sc.violation)
+
+
+def objective_interval(spec: StudySpec, value: float, ivs: Mapping[int, Interval]) -> Interval | None:
+    """Interval of the objective: one level's, or the geometric mean's (independent levels)."""
+    if spec.objective.concurrency is not None:
+        return ivs.get(spec.objective.concurrency)
+    levels = spec.workload.concurrency
+    if value <= 0 or any(level not in ivs for level in levels):
+        return None
+    var = sum((math.log(ivs[c].high / ivs[c].low) / (2 * Z95)) ** 2 for c in levels) / len(levels) ** 2
+    half = Z95 * math.sqrt(var)
+    return Interval(value, value * math.exp(-half), value * math.exp(half))
+
+
+def verdict(
+    value: float | None,
+    interval: Interval | None,
+    *,
+    label: str,
+    measured: int,
+    confirmed: bool,
+    where: str = "",
+) -> str:
+    """The one-line answer.  Says "speculation does not pay here" unless the interval clears 1."""
+    if value is None:
+        return "no result yet"
+    band = "" if interval is None else f" (95% interval {interval.low:.3f}-{interval.high:.3f})"
+    how = (
+        f"confirmed against a fresh baseline{where}"
+        if confirmed
+        else "measured once in the search, not yet confirmed against a fresh baseline"
+    )
+    if interval is not None and interval.low > 1.0:
+        return f"speculation pays: {label} runs at {value:.3f}x the baseline{band}, {how}"
+    if interval is None and value > 1.0:
+        return f"speculation pays: {label} runs at {value:.3f}x the baseline ({how}; no spread to bound it)"
+    if value > 1.0:
+        evidence = f"its {value:.3f}x{band} does not clear 1.0 beyond noise"
+    else:
+        evidence = f"it reaches only {value:.3f}x the baseline{band}"
+    return (
+        f"speculation does not pay here: the best of {measured} configurations measured is {label}, and "
+        f"{evidence} ({how}); run without speculation"
+    )
