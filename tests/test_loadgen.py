@@ -30,7 +30,7 @@ from optimizer.spec import Workload
 from tests.servers import free_port, stop_process_group
 from workers.loadgen import LoadgenCancelled, LoadgenError, load_prompts, make_client, run_level, run_workload
 from workers.loadgen.chunked import ChunkedDecoder, ChunkedError
-from workers.loadgen.request import _StreamState, stream_generate
+from workers.loadgen.request import _scan_progress, _StreamState, stream_generate
 from workers.loadgen.sse import SSEDecoder
 from workers.simulator.landscapes import get_landscape
 from workers.simulator.model import predict
@@ -276,6 +276,46 @@ def test_events_parse_whatever_the_key_order() -> None:
     assert state.prev_tokens == 3 and state.verify_ct == 2
     with pytest.raises(LoadgenError, match="error event: bad"):
         state.on_event(b'{"error": {"message": "bad"}, "meta_info": {"completion_tokens": 4}}', 3.0)
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        b'{"text": "a b", "meta_info": {"id": "r", "finish_reason": null, "prompt_tokens": 7, "completion_tokens": 12}}',
+        b'{"text":"x","meta_info":{"completion_tokens":3,"spec_verify_ct":2,"finish_reason":null}}',
+        b'{"text": "\\"completion_tokens\\": 99", "meta_info": {"completion_tokens": 0}}',
+        b'{"text": "t", "meta_info": {"completion_tokens": 4, "completion_tokens": 5, "spec_verify_ct": 0}}',
+        b'{"text": "t", "meta_info": {"spec_verify_ct": 7, "cached_tokens": 0, "completion_tokens": 8 }}',
+    ],
+)
+def test_byte_scan_of_progress_events_agrees_with_json(event: bytes) -> None:
+    meta = json.loads(event)["meta_info"]
+    assert _scan_progress(event) == (meta["completion_tokens"], meta.get("spec_verify_ct"))
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        # Final events (finish_reason set), nested objects, odd numbers, errors, other key orders:
+        # the scan must hand these to the JSON path rather than guess.
+        b'{"text": "t", "meta_info": {"completion_tokens": 4, "finish_reason": {"type": "length", "length": 4}}}',
+        b'{"text": "t", "meta_info": {"completion_tokens": 4, "finish_reason": "stop"}}',
+        b'{"text": "t", "meta_info": {"completion_tokens": 4, "x": {"completion_tokens": 9}}}',
+        b'{"text": "t", "meta_info": {"completion_tokens": 4.0}}',
+        b'{"text": "t", "meta_info": {"completion_tokens": true}}',
+        b'{"text": "t", "meta_info": {"completion_tokens": -1}}',
+        b'{"text": "t", "meta_info": {"completion_tokens": 012}}',
+        b'{"text": "t", "meta_info": {"completion_tokens": "4"}}',
+        b'{"text": "t", "meta_info": {"completion_tokens": 4, "spec_verify_ct": null}}',
+        b'{"text": "t", "meta_info": {"prompt_tokens": 4}}',
+        b'{"error": {"message": "x"}, "meta_info": {"completion_tokens": 4}}',
+        b'{"meta_info": {"completion_tokens": 4}, "text": "t"}',
+        b'{"meta_info": {"completion_tokens": 4}, "extra": {}}',
+        b"[DONE]",
+    ],
+)
+def test_byte_scan_leaves_anything_unusual_to_json(event: bytes) -> None:
+    assert _scan_progress(event) is None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -89,6 +89,12 @@ class _StreamState:
             return
         if self.done:
             raise LoadgenError(f"{self.label}: the server sent an event after [DONE]")
+        scanned = _scan_progress(data)
+        if scanned is not None:  # the common case: a progress event, read without JSON
+            self._advance(scanned[0], now)
+            if scanned[1] is not None:
+                self.verify_ct = scanned[1]
+            return
         meta = _meta_info_fast(data)
         if meta is None:
             meta = self._meta_info_full(data)
@@ -98,6 +104,15 @@ class _StreamState:
                 f"{self.label}: event without meta_info.completion_tokens; is this SGLang's native /generate? "
                 f"event: {data[:200]!r}"
             )
+        self._advance(tokens, now)
+        verify = meta.get("spec_verify_ct")
+        if isinstance(verify, int) and not isinstance(verify, bool):
+            self.verify_ct = verify
+        reason = meta.get("finish_reason")
+        if reason is not None:
+            self.finish_reason = reason
+
+    def _advance(self, tokens: int, now: float) -> None:
         new = tokens - self.prev_tokens
         if new < 0:
             raise LoadgenError(
@@ -113,12 +128,6 @@ class _StreamState:
                 self.itl.extend([gap] * new)
             self.last_t = now
             self.prev_tokens = tokens
-        verify = meta.get("spec_verify_ct")
-        if isinstance(verify, int) and not isinstance(verify, bool):
-            self.verify_ct = verify
-        reason = meta.get("finish_reason")
-        if reason is not None:
-            self.finish_reason = reason
 
     def _meta_info_full(self, data: bytes) -> dict[str, Any]:
         try:
@@ -181,6 +190,62 @@ def _meta_info_fast(data: bytes) -> dict[str, Any] | None:
     except ValueError:
         return None
     return meta if isinstance(meta, dict) else None
+
+
+_TOKENS_KEY = b'"completion_tokens":'
+_VERIFY_KEY = b'"spec_verify_ct":'
+_FINISH_KEY = b'"finish_reason":'
+
+
+def _scan_progress(data: bytes) -> tuple[int, int | None] | None:
+    """(completion_tokens, spec_verify_ct or None) of a progress event, found by a byte scan.
+
+    A JSON decode is half the generator's CPU per event; most events are progress events whose
+    only news is the running token count.  The scan answers only where a JSON parse could not
+    answer differently, and returns None (use the JSON path) otherwise:
+
+    - the event ends with ``}}`` and has no ``{`` after the one opening ``meta_info``: so
+      ``meta_info`` is the last key and a flat object, and every key found after it is one of its
+      own keys (a key cannot match inside a string, where its quotes would be escaped);
+    - there is no ``"error"`` key;
+    - ``finish_reason`` is absent or ``null`` (SGLang's final event carries an object: JSON path);
+    - ``completion_tokens`` (and ``spec_verify_ct`` if present) are plain non-negative integers;
+      with a key given twice the last one counts, as in ``json.loads``.
+    """
+    i = data.rfind(_META_KEY)
+    if i < 0 or not data.endswith(b"}}"):
+        return None
+    start = i + len(_META_KEY)
+    brace = data.find(b"{", start)
+    if brace < 0 or data.find(b"{", brace + 1) >= 0 or data[start:brace].strip() or b'"error"' in data:
+        return None
+    tokens = _raw_value(data, _TOKENS_KEY, brace)
+    if tokens is None or not _is_json_uint(tokens):
+        return None
+    reason = _raw_value(data, _FINISH_KEY, brace)
+    if reason is not None and reason != b"null":
+        return None
+    verify = _raw_value(data, _VERIFY_KEY, brace)
+    if verify is not None and not _is_json_uint(verify):
+        return None
+    return int(tokens), None if verify is None else int(verify)
+
+
+def _raw_value(data: bytes, key: bytes, start: int) -> bytes | None:
+    """The raw scalar after the last ``key`` in the flat object ending ``data`` (None: no key)."""
+    k = data.rfind(key, start)
+    if k < 0:
+        return None
+    k += len(key)
+    end = data.find(b",", k)
+    if end < 0:
+        end = len(data) - 2  # the object's closing brace (data ends with "}}")
+    return data[k:end].strip()
+
+
+def _is_json_uint(value: bytes) -> bool:
+    # JSON integers have no leading zeros, signs, underscores or exponents.
+    return value.isdigit() and (len(value) == 1 or value[0] != 0x30)
 
 
 def _error_text(error: object) -> str:
