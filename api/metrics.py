@@ -11,9 +11,10 @@ Two kinds, so that several API processes serving one database give consistent nu
   and complete (`/v1/leases/{lease_id}/complete`) latency.
 
 The registry belongs to the app (never the global one), so several apps in one test process do
-not collide.  A scrape needs a token of any role: the numbers reveal study names and fleet size,
-which a network neighbour need not learn; give Prometheus its own revocable token
-(`authorization: {credentials_file: ...}` in its scrape config).
+not collide.  A scrape needs a `user` or `admin` token: the numbers reveal study names and fleet
+size, which a network neighbour need not learn, and a worker token may only lease and report
+(design.md "Security").  Give Prometheus its own revocable token (`spectune token create --role
+user --name prometheus`, read through `authorization: {credentials_file: ...}` in its scrape config).
 """
 
 from __future__ import annotations
@@ -21,17 +22,15 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Annotated
 
-from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi import APIRouter, FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select, text
 
-from api.auth import Principal
 from api.context import ServiceContext
-from api.deps import get_principal
+from api.deps import UserDep
 from api.models import EventRow, LeaseRow, StudyRow, WorkerRow
 
 # Latencies from a few ms (heartbeat) to tens of seconds (a complete that waits for a lock).
@@ -132,8 +131,8 @@ def metrics_router(metrics: ApiMetrics) -> APIRouter:
     router = APIRouter(tags=["metrics"])
 
     @router.get("/metrics", response_class=Response)
-    def scrape(_: Annotated[Principal, Depends(get_principal)]) -> Response:
-        """Prometheus text format; any valid token."""
+    def scrape(_: UserDep) -> Response:
+        """Prometheus text format; a user or admin token."""
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return router
