@@ -149,7 +149,7 @@ def _progress_line(elapsed: float, study: dict[str, Any]) -> str:
             f"{best['speedup']:.3f}x (steps {c['num_steps']}, topk {c['topk']}, draft tokens {c['num_draft_tokens']})"
         )
     return (
-        f"[{elapsed:5.0f} s] baselines {study['baselines_measured']}/{N_WORKERS} | trials: "
+        f"[{elapsed:5.0f} s] baselines measured {study['baselines_measured']} | trials: "
         f"{t.get('COMPLETE', 0)} done, {t.get('RUNNING', 0)} running, {t.get('FAIL', 0)} failed | best so far {best_s}"
     )
 
@@ -181,8 +181,9 @@ def _print_result(study: dict[str, Any], trials: list[dict[str, Any]], db_url: s
     echo("Launch it (replace the model names with your paths):")
     echo(f"  {best['launch_command']}")
     echo("")
-    echo("Watch the study in optuna-dashboard:")
-    echo(f"  optuna-dashboard {db_url}")
+    echo("Look at it again in the dashboard (behind spectune's login):")
+    echo(f"  spectune server --database-url {db_url}   # then open http://127.0.0.1:8000/login")
+    echo(f"  and sign in with the token in {Path(db_url.removeprefix('sqlite:///')).parent / 'user.token'}")
 
 
 def run_demo(*, workdir: Path, landscape: str = "moe-pcie", max_trials: int = 20) -> int:
@@ -205,6 +206,9 @@ def run_demo(*, workdir: Path, landscape: str = "moe-pcie", max_trials: int = 20
     engine = make_engine(db_url)
     factory = make_sessionmaker(engine)
     _, user_token = create_token(factory, "user", "demo-user")
+    token_path = workdir / "user.token"
+    token_path.write_text(user_token + "\n")
+    token_path.chmod(0o600)
     _, worker_token = create_token(factory, "worker", "demo-workers")
     engine.dispose()
 
@@ -222,6 +226,7 @@ def run_demo(*, workdir: Path, landscape: str = "moe-pcie", max_trials: int = 20
             )
         )
         _wait_healthy(api_url, api, api_log)
+        typer.echo(f"watch it live: {api_url}/login (sign in with the token in {token_path})")
         r = httpx.post(
             f"{api_url}/v1/studies", json=_demo_spec(study_name, landscape, max_trials), headers=headers, timeout=60
         )

@@ -1,0 +1,35 @@
+"""`spectune demo`, the README's first command, end to end (shortened to a few trials)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.e2e_support import SERVER_PID_RE, alive, group_alive
+
+pytestmark = pytest.mark.slow
+
+
+def test_demo_runs_a_study_prints_the_answer_and_cleans_up(tmp_path: Path) -> None:
+    workdir = tmp_path / "demo"
+    r = subprocess.run(
+        [sys.executable, "-m", "api.cli", "demo", "--workdir", str(workdir), "--trials", "4"],
+        capture_output=True, text=True, timeout=280,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = r.stdout
+    assert "python -m sglang.launch_server" in out and "--speculative-algorithm EAGLE3" in out
+    assert "speedup" in out and "95% interval" in out
+    result = json.loads((workdir / "result.json").read_text())
+    assert result["study"]["state"] == "finished"
+    measured = [t for t in result["trials"] if t["state"] == "COMPLETE" and t["duplicate_of"] is None]
+    assert len(measured) == 4
+    # Every engine the two workers started is gone, and so are the workers' process groups.
+    pids = {int(p) for log in workdir.glob("worker-*/worker.log") for p in SERVER_PID_RE.findall(log.read_text())}
+    assert pids, "the workers should have launched engines"
+    for pid in pids:
+        assert not alive(pid) and not group_alive(pid), f"engine {pid} outlived the demo"
