@@ -349,6 +349,9 @@ class LeaseService:
                 # Never leave a RUNNING trial behind that no lease will ever finish.
                 opt.tell_failed(study, asked.number, {"reason": "lease could not be recorded"})
                 raise
+        # Every proposal was a duplicate or known to fail: the space may be used up.
+        with u.step() as s:
+            study_svc.maybe_finish(s, spec, db_now(s), storage)
         return None
 
     def _answer_duplicate(self, study: optuna.Study, spec: StudySpec, asked: opt.AskedTrial) -> None:
@@ -503,25 +506,15 @@ class LeaseService:
                 raise TrialStateError(f"trial {number} is {trial.state.name}")
             partial = {int(k): float(v) for k, v in (trial.user_attrs.get("progress_speedup_by_level") or {}).items()}
             partial[body.concurrency] = speedup
-            opt.record_progress(
-                study,
-                number,
-                body.step,
-                speedup,
-                {"progress_speedup_by_level": {str(k): v for k, v in partial.items()}},
-            )
-            if set(spec.workload.concurrency) <= set(partial):
-                return ProgressOut(action="continue")  # nothing left to save
-            decision = pruning.decide(spec, study.get_trials(deepcopy=False), partial)
-            if not decision.prune:
+            attrs: dict[str, Any] = {"progress_speedup_by_level": {str(k): v for k, v in partial.items()}}
+            decision = None
+            if not set(spec.workload.concurrency) <= set(partial):  # else nothing is left to save
+                decision = pruning.decide(spec, study.get_trials(deepcopy=False), partial)
+                if decision.prune:
+                    attrs["pruned"] = {"after_concurrency": body.concurrency, "reason": decision.reason}
+            opt.record_progress(study, number, body.step, speedup, attrs)
+            if decision is None or not decision.prune:
                 return ProgressOut(action="continue")
-            opt.record_progress(
-                study,
-                number,
-                body.step,
-                speedup,
-                {"pruned": {"after_concurrency": body.concurrency, "reason": decision.reason}},
-            )
         except TrialStateError:
             raise ConflictError(f"trial {number} is already finished; stop this work") from None
         log.info("study %s trial %d pruned after concurrency %d: %s", spec.name, number, body.concurrency,

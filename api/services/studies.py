@@ -22,6 +22,8 @@ from optimizer import confirmation as confirm
 from optimizer import study as opt
 from optimizer.analysis import Interval, level_intervals
 from optimizer.errors import StudyNotFoundError
+from optimizer.infeasible import known_to_fail, oom_points
+from optimizer.model_sampler import space_configs
 from optimizer.plan import baseline_key, server_settings
 from optimizer.sglang import launch_command
 from optimizer.space import SpecConfig
@@ -80,8 +82,8 @@ def maybe_finish(s: Session, spec: StudySpec, now: datetime, storage: optuna.sto
         reason = f"max_trials={spec.budget.max_trials} configurations measured"
     elif spec.budget.max_hours is not None and now - row.created_at > timedelta(hours=spec.budget.max_hours):
         reason = f"max_hours={spec.budget.max_hours} passed"
-    elif launched >= sum(1 for _ in spec.search_space.iter_configs()):
-        reason = "every valid configuration in the search space was measured"
+    elif space_exhausted(s, spec, storage):
+        reason = "every valid configuration in the search space was measured or is known to run out of memory"
     elif spec.budget.patience is not None:
         reason = _patience_reason(spec, storage)
     if reason is None:
@@ -91,6 +93,17 @@ def maybe_finish(s: Session, spec: StudySpec, now: datetime, storage: optuna.sto
         log.info("study %s: %s; confirming", spec.name, reason)
         return
     _finish(row, now, reason)
+
+
+def space_exhausted(s: Session, spec: StudySpec, storage: optuna.storages.BaseStorage) -> bool:
+    """Is every configuration of the space launched already, or known to fail (optimizer.infeasible)?"""
+    launched = set(s.scalars(select(TrialConfigRow.config_key).where(TrialConfigRow.study_name == spec.name)).all())
+    configs = space_configs(spec.search_space)
+    if len(launched) >= len(configs):
+        return True
+    study = optuna.load_study(study_name=spec.name, storage=storage)
+    ooms = oom_points(study.get_trials(deepcopy=False))
+    return all(c.key in launched or known_to_fail(c, ooms) is not None for c in configs)
 
 
 def _finish(row: StudyRow, now: datetime, reason: str) -> None:

@@ -1,0 +1,101 @@
+"""Confirmation next to a fresh baseline, the winner's interval, and the plain verdict."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.conftest import Api, small_spec
+from tests.search_support import drive, key_of, lease, ok, sim_levels
+
+
+def _by_worker(handed: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for le in handed:
+        out.setdefault(le["worker"], []).append(le)
+    return out
+
+
+def test_confirmation_remeasures_the_top_candidates_next_to_fresh_baselines(api: Api) -> None:
+    spec = small_spec("confirm", budget={"max_trials": 5})
+    spec["confirmation"] = {"top": 2}
+    api.post("/v1/studies", "user", spec)
+    handed: list[dict[str, Any]] = []
+    for _ in range(60):
+        shown = api.get("/v1/studies/confirm", "user").json()
+        if shown["state"] != "running":
+            break
+        for w in ("w1", "w2"):
+            got = lease(api, w)
+            if got is None:
+                continue
+            got["worker"] = w
+            got["phase_seen"] = shown["phase"]
+            handed.append(got)
+            config = got["config"]
+            body = ok(sim_levels("moe-pcie", None if got["kind"] == "baseline" else config, [1]))
+            assert api.post(f"/v1/leases/{got['lease_id']}/complete", "worker", body).status_code == 200
+    shown = api.get("/v1/studies/confirm", "user").json()
+    assert shown["state"] == "finished" and shown["phase"] == "done"
+    assert "confirmed" in shown["finish_reason"]
+
+    confirms = [le for le in handed if le["kind"] == "confirm"]
+    assert 1 <= len(confirms) <= 2
+    trials = {t["number"]: t for t in api.get("/v1/studies/confirm/trials", "user").json()}
+    for c in confirms:
+        # Each confirmation ran on a host right after that host measured a baseline...
+        mine = _by_worker(handed)[c["worker"]]
+        i = next(i for i, le in enumerate(mine) if le["lease_id"] == c["lease_id"])
+        assert mine[i - 1]["kind"] == "baseline"
+        # ... and on another host than the one that found the candidate (there are two).
+        assert c["worker"] != trials[c["trial_number"]]["worker_id"]
+        assert key_of(c["config"]) == key_of(trials[c["trial_number"]]["config"])
+    # No trial was asked for after the confirmation began, and it came only after the budget.
+    first_confirm = handed.index(confirms[0])
+    assert all(le["kind"] != "trial" for le in handed[first_confirm:])
+    assert sum(1 for le in handed if le["kind"] == "trial") == 5
+
+    winner = shown["winner"]
+    assert winner["confirmed"] is True and winner["confirmed_on"] in ("w1", "w2")
+    iv = winner["speedup_interval"]
+    assert iv["low"] < winner["speedup"] < iv["high"]
+    assert (iv["high"] - iv["low"]) / winner["speedup"] < 0.05
+    assert len(shown["confirmation"]) == len(confirms)
+    assert all(c["state"] == "completed" and c["speedup_interval"] for c in shown["confirmation"])
+    # The simulated moe-pcie landscape gains ~9% at concurrency 1 with a short tree or chain.
+    assert winner["speedup"] > 1.03 and iv["low"] > 1.0
+    assert shown["verdict"].startswith("speculation pays")
+    assert f"trial {winner['trial_number']}" in shown["verdict"]
+    # `best` keeps its meaning: the best measured trial of the search.
+    assert shown["best"]["speedup"] == max(t["speedup"] for t in trials.values() if t["feasible"] and t["speedup"])
+
+
+def test_no_speedup_verdict_on_the_landscape_where_speculation_loses(api: Api) -> None:
+    spec = small_spec("nogain", budget={"max_trials": 4})
+    spec["model"] = {"target": "moe-pcie", "draft": "moe-pcie-eagle3"}  # names the worker holds
+    spec["confirmation"] = {"top": 1}
+    api.post("/v1/studies", "user", spec)
+    drive(api, "nogain", ["w1", "w2"], "no-gain")
+    shown = api.get("/v1/studies/nogain", "user").json()
+    assert shown["state"] == "finished"
+    winner = shown["winner"]
+    assert winner["confirmed"] is True and winner["speedup"] < 1.0
+    assert winner["speedup_interval"]["high"] < 1.0
+    v = shown["verdict"]
+    assert v.startswith("speculation does not pay here")
+    assert "4 configurations measured" in v and f"{winner['speedup']:.3f}x" in v
+    assert "run without speculation" in v
+
+
+def test_confirmation_on_a_single_worker_still_pairs_each_with_a_baseline(api: Api) -> None:
+    spec = small_spec("solo", budget={"max_trials": 3})
+    spec["confirmation"] = {"top": 3}
+    api.post("/v1/studies", "user", spec)
+    handed = drive(api, "solo", ["w1"], "dense-8b-h100")
+    kinds = [le["kind"] for le in handed]
+    n = kinds.count("confirm")
+    assert n >= 1
+    for i, k in enumerate(kinds):
+        if k == "confirm":
+            assert kinds[i - 1] == "baseline"
+    shown = api.get("/v1/studies/solo", "user").json()
+    assert shown["state"] == "finished" and shown["winner"]["confirmed"] is True
