@@ -66,6 +66,8 @@ def test_default_processes_follow_concurrency_and_leave_cores_for_the_engine() -
     assert default_processes(64, 2) == 1  # the 2-core development machine never shards
     assert default_processes(64, 5) == 2
     assert default_processes(1024, 128) == 8
+    with pytest.raises(ValueError, match="processes must be >= 1"):
+        run_workload("http://127.0.0.1:9", Workload(concurrency=[4]), ["x"], processes=0)
 
 
 def test_sharded_level_counts_prompts_and_concurrency_like_one_process(fake: FakeSGLang) -> None:
@@ -189,6 +191,7 @@ def test_sharded_measurements_match_one_process_and_the_simulator_model(tmp_path
         assert m.per_user_tok_s is not None
         assert m.per_user_tok_s / SIM_SPEED == pytest.approx(want.per_user_tok_s, rel=0.03), m
         assert m.accept_length == pytest.approx(direct["spec_accept_length"], rel=1e-9)
-    assert two.output_tok_s == pytest.approx(one.output_tok_s, rel=0.03)
+    # Each is within 3% of the model above; between themselves, within the sum of that noise.
+    assert two.output_tok_s == pytest.approx(one.output_tok_s, rel=0.05)
     assert two.spec_verify_ct == one.spec_verify_ct
     assert _no_generator_processes_left()

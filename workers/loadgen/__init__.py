@@ -2,7 +2,8 @@
 
 ``run_workload`` measures every concurrency level of a study's workload; ``run_level`` measures
 one; ``load_prompts`` resolves the workload's prompt set.  See ``runner.py`` for the request
-schedule and ``request.py`` for how tokens are timed.
+schedule, ``request.py`` for how tokens are timed and ``shards.py`` for how a high-concurrency
+level is spread over several generator processes.
 """
 
 from workers.loadgen.errors import LoadgenCancelled, LoadgenError
