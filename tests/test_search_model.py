@@ -1,0 +1,210 @@
+"""The model behind `sampler: auto`, OOM dominance, and the per-concurrency export (no database)."""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+import optuna
+import pytest
+from optuna.distributions import IntDistribution
+from optuna.trial import create_trial
+
+from optimizer import study as opt
+from optimizer.answers import adaptive_export, best_by_level, check_adaptive_config
+from optimizer.infeasible import needs_at_least
+from optimizer.model_sampler import propose
+from optimizer.objective import CONSTRAINT_KEY
+from optimizer.perf_model import fit, observations_from_attrs
+from optimizer.space import SearchSpace, SpecConfig
+from optimizer.spec import parse_spec
+from tests.search_support import sim_levels
+from workers.simulator.landscapes import LANDSCAPES
+from workers.simulator.model import true_optimum
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def spec(**kw: Any) -> Any:
+    base: dict[str, Any] = {"name": "m", "model": {"target": "t", "draft": "d"}, "seed": 1, "sampler": "auto"}
+    base.update(kw)
+    return parse_spec(base)
+
+
+def attrs_for(landscape: str, config: SpecConfig, levels: list[int]) -> dict[str, Any]:
+    lv = sim_levels(landscape, config.model_dump(mode="json"), levels)
+    base = sim_levels(landscape, None, levels)
+    by_level = {str(a["concurrency"]): a["output_tok_s"] / b["output_tok_s"] for a, b in zip(lv, base, strict=True)}
+    return {
+        "config": config.model_dump(mode="json"),
+        "config_key": config.key,
+        "levels": lv,
+        "baseline_levels": base,
+        "speedup_by_level": by_level,
+    }
+
+
+def value_of(a: dict[str, Any]) -> float:
+    vals = list(a["speedup_by_level"].values())
+    return math.exp(sum(math.log(v) for v in vals) / len(vals))
+
+
+@pytest.mark.parametrize("landscape", ["moe-pcie", "dense-8b-h100", "no-gain"])
+def test_auto_reaches_the_optimum_in_a_few_trials(landscape: str) -> None:
+    """The service's loop in memory: warm starts, then model proposals, measured with the simulator."""
+    sp = spec()
+    storage = optuna.storages.InMemoryStorage()
+    opt.create_study(storage, sp)
+    seen: set[str] = set()
+    best = 0.0
+    for _ in range(8):
+        study = opt.load_study(storage, sp)
+        asked = opt.ask(study, sp)
+        assert asked.config.key not in seen, "the model proposed a configuration already measured"
+        seen.add(asked.config.key)
+        a = attrs_for(landscape, asked.config, [1])
+        opt.tell_value(study, asked.number, value_of(a), 0.0, a)
+        best = max(best, value_of(a))
+    _, optimum = true_optimum(LANDSCAPES[landscape], SearchSpace(), 1)
+    assert best >= 0.98 * optimum, (best, optimum)
+
+
+def test_the_fit_recovers_accept_length_and_cost_from_a_few_trials() -> None:
+    configs = [
+        SpecConfig(num_steps=3, topk=1, num_draft_tokens=4),
+        SpecConfig(num_steps=5, topk=4, num_draft_tokens=8),
+        SpecConfig(num_steps=2, topk=2, num_draft_tokens=3),
+        SpecConfig(num_steps=7, topk=1, num_draft_tokens=8),
+    ]
+    obs = []
+    for c in configs:
+        a = attrs_for("dense-8b-h100", c, [1, 4])
+        obs += observations_from_attrs(a["config"], a["levels"], a["baseline_levels"])
+    model = fit(obs, max_steps=10)
+    assert model is not None
+    for c in configs:
+        measured = attrs_for("dense-8b-h100", c, [1])["levels"][0]["accept_length"]
+        assert model.accept_length(c) == pytest.approx(measured, rel=0.03)
+
+
+def test_proposals_skip_measured_running_and_known_oom_configurations() -> None:
+    sp = spec(
+        search_space={"num_steps": {"low": 1, "high": 4}, "topk": [1, 2, 4], "num_draft_tokens": {"low": 2, "high": 8}}
+    )
+    trials = []
+    for i, c in enumerate(
+        [SpecConfig(num_steps=3, topk=1, num_draft_tokens=4), SpecConfig(num_steps=2, topk=2, num_draft_tokens=3)]
+    ):
+        a = attrs_for("dense-8b-h100", c, [1])
+        trials.append(_frozen(i, value_of(a), a))
+    oom = SpecConfig(num_steps=1, topk=2, num_draft_tokens=3)
+    trials.append(
+        _frozen(
+            2,
+            0.5,
+            {"config": oom.model_dump(mode="json"), "config_key": oom.key, "failure_kind": "oom"},
+            violation=10.0,
+        )
+    )
+    rng = random.Random(0)
+    for _ in range(3):
+        p = propose(sp, trials, rng)
+        assert p is not None
+        assert p.config.key not in {t.user_attrs["config_key"] for t in trials}
+        assert not needs_at_least(p.config, oom), p.config
+        a = attrs_for("dense-8b-h100", p.config, [1])
+        trials.append(_frozen(len(trials), value_of(a), a))
+
+
+def test_memory_dominance_is_componentwise() -> None:
+    base = SpecConfig(num_steps=2, topk=2, num_draft_tokens=4)
+    assert needs_at_least(SpecConfig(num_steps=3, topk=4, num_draft_tokens=4), base)
+    assert not needs_at_least(SpecConfig(num_steps=3, topk=4, num_draft_tokens=3), base)  # fewer draft tokens
+    assert not needs_at_least(SpecConfig(num_steps=8, topk=1, num_draft_tokens=9), base)  # narrower
+    big = base.model_copy(update={"cuda_graph_max_bs": 64})
+    assert needs_at_least(big.model_copy(update={"cuda_graph_max_bs": 128}), big)
+    assert not needs_at_least(big.model_copy(update={"cuda_graph_max_bs": 32}), big)
+
+
+def _frozen(number: int, value: float, attrs: dict[str, Any], violation: float = 0.0) -> Any:
+    t = create_trial(
+        value=value,
+        params={"num_steps": 1},
+        distributions={"num_steps": IntDistribution(1, 10)},
+        user_attrs=attrs,
+    )
+    t.number = number
+    t.set_constraint(CONSTRAINT_KEY, violation)
+    return t
+
+
+def _levels_study(landscape: str, configs: list[SpecConfig], levels: list[int]) -> list[Any]:
+    return [_frozen(i, value_of(a), a) for i, c in enumerate(configs) for a in [attrs_for(landscape, c, levels)]]
+
+
+def _route(doc: dict[str, Any], graph_bs: list[int], batch: int) -> list[int]:
+    """SGLang's routing of a running batch: pad to the captured size, then the largest key not above it."""
+    padded = next((b for b in sorted(graph_bs) if b >= batch), batch)
+    keys = sorted(int(k) for k in doc)
+    chosen = max([k for k in keys if k <= padded], default=keys[0])
+    steps: list[int] = doc[str(chosen)]["candidate_steps"]
+    return steps
+
+
+def test_per_level_winners_export_as_sglang_adaptive_config() -> None:
+    levels = [1, 16, 64]
+    sp = spec(workload={"concurrency": levels})
+    chains = [SpecConfig(num_steps=s, topk=1, num_draft_tokens=s + 1) for s in range(1, 8)]
+    trials = _levels_study("moe-pcie", chains, levels)
+    winners = best_by_level(sp, trials)
+    exported = adaptive_export(sp, trials)
+    assert exported is not None and exported.fits and exported.config is not None
+    doc = exported.config
+    # SGLang's rules: integer-string keys, non-empty lists of steps >= 0, initial steps among them,
+    # chains only (draft tokens = steps + 1).
+    assert set(doc) == {"1", "16", "64"}
+    args = exported.server_args
+    initial = int(args[args.index("--speculative-num-steps") + 1])
+    assert (
+        check_adaptive_config(doc, initial_steps=initial, topk=int(args[args.index("--speculative-eagle-topk") + 1]))
+        == []
+    )
+    assert int(args[args.index("--speculative-num-draft-tokens") + 1]) == initial + 1
+    assert "--speculative-adaptive" in args
+    for c in levels:
+        want = winners[c].config.num_steps if winners[c].pays else 0
+        assert _route(doc, levels, c) == [want]
+    # On moe-pcie a chain pays at low concurrency and not at 64 (verify cost grows with the batch).
+    assert _route(doc, levels, 1)[0] > 0 and _route(doc, levels, 64) == [0]
+    assert exported.speedup_by_level[64] == 1.0
+
+
+def test_tree_winners_fall_back_to_the_best_chains_and_say_what_it_costs() -> None:
+    levels = [1, 4]
+    sp = spec(workload={"concurrency": levels})
+    configs = [
+        SpecConfig(num_steps=6, topk=8, num_draft_tokens=40),
+        SpecConfig(num_steps=5, topk=2, num_draft_tokens=6),
+    ]
+    configs += [SpecConfig(num_steps=s, topk=1, num_draft_tokens=s + 1) for s in (3, 5)]
+    exported = adaptive_export(sp, _levels_study("dense-8b-h100", configs, levels))
+    assert exported is not None and not exported.fits and exported.config is not None
+    assert "trees" in exported.reason and "best chain" in exported.reason
+    assert all(v["candidate_steps"][0] in (3, 5) for v in exported.config.values())
+
+
+def test_no_adaptive_export_when_speculation_pays_nowhere_or_with_one_level() -> None:
+    chains = [SpecConfig(num_steps=s, topk=1, num_draft_tokens=s + 1) for s in (1, 3)]
+    exported = adaptive_export(spec(workload={"concurrency": [1, 16]}), _levels_study("no-gain", chains, [1, 16]))
+    assert exported is not None and exported.config is None and "no level" in exported.reason
+    assert adaptive_export(spec(), _levels_study("no-gain", chains, [1])) is None
+
+
+def test_sglang_rule_checker_rejects_what_sglang_rejects() -> None:
+    assert check_adaptive_config({"1": {"candidate_steps": [1, 3]}}, initial_steps=3, topk=1) == []
+    assert check_adaptive_config({"1": {"candidate_steps": [1, 3]}}, initial_steps=2, topk=1)
+    assert check_adaptive_config({"1": {"candidate_steps": []}}, initial_steps=1, topk=1)
+    assert check_adaptive_config({"1": {"candidate_steps": [-1]}}, initial_steps=1, topk=1)
+    assert check_adaptive_config({"default": {"candidate_steps": [1]}}, initial_steps=1, topk=1)
+    assert check_adaptive_config({"1": {"candidate_steps": [1]}}, initial_steps=1, topk=4)
