@@ -1,0 +1,608 @@
+"""Chaos run: a study survives killed workers, a killed API process and a Postgres restart.
+
+    python -m benchmarks.chaos                      # 2 APIs, 12 workers, 60 trials, Postgres restart
+    python -m benchmarks.chaos --workers 4 --trials 12 --worker-kills 3 --no-postgres-restart
+
+Two `spectune server` processes (separate engines) share one Postgres database; workers (real
+`spectune worker` processes driving the simulated engine) are split between the two URLs.  While
+the study runs, a seeded schedule SIGKILLs random workers and restarts them after a moment (as
+systemd does: KillMode=mixed takes the engine down with the worker), SIGKILLs one API process
+and starts it again on the same port, and (optionally) restarts Postgres once.  At the end every
+process is stopped the way systemd stops it (SIGTERM) and the run is checked against what
+spectune promises, each check printed as a figure:
+
+* every trial of the study ended exactly once: COMPLETE, or FAIL with a reason; none left running;
+* every report a worker queued (its log and outbox) is in the leases table, or was refused
+  because the API had already settled that lease (counted separately, with the reason);
+* no lease was held by two workers at once: per trial and per worker, the active intervals of
+  leases (from leased_at to the first of expiry and report) never overlap;
+* no orphaned engine: no server process any worker started is alive after the workers stopped;
+* reclaimed leases: how long after its deadline a lease was reclaimed, and how long until its
+  trial was leased again;
+* no token value in any API or worker log.
+
+Everything runs on 127.0.0.1; every wait has a deadline.  `tests/test_chaos.py` runs a small
+version in CI.  Results of the full run: benchmarks/README.md, "Chaos run".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.e2e_support import WorkerProc, group_alive, kill_engines, start_worker, write_worker_config
+from tests.servers import free_port
+
+MODELS = {"moe-pcie": "moe-pcie", "moe-pcie-eagle3": "moe-pcie-eagle3"}
+STUDY = "chaos"
+# Worker log lines the checks read (workers/agent.py, workers/outbox.py).
+QUEUED_RE = re.compile(r"lease (\S+): report \((\w+)(?: \((\w+)\))?\) queued")
+SENT_DIRECTLY_RE = re.compile(r"lease (\S+): report \((.+?)\) sent")
+DELIVERED_RE = re.compile(r"report for lease (\S+) delivered")
+DROPPED_RE = re.compile(r"dropping the (\w+) report for lease (\S+), queued .*?: (.*)$", re.M)
+REJECTED_RE = re.compile(r"REJECTED the report for lease (\S+)")
+
+
+@dataclass(frozen=True)
+class ChaosPlan:
+    workers: int = 12
+    trials: int = 60
+    worker_kills: int = 12
+    kill_api: bool = True
+    restart_postgres: bool = True
+    seed: int = 7
+    lease_ttl_s: float = 5.0
+    max_attempts: int = 5
+    # Mean gap between worker kills (exponential), after a first quiet spell (baselines).
+    kill_gap_s: float = 6.0
+    first_kill_after_s: float = 8.0
+    # A killed worker stays down for this many lease TTLs (uniform): under 1 it comes back and
+    # gets its own live lease again; over 1 its lease expires and another worker takes the trial.
+    down_ttls: tuple[float, float] = (0.1, 2.5)
+    time_limit_s: float = 900.0
+
+
+def study_spec(trials: int, seed: int) -> dict[str, Any]:
+    return {
+        "name": STUDY,
+        "model": {"target": "moe-pcie", "draft": "moe-pcie-eagle3"},
+        "search_space": {"num_steps": {"low": 1, "high": 8}, "topk": [1, 2, 4, 8], "num_draft_tokens": {"low": 2, "high": 32}},
+        # Long enough that kills land mid-benchmark, short enough for a bounded run.
+        "workload": {"output_len": 48, "num_prompts": 4, "concurrency": [1, 2], "warmup_requests": 1, "repeats": 2},
+        "budget": {"max_trials": trials},
+        "sampler": "random",
+        "seed": seed,
+    }  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------ processes
+
+
+@dataclass
+class ApiProc:
+    """One `spectune server` process on a fixed port, killable and restartable."""
+
+    name: str
+    db_url: str
+    log: Path
+    env: dict[str, str]
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        argv = [sys.executable, "-m", "api.cli", "server", "--database-url", self.db_url]
+        argv += ["--host", "127.0.0.1", "--port", str(self.port)]
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "TZ": "UTC", **self.env},
+                start_new_session=True,
+            )  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"API {self.name} exited with {self.proc.returncode}; see {self.log}")
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"API {self.name} not ready after {timeout_s:.0f} s; see {self.log}")
+
+    def signal(self, sig: signal.Signals, wait_s: float = 20.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            self.proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(wait_s)
+
+
+def kill_worker(w: WorkerProc) -> None:
+    """SIGKILL the worker, then its engines, as systemd's KillMode=mixed does when the main process dies."""
+    if w.proc is not None and w.proc.poll() is None:
+        w.proc.kill()
+        w.proc.wait(20)
+    kill_engines(w)
+
+
+def stop_worker(w: WorkerProc, timeout_s: float = 60.0) -> None:
+    """`systemctl stop`: SIGTERM to the worker only; it stops its engine, reports and exits."""
+    if w.proc is None or w.proc.poll() is not None:
+        return
+    w.proc.send_signal(signal.SIGTERM)
+    try:
+        w.proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        w.proc.kill()
+        w.proc.wait(20)
+
+
+# ------------------------------------------------------------------------------------ database
+
+
+@contextmanager
+def session(db_url: str) -> Iterator[Any]:
+    from api.db import make_engine, make_sessionmaker
+
+    engine = make_engine(db_url)
+    try:
+        with make_sessionmaker(engine)() as s:
+            yield s
+    finally:
+        engine.dispose()
+
+
+def study_state(db_url: str) -> tuple[str, int] | None:
+    """(study state, finished trial leases), or None while the database is unreachable."""
+    from sqlalchemy import func, select
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from api.models import LeaseRow, StudyRow
+
+    try:
+        with session(db_url) as s:
+            row = s.get(StudyRow, STUDY)
+            done = s.scalar(
+                select(func.count())
+                .select_from(LeaseRow)
+                .where(
+                    LeaseRow.study_name == STUDY, LeaseRow.kind == "trial", LeaseRow.state.in_(("completed", "failed"))
+                )
+            )
+            return (row.state if row else "missing", int(done or 0))
+    except SQLAlchemyError:
+        return None
+
+
+def restart_postgres() -> float:
+    """Restart the local cluster (Debian's pg_ctlcluster); returns seconds it took."""
+    versions = sorted(os.listdir("/etc/postgresql"))
+    start = time.monotonic()
+    subprocess.run(
+        ["pg_ctlcluster", "--skip-systemctl-redirect", versions[-1], "main", "restart"], check=True, timeout=120
+    )
+    return time.monotonic() - start
+
+
+# ------------------------------------------------------------------------------------ the run
+
+
+@dataclass
+class ChaosLog:
+    events: list[str] = field(default_factory=list)
+    worker_kills: int = 0
+    api_kills: int = 0
+    postgres_restarts: int = 0
+    postgres_restart_s: float = 0.0
+    wall_s: float = 0.0
+    finished: bool = False
+
+    def note(self, t0: float, what: str) -> None:
+        line = f"{time.monotonic() - t0:7.1f} s  {what}"
+        self.events.append(line)
+        print(line, flush=True)
+
+
+@dataclass
+class Cluster:
+    root: Path
+    db_url: str
+    apis: list[ApiProc]
+    workers: list[WorkerProc]
+    tokens: dict[str, str]
+
+
+def start_cluster(plan: ChaosPlan, root: Path, db_url: str) -> Cluster:
+    from api.auth import create_token
+    from api.db import make_engine, make_sessionmaker
+
+    env = {
+        "SPECTUNE_HEARTBEAT_INTERVAL_S": "1",
+        "SPECTUNE_LEASE_TTL_S": str(plan.lease_ttl_s),
+        "SPECTUNE_MAX_ATTEMPTS": str(plan.max_attempts),
+        # Chaos kills many workers: a worker must not be quarantined for being killed.
+        "SPECTUNE_QUARANTINE_AFTER": "1000",
+    }
+    apis = [ApiProc(n, db_url, root / f"api-{n}.log", env) for n in ("a", "b")]
+    engine = make_engine(db_url)
+    tokens: dict[str, str] = {}
+    try:
+        factory = make_sessionmaker(engine)
+        tokens["user"] = create_token(factory, "user", "chaos-user")[1]
+        for i in range(plan.workers):
+            name = f"gpu-{i:02d}"
+            # Least privilege: each worker's token can act only as that worker.
+            tokens[name] = create_token(factory, "worker", name, worker_id=name)[1]
+    finally:
+        engine.dispose()
+    for api in apis:
+        api.start()
+    r = httpx.post(
+        f"{apis[0].url}/v1/studies",
+        json=study_spec(plan.trials, plan.seed),
+        headers={"Authorization": f"Bearer {tokens['user']}"},
+        timeout=60,
+    )
+    if r.status_code != 201:
+        raise RuntimeError(f"cannot create the study: {r.status_code} {r.text}")
+    workers = []
+    for i in range(plan.workers):
+        name = f"gpu-{i:02d}"
+        w = write_worker_config(root, name, apis[i % 2].url, tokens[name], MODELS)
+        start_worker(w)
+        workers.append(w)
+    return Cluster(root, db_url, apis, workers, tokens)
+
+
+def run_chaos(
+    plan: ChaosPlan, root: Path, db_url: str, *, postgres_restart: Callable[[], float] | None = None
+) -> ChaosReport:
+    """Run the study under the plan's faults; stop everything; return the checked figures."""
+    root.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(plan.seed)
+    log = ChaosLog()
+    t0 = time.monotonic()
+    cluster = start_cluster(plan, root, db_url)
+    down: dict[str, float] = {}  # worker name -> when to restart it
+    try:
+        deadline = t0 + plan.time_limit_s
+        next_kill = t0 + plan.first_kill_after_s + rng.expovariate(1.0 / plan.kill_gap_s)
+        api_killed = not plan.kill_api
+        pg_restarted = not (plan.restart_postgres and postgres_restart is not None)
+        last_progress = ""
+        while time.monotonic() < deadline:
+            now = time.monotonic()
+            state = study_state(db_url)
+            if state is not None:
+                progress = f"study {state[0]}, {state[1]} trial leases finished"
+                if progress != last_progress:
+                    log.note(t0, progress)
+                    last_progress = progress
+                if state[0] != "running":
+                    log.finished = True
+                    break
+            done = 0 if state is None else state[1]
+            for w in cluster.workers:  # restart killed workers when their time comes
+                if w.name in down and now >= down[w.name]:
+                    del down[w.name]
+                    start_worker(w)
+                    log.note(t0, f"restarted worker {w.name}")
+            if log.worker_kills < plan.worker_kills and now >= next_kill:
+                candidates = [w for w in cluster.workers if w.name not in down]
+                w = rng.choice(candidates)
+                kill_worker(w)
+                down[w.name] = now + plan.lease_ttl_s * rng.uniform(*plan.down_ttls)
+                log.worker_kills += 1
+                log.note(t0, f"SIGKILL worker {w.name} (and its engines)")
+                next_kill = now + rng.expovariate(1.0 / plan.kill_gap_s)
+            if not api_killed and done >= plan.trials // 4:
+                api = cluster.apis[1]
+                api.signal(signal.SIGKILL)
+                log.api_kills += 1
+                log.note(t0, f"SIGKILL API {api.name}; restarting it in 3 s")
+                time.sleep(3)
+                api.start()
+                log.note(t0, f"API {api.name} back on port {api.port}")
+                api_killed = True
+            if not pg_restarted and done >= plan.trials // 2 and postgres_restart is not None:
+                log.note(t0, "restarting Postgres")
+                log.postgres_restart_s = postgres_restart()
+                log.postgres_restarts += 1
+                log.note(t0, f"Postgres back after {log.postgres_restart_s:.1f} s")
+                pg_restarted = True
+            time.sleep(0.5)
+        log.wall_s = time.monotonic() - t0
+        log.note(t0, "stopping the workers (SIGTERM)")
+    finally:
+        for w in cluster.workers:
+            stop_worker(w)
+        orphans = sorted(pid for w in cluster.workers for pid in w.engine_pids() if group_alive(pid))
+        for w in cluster.workers:
+            kill_engines(w)  # clean up whatever a failed run left behind
+        for api in cluster.apis:
+            api.signal(signal.SIGTERM)
+    return check(cluster, log, orphans)
+
+
+# ------------------------------------------------------------------------------------ checks
+
+
+@dataclass
+class ChaosReport:
+    log: ChaosLog
+    figures: dict[str, Any]
+    problems: list[str]
+
+    def lines(self) -> list[str]:
+        out = [f"{k}: {v}" for k, v in self.figures.items()]
+        out.append("problems: " + ("none" if not self.problems else ""))
+        out += [f"  - {p}" for p in self.problems]
+        return out
+
+
+def _interval_overlaps(intervals: list[tuple[datetime, datetime, str]]) -> list[tuple[str, str]]:
+    found = []
+    ordered = sorted(intervals)
+    for (_, end_a, a), (start_b, _, b) in zip(ordered, ordered[1:], strict=False):
+        if start_b < end_a:
+            found.append((a, b))
+    return found
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def check(cluster: Cluster, log: ChaosLog, orphans: list[int]) -> ChaosReport:
+    import optuna
+    from sqlalchemy import select
+
+    from api.models import EventRow, LeaseRow
+
+    problems: list[str] = []
+    with session(cluster.db_url) as s:
+        leases = list(s.scalars(select(LeaseRow).where(LeaseRow.study_name == STUDY)))
+        expired_at = {
+            e.lease_id: e.at for e in s.scalars(select(EventRow).where(EventRow.kind == "lease_expired")) if e.lease_id
+        }
+        s.expunge_all()
+    by_id = {le.id: le for le in leases}
+    now = datetime.utcnow()
+
+    # 1. Trials: each ended once: COMPLETE, PRUNED (the pruner stopped it), or FAIL with a reason.
+    storage = optuna.storages.RDBStorage(cluster.db_url, skip_table_creation=True)
+    try:
+        trials = optuna.load_study(study_name=STUDY, storage=storage).get_trials(deepcopy=False)
+    finally:
+        storage.engine.dispose()
+    states: dict[str, int] = defaultdict(int)
+    for t in trials:
+        states[t.state.name] += 1
+        if t.state.name in ("RUNNING", "WAITING"):
+            problems.append(f"trial {t.number} is still {t.state.name}")
+        if t.state.name == "FAIL" and not any(
+            k in t.user_attrs for k in ("failure_reason", "reason", "failure_message", "duplicate_of")
+        ):
+            problems.append(f"trial {t.number} FAILED without a reason: {t.user_attrs}")
+    measured_per_trial: dict[int, int] = defaultdict(int)
+    for le in leases:
+        if le.kind == "trial" and le.state == "completed" and le.trial_number is not None:
+            measured_per_trial[le.trial_number] += 1
+    measured_twice = sorted(n for n, k in measured_per_trial.items() if k > 1)
+
+    # 2. Every report a worker queued is in the database (or was refused with a reason).
+    queued: dict[str, str] = {}
+    refused: dict[str, str] = {}
+    tokens_in_logs = 0
+    secrets = list(cluster.tokens.values())
+    for w in cluster.workers:
+        text = w.log_text()
+        for m in QUEUED_RE.finditer(text):
+            queued[m.group(1)] = w.name
+        for m in SENT_DIRECTLY_RE.finditer(text):
+            queued[m.group(1)] = w.name
+        for m in DROPPED_RE.finditer(text):
+            refused[m.group(2)] = m.group(3).strip()
+        for m in REJECTED_RE.finditer(text):
+            refused[m.group(1)] = "rejected"
+        tokens_in_logs += sum(text.count(t) for t in secrets)
+        left = list(w.outbox.glob("*.json")) if w.outbox.exists() else []
+        if left:
+            problems.append(f"worker {w.name}: {len(left)} report(s) still in its outbox: {[p.name for p in left]}")
+    for api in cluster.apis:
+        tokens_in_logs += sum(api.log.read_text(errors="replace").count(t) for t in secrets)
+    if tokens_in_logs:
+        problems.append(f"{tokens_in_logs} token value(s) found in the API and worker logs")
+    kept = 0
+    refused_settled = 0
+    for lease_id, worker in sorted(queued.items()):
+        row = by_id.get(lease_id)
+        if row is not None and row.result is not None and row.state in ("completed", "failed"):
+            kept += 1
+        elif lease_id in refused and row is not None and row.state in ("superseded", "expired", "completed", "failed"):
+            refused_settled += 1
+        else:
+            state = "missing" if row is None else row.state
+            problems.append(f"report of lease {lease_id} (worker {worker}) is not in the database (lease {state})")
+
+    # 3. No lease held by two workers at once.
+    def active_interval(le: LeaseRow) -> tuple[datetime, datetime, str] | None:
+        if le.leased_at is None:
+            return None
+        ends = [t for t in (expired_at.get(le.id), le.finished_at) if t is not None]
+        return (le.leased_at, min(ends) if ends else now, le.id)
+
+    per_trial: dict[tuple[str, int], list[tuple[datetime, datetime, str]]] = defaultdict(list)
+    per_worker: dict[str, list[tuple[datetime, datetime, str]]] = defaultdict(list)
+    for le in leases:
+        iv = active_interval(le)
+        if iv is None:
+            continue
+        if le.trial_number is not None:
+            per_trial[(le.kind, le.trial_number)].append(iv)
+        if le.worker_id is not None:
+            per_worker[le.worker_id].append(iv)
+    double_trial = [(k, o) for k, ivs in per_trial.items() for o in _interval_overlaps(ivs)]
+    double_worker = [(k, o) for k, ivs in per_worker.items() for o in _interval_overlaps(ivs)]
+    for what, items in (("trial", double_trial), ("worker", double_worker)):
+        for key, (a, b) in items:
+            problems.append(f"{what} {key}: leases {a} and {b} were active at the same time")
+
+    # 4. Orphaned engines.
+    if orphans:
+        problems.append(f"engine process groups alive after every worker stopped: {orphans}")
+
+    # 5. Reclaimed leases: deadline -> reclaim, reclaim -> next lease of the same trial.
+    reclaim_lag: list[float] = []
+    relase_lag: list[float] = []
+    for le in leases:
+        at = expired_at.get(le.id)
+        if at is None:
+            continue
+        if le.deadline is not None:
+            reclaim_lag.append((at - le.deadline).total_seconds())
+        if le.trial_number is None:
+            continue
+        nxt = [
+            o.leased_at
+            for o in leases
+            if o.trial_number == le.trial_number and o.kind == le.kind and o.attempt == le.attempt + 1 and o.leased_at
+        ]
+        if nxt:
+            relase_lag.append((min(nxt) - at).total_seconds())
+
+    lease_states: dict[str, int] = defaultdict(int)
+    for le in leases:
+        lease_states[f"{le.kind}/{le.state}"] += 1
+    if not log.finished:
+        problems.append(f"the study did not finish within the time limit ({log.wall_s:.0f} s)")
+    figures: dict[str, Any] = {
+        "wall time": f"{log.wall_s:.0f} s",
+        "faults": (
+            f"{log.worker_kills} worker SIGKILLs, {log.api_kills} API SIGKILL, "
+            f"{log.postgres_restarts} Postgres restart ({log.postgres_restart_s:.1f} s)"
+        ),
+        "trials": dict(sorted(states.items())),
+        "trials measured by two leases (late report kept, both stored)": len(measured_twice),
+        "leases by kind/state": dict(sorted(lease_states.items())),
+        "reports queued by workers": len(queued),
+        "  in the database": kept,
+        "  refused, lease already settled by the API": refused_settled,
+        "  lost": len(queued) - kept - refused_settled,
+        "leases active twice at once (per trial / per worker)": f"{len(double_trial)} / {len(double_worker)}",
+        "orphaned engines": len(orphans),
+        "leases reclaimed": len(reclaim_lag),
+        "  reclaimed after deadline, p50 / max": f"{_pct(reclaim_lag, 0.5):.1f} / {max(reclaim_lag, default=float('nan')):.1f} s",
+        "  trial leased again after reclaim, p50 / max": (
+            f"{_pct(relase_lag, 0.5):.1f} / {max(relase_lag, default=float('nan')):.1f} s"
+        ),
+        "token values in logs": tokens_in_logs,
+    }
+    if refused:
+        figures["refusal reasons"] = sorted(set(refused.values()))[:5]
+    return ChaosReport(log, figures, problems)
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def _create_database(admin_dsn: str, template_url: str | None) -> tuple[str, Callable[[], None]]:
+    import psycopg
+
+    from api.schema import upgrade
+
+    name = f"spectune_chaos_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(admin_dsn, autocommit=True, connect_timeout=5) as c:
+        c.execute(f'CREATE DATABASE "{name}"')
+    host = re.search(r"host=(\S+)", admin_dsn)
+    user = re.search(r"user=(\S+)", admin_dsn)
+    url = f"postgresql+psycopg://{user.group(1) if user else 'postgres'}@{host.group(1) if host else '127.0.0.1'}:5432/{name}"
+    upgrade(url)
+
+    def drop() -> None:
+        with psycopg.connect(admin_dsn, autocommit=True, connect_timeout=5) as c:
+            c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    return url, drop
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--workers", type=int, default=12)
+    p.add_argument("--trials", type=int, default=60)
+    p.add_argument("--worker-kills", type=int, default=12)
+    p.add_argument("--kill-gap-s", type=float, default=6.0)
+    p.add_argument("--no-api-kill", action="store_true")
+    p.add_argument("--no-postgres-restart", action="store_true")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--time-limit-s", type=float, default=900.0)
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/spectune-chaos"))
+    p.add_argument("--pg-admin-dsn", default="host=127.0.0.1 port=5432 user=postgres dbname=postgres")
+    p.add_argument("--json", type=Path, help="also write the figures here")
+    args = p.parse_args(argv)
+    os.environ["TZ"] = "UTC"
+    time.tzset()
+    plan = ChaosPlan(
+        workers=args.workers,
+        trials=args.trials,
+        worker_kills=args.worker_kills,
+        kill_api=not args.no_api_kill,
+        restart_postgres=not args.no_postgres_restart,
+        seed=args.seed,
+        kill_gap_s=args.kill_gap_s,
+        time_limit_s=args.time_limit_s,
+    )
+    db_url, drop = _create_database(args.pg_admin_dsn, None)
+    root = args.workdir / time.strftime("%Y%m%d-%H%M%S")
+    print(f"chaos run: {plan}\ndatabase {db_url}, files under {root}", flush=True)
+    try:
+        report = run_chaos(plan, root, db_url, postgres_restart=restart_postgres if plan.restart_postgres else None)
+    finally:
+        try:
+            drop()
+        except Exception as e:  # noqa: BLE001 - cleanup must not hide the result
+            print(f"could not drop the chaos database: {e}", file=sys.stderr)
+    print("\n".join(report.lines()))
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {"plan": str(plan), "figures": report.figures, "problems": report.problems}, indent=2, default=str
+            )
+        )
+    return 0 if not report.problems else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
