@@ -55,7 +55,8 @@ class TrialConfigRow(Base):
     study_name: Mapped[str] = mapped_column(ForeignKey("spectune_studies.name", ondelete="CASCADE"))
     config_key: Mapped[str] = mapped_column(String(64))
     trial_number: Mapped[int] = mapped_column(Integer)
-    # pending (leased or queued), done, failed
+    # pending (leased or queued), done, infeasible (failed for the configuration's sake),
+    # pruned (stopped early), failed (infrastructure, after its retries)
     state: Mapped[str] = mapped_column(String(16), default="pending")
 
 

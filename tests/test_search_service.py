@@ -58,7 +58,7 @@ def test_a_known_oom_region_is_skipped_without_a_launch(api: Api) -> None:
         "s3-k2-n3-bsauto",
     }
     for t in inferred:
-        assert t["feasible"] is False
+        assert t["feasible"] is False and t["inferred_from"] == oom["number"]
         assert f"trial {oom['number']}" in t["failure_message"]
     full = {t["number"]: t for t in api.get("/v1/studies/oomgrid/trials", "user").json()}
     assert all(full[t["number"]]["speedup"] is not None for t in inferred)
@@ -102,7 +102,9 @@ def test_a_trial_clearly_worse_after_its_first_level_is_pruned(api: Api) -> None
     assert r.status_code == 200 and r.json()["speedup"] is None
 
     trials = {t["number"]: t for t in api.get("/v1/studies/prune/trials", "user").json()}
-    assert trials[third["trial_number"]]["state"] == "PRUNED"
+    pruned = trials[third["trial_number"]]
+    assert pruned["state"] == "PRUNED" and "below the best" in pruned["pruned"]["reason"]
+    assert pruned["partial_speedup_by_level"]["1"] < 0.6
     assert trials[second["trial_number"]]["state"] == "COMPLETE"
     shown = api.get("/v1/studies/prune", "user").json()
     assert shown["best"]["trial_number"] == first["trial_number"]

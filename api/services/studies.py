@@ -422,6 +422,15 @@ class StudyService:
                     "failure_kind": ua.get("failure_kind"),
                     "failure_message": ua.get("failure_message"),
                     "duplicate_of": ua.get("duplicate_of"),
+                    # Not launched: needs at least the memory of this trial, which ran out of it.
+                    "inferred_from": ua.get("inferred_from"),
+                    # Why a PRUNED trial was stopped, and what it measured before.
+                    "pruned": ua.get("pruned"),
+                    "partial_speedup_by_level": ua.get("partial_speedup_by_level"),
+                    # warm_start | prior_study | grid (enqueued), else the sampler's proposal.
+                    "source": ua.get("source"),
+                    # What the `auto` sampler predicted for it when it proposed it.
+                    "model_prediction": ua.get("model_prediction"),
                     "datetime_start": t.datetime_start,
                     "datetime_complete": t.datetime_complete,
                 }
