@@ -69,9 +69,15 @@ class Timings:
     samples: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
-    async def timed(self, op: str, coro: Any) -> httpx.Response:
+    async def timed(self, op: str, coro: Any) -> httpx.Response | None:
+        """The response, or None when the call failed (time-out, refused); both are counted."""
         start = time.perf_counter()
-        r: httpx.Response = await coro
+        try:
+            r: httpx.Response = await coro
+        except httpx.HTTPError as e:
+            self.samples[op].append(time.perf_counter() - start)
+            self.errors[f"{op} {type(e).__name__}"] += 1
+            return None
         self.samples[op].append(time.perf_counter() - start)
         if r.status_code >= 400:
             self.errors[f"{op} {r.status_code}"] += 1
@@ -101,9 +107,9 @@ class Worker:
         r = await self.timings.timed(
             op, self.client.post(f"/v1/workers/{self.name}/lease", json=INVENTORY, headers=self.headers)
         )
-        return dict(r.json()) if r.status_code == 200 else None
+        return dict(r.json()) if r is not None and r.status_code == 200 else None
 
-    async def call(self, op: str, lease_id: str, body: Any = None) -> httpx.Response:
+    async def call(self, op: str, lease_id: str, body: Any = None) -> httpx.Response | None:
         return await self.timings.timed(
             op, self.client.post(f"/v1/leases/{lease_id}/{op}", json=body, headers=self.headers)
         )
@@ -113,6 +119,10 @@ class Worker:
         while done <= rounds and time.monotonic() < deadline:
             lease = await self.lease()
             if lease is None:
+                if time.monotonic() < deadline and self.timings.errors:
+                    await asyncio.sleep(0.5)  # an error (503, time-out): ask again, as a worker does
+                    done += 1
+                    continue
                 return
             lid = lease["lease_id"]
             if lease["kind"] == "trial":
@@ -155,7 +165,7 @@ async def run(args: argparse.Namespace, url: str, user: str, tokens: list[str]) 
     deadline = time.monotonic() + args.time_limit_s
     uh = {"Authorization": f"Bearer {user}"}
     limits = httpx.Limits(max_connections=args.workers + 8, max_keepalive_connections=args.workers + 8)
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=args.timeout_s, limits=limits) as client:
         # Phase 1: the protocol under 64 concurrent workers.
         r = await client.post("/v1/studies", json=spec("load", args.workers * (args.rounds + 1), "random"), headers=uh)
         assert r.status_code == 201, r.text
@@ -209,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--probe", type=int, default=30, help="leases timed at that size")
     p.add_argument("--sampler", default="tpe")
     p.add_argument("--time-limit-s", type=float, default=1200.0)
+    p.add_argument("--timeout-s", type=float, default=60.0, help="client time-out of one call")
     p.add_argument("--pg-admin-dsn", default="host=127.0.0.1 port=5432 user=postgres dbname=postgres")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
