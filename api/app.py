@@ -7,16 +7,16 @@ Routes, in the order they match: `/healthz`, `/v1/...` (the API), `/docs` and `/
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
 
 from api import schema
 from api.context import ServiceContext
 from api.dashboard import DashboardGate, login_router
-from api.errors import PayloadTooLargeError, install_error_handlers
+from api.errors import ERROR_RESPONSES, install_error_handlers
+from api.limits import BodyLimitMiddleware
 from api.metrics import ApiMetrics, metrics_router
 from api.routes import fleet, leases, studies
 from api.settings import Settings, get_settings
@@ -48,17 +48,11 @@ def create_app(settings: Settings | None = None, *, check_schema: bool = True) -
         version="0.1.0",
         summary="Bayesian tuning of SGLang EAGLE-3 speculative decoding",
         lifespan=lifespan,
+        # Every error body is ours ({"error": {...}, "detail": ...}); say so in the schema.
+        responses=ERROR_RESPONSES,
     )
     install_error_handlers(app)
     metrics = ApiMetrics(lambda: getattr(app.state, "ctx", None))
-
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
-            err = PayloadTooLargeError(f"request body over {settings.max_body_bytes} bytes")
-            return JSONResponse({"error": {"code": err.code, "message": err.message}, "detail": err.message}, 413)
-        return await call_next(request)
 
     @app.get("/healthz", tags=["health"])
     def healthz() -> dict[str, str]:
@@ -70,6 +64,7 @@ def create_app(settings: Settings | None = None, *, check_schema: bool = True) -
     app.include_router(fleet.router)
     app.include_router(login_router())
     app.include_router(metrics_router(metrics))
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     # Outermost, so the latency includes the body-limit check and every route.
     metrics.install(app)
     # Last: everything no route above claims goes to the dashboard, which checks the caller.

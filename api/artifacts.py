@@ -16,7 +16,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import optuna
 from optuna.artifacts import FileSystemArtifactStore, upload_artifact
 from optuna.artifacts.exceptions import ArtifactNotFound
 
@@ -49,10 +48,15 @@ def store_trial_artifacts(
     the ids uploaded so far are returned.
     """
     store = make_artifact_store(ctx.settings.artifact_dir)
-    study = optuna.load_study(study_name=study_name, storage=ctx.storage)
-    trial = next((t for t in study.get_trials(deepcopy=False) if t.number == trial_number), None)
-    if trial is None:
-        raise KeyError(f"study {study_name!r} has no trial {trial_number}")
+    # One trial by number, not the whole study: this runs on every completed trial.
+    storage = ctx.storage
+    try:
+        trial_id = storage.get_trial_id_from_study_id_trial_number(
+            storage.get_study_id_from_name(study_name), trial_number
+        )
+    except KeyError as e:
+        raise KeyError(f"study {study_name!r} has no trial {trial_number}") from e
+    trial = storage.get_trial(trial_id)
     body = report if isinstance(report, str) else json.dumps(report, indent=2, sort_keys=True, default=str)
     files = [(BENCHMARK_FILE, body, "application/json")]
     if log_text:

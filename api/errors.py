@@ -24,6 +24,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from sqlalchemy.exc import SQLAlchemyError
 
 from optimizer.errors import OptimizerError, SpecError, StudyExistsError, StudyNotFoundError, TrialStateError
@@ -75,6 +76,37 @@ class SchemaOutdatedError(ApiError):
 
 class StorageUnavailableError(ApiError):
     status, code = 503, "storage_unavailable"
+
+
+class ErrorDetail(BaseModel):
+    code: str
+    message: str
+    field: str | None = None
+    details: list[dict[str, str]] | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error response."""
+
+    error: ErrorDetail
+    detail: str
+
+
+# Documented on every operation; FastAPI's own 422 schema (HTTPValidationError) is replaced, since
+# the handlers below answer validation errors in this shape too.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": text}
+    for status, text in (
+        (401, "no, malformed, unknown or revoked token"),
+        (403, "the token's role may not do this"),
+        (404, "unknown study, lease or worker"),
+        (409, "conflict: name taken, lease ended or held elsewhere"),
+        (410, "the lease expired and was reclaimed"),
+        (413, "request body too large"),
+        (422, "a field is invalid; `error.field` names it"),
+        (503, "the database is unavailable or its schema is not at head"),
+    )
+}
 
 
 def _body(code: str, message: str, field: str | None = None, **extra: Any) -> dict[str, Any]:

@@ -17,6 +17,9 @@ class Settings(BaseSettings):
     # A lease is lost when no heartbeat arrives before its deadline (database clock).
     heartbeat_interval_s: float = Field(default=30.0, gt=0)
     lease_ttl_s: float = Field(default=120.0, gt=0)
+    # A trial Optuna handed out without a recorded lease (the API died in between) is told FAIL
+    # after this long; asks take milliseconds.
+    orphan_grace_s: float = Field(default=30.0, ge=0)
     # How often a trial is handed out again after its lease expired or its host failed.
     max_attempts: int = Field(default=3, ge=1)
     # Baselines older than this are measured again, so drift cannot pose as speedup.

@@ -14,14 +14,16 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import optuna
+from optuna.trial import TrialState
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from api.artifacts import store_trial_artifacts
 from api.auth import Principal, require_worker
 from api.context import ServiceContext
 from api.db import db_now
@@ -404,7 +406,50 @@ class LeaseService:
                         study_svc.maybe_finish(s, spec, now, self.ctx.storage)
             for spec, number, reason in to_fail:
                 self._tell_failed(spec, number, reason)
+        self._fail_orphans()
         return len(expired)
+
+    def _fail_orphans(self) -> None:
+        """Fail trials Optuna handed out whose lease was never recorded.
+
+        `_ask_new` asks Optuna (committed at once) and then records the lease; an API process or
+        a database that dies in between leaves a RUNNING trial no lease will ever finish, which
+        constant-liar TPE would count as a pessimistic guess forever and which would keep its
+        study from finishing.  A RUNNING trial without a queued or active lease that is older
+        than `orphan_grace_s` (asks take milliseconds) is told FAIL, then the study may finish.
+        """
+        with self.ctx.sessions() as s:
+            now = db_now(s)
+            names = list(s.scalars(select(StudyRow.name).where(StudyRow.state == "running")))
+        grace = timedelta(seconds=self.settings.orphan_grace_s)
+        storage = self.ctx.storage
+        for name in names:
+            try:
+                study_id = storage.get_study_id_from_name(name)
+            except KeyError:
+                continue
+            running = storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,))
+            old = [t for t in running if t.datetime_start is None or now - t.datetime_start >= grace]
+            if not old:
+                continue
+            with self.ctx.sessions() as s:
+                held = set(
+                    s.scalars(
+                        select(LeaseRow.trial_number).where(
+                            LeaseRow.study_name == name,
+                            LeaseRow.kind == "trial",
+                            LeaseRow.state.in_(("queued", "active")),
+                        )
+                    )
+                )
+                spec = study_svc.spec_of(s, name)
+            orphans = [t.number for t in old if t.number not in held]
+            for number in orphans:
+                log.warning("study %s: trial %d was asked but never leased; telling it FAIL", name, number)
+                self._tell_failed(spec, number, "asked from Optuna but never leased (the API or database failed)")
+            if orphans:
+                with self.ctx.unit() as u, u.step() as s:
+                    study_svc.maybe_finish(s, spec, db_now(s), storage)
 
     def _retry_or_fail(
         self, s: Session, spec: StudySpec, lease: LeaseRow, now: datetime, reason: str
@@ -478,7 +523,7 @@ class LeaseService:
             self._require_live(s, lease, now)
             lease.deadline = now + timedelta(seconds=self.settings.lease_ttl_s)
             self._touch_seen(s, lease.worker_id, now)
-            return HeartbeatOut(deadline=lease.deadline)
+            return HeartbeatOut(deadline=lease.deadline.replace(tzinfo=UTC))
 
     def progress(self, principal: Principal, lease_id: str, body: ProgressIn) -> ProgressOut:
         with self.ctx.unit() as u:
@@ -659,6 +704,11 @@ class LeaseService:
                     other.state = "superseded"
                     other.finished_at = now
                 self._event(s, "late_report_kept", lease, f"trial {number} reported after its lease expired")
+        # Artifacts (the report as JSON, the server-log tail) must be attached before the tell:
+        # a finished trial takes no more (reference/optuna.md §8).  Best effort, never fatal.
+        store_trial_artifacts(
+            self.ctx, spec.name, number, body.model_dump(mode="json"), body.failure.log_tail if body.failure else None
+        )
         outcome_state, speedup = self._tell_trial(study, spec, number, body, base, attrs)
         requeue = outcome_state == "retry"
         to_fail = None
@@ -817,7 +867,7 @@ class LeaseService:
                 "study": lease.study_name,
                 "trial_number": lease.trial_number,
                 "attempt": lease.attempt,
-                "deadline": lease.deadline,
+                "deadline": lease.deadline.replace(tzinfo=UTC),
                 "heartbeat_interval_s": self.settings.heartbeat_interval_s,
                 "server": p["server"],
                 "workload": p["workload"],
