@@ -222,7 +222,11 @@ def run_demo(*, workdir: Path, landscape: str = "moe-pcie", max_trials: int = 20
             _process(
                 [sys.executable, "-m", "api.cli", "server", "--database-url", db_url, "--port", str(port)],
                 api_log,
-                {"SPECTUNE_HEARTBEAT_INTERVAL_S": "2", "SPECTUNE_LEASE_TTL_S": "20"},
+                {
+                    "SPECTUNE_HEARTBEAT_INTERVAL_S": "2",
+                    "SPECTUNE_LEASE_TTL_S": "20",
+                    "SPECTUNE_ARTIFACT_DIR": str(workdir / "artifacts"),
+                },
             )
         )
         _wait_healthy(api_url, api, api_log)

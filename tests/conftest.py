@@ -133,11 +133,11 @@ def make_tokens(db_url: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def api(db_url: str) -> Iterator[Api]:
+def api(db_url: str, tmp_path: Path) -> Iterator[Api]:
     from api.app import create_app
 
     tokens = make_tokens(db_url)
-    with TestClient(create_app(make_settings(db_url))) as client:
+    with TestClient(create_app(make_settings(db_url, artifact_dir=str(tmp_path / "artifacts")))) as client:
         yield Api(client, tokens)
 
 

@@ -27,7 +27,8 @@ def api_server(
 ) -> Iterator[str]:
     """Start `spectune server` and yield its base URL; stop it (SIGTERM, then SIGKILL) afterwards."""
     port = port or free_port()
-    full_env = {**os.environ, "TZ": "UTC", **(env or {})}
+    artifacts = str(log_path.parent / "artifacts")
+    full_env = {**os.environ, "TZ": "UTC", "SPECTUNE_ARTIFACT_DIR": artifacts, **(env or {})}
     argv = [
         sys.executable,
         "-m",
