@@ -101,6 +101,8 @@ class Metrics(BaseModel):
     # What SGLang reported in /server_info after start-up (speculative_* etc.), as it ran.
     effective: dict[str, Any] = Field(default_factory=dict)
     sglang_version: str | None = Field(default=None, max_length=64)
+    # The end of the server's log, kept as a trial artifact next to the benchmark report.
+    log_tail: str = Field(default="", max_length=20_000)
 
 
 class Failure(BaseModel):

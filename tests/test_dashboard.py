@@ -22,22 +22,16 @@ from tests.test_report import report_spec, run_simulated_study
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])
 def dash(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
     """One finished study per backend for the whole module (tests only read it, or use their own
-    tokens and cookies), with artifacts uploaded before each trial was told."""
+    tokens and cookies); the lease service stores each trial's artifacts before telling it."""
     from api.app import create_app
-    from api.artifacts import store_trial_artifacts
 
     tmp = tmp_path_factory.mktemp(f"dash-{request.param}")
     with _database(request, tmp) as db_url:
         tokens = make_tokens(db_url)
         settings = make_settings(db_url, artifact_dir=str(tmp / "artifacts"))
         with TestClient(create_app(settings)) as client:
-            ctx = client.app.state.ctx  # type: ignore[attr-defined]
-
-            def upload(study: str, number: int, report: dict[str, Any]) -> None:
-                store_trial_artifacts(ctx, study, number, report, "[sim] server log\n")
-
             spec = report_spec("dash", max_trials=4, concurrency=(1,))
-            run_simulated_study(client, tokens, spec, before_complete=upload)
+            run_simulated_study(client, tokens, spec)
             yield Api(client, tokens)
 
 

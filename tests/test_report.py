@@ -78,7 +78,13 @@ def simulated_report(config: dict[str, Any] | None, concurrency: list[int], rng:
     effective = {} if spec is None else {"speculative_num_steps": spec.num_steps, "speculative_eagle_topk": spec.topk}
     return {
         "outcome": "ok",
-        "metrics": {"levels": levels, "startup_s": startup, "effective": effective, "sglang_version": "0.5.23"},
+        "metrics": {
+            "levels": levels,
+            "startup_s": startup,
+            "effective": effective,
+            "sglang_version": "0.5.23",
+            "log_tail": "[sim] server log\n",
+        },
     }
 
 

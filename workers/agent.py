@@ -403,6 +403,7 @@ class Agent:
             startup_s=server.startup_s,
             effective=dict(server.effective),
             sglang_version=self.settings.sglang_version,
+            log_tail=server.log_tail(),
         )
         if run.cancel.is_set() and not run.pruned:
             # Shutdown between the last level and here: the levels are complete measurements, but

@@ -706,9 +706,9 @@ class LeaseService:
                 self._event(s, "late_report_kept", lease, f"trial {number} reported after its lease expired")
         # Artifacts (the report as JSON, the server-log tail) must be attached before the tell:
         # a finished trial takes no more (reference/optuna.md §8).  Best effort, never fatal.
-        store_trial_artifacts(
-            self.ctx, spec.name, number, body.model_dump(mode="json"), body.failure.log_tail if body.failure else None
-        )
+        log_tail = body.failure.log_tail if body.failure else body.metrics.log_tail if body.metrics else ""
+        report = body.model_dump(mode="json", exclude={"metrics": {"log_tail"}, "failure": {"log_tail"}})
+        store_trial_artifacts(self.ctx, spec.name, number, report, log_tail or None)
         outcome_state, speedup = self._tell_trial(study, spec, number, body, base, attrs)
         requeue = outcome_state == "retry"
         to_fail = None
