@@ -87,30 +87,6 @@ def _naive(value: Any) -> bool:
     return isinstance(value, str) and len(value) >= 19 and value[10] == "T" and not value.endswith(("Z", "+00:00"))
 
 
-def _without_known_deadline_bug(response: Any) -> Any:
-    """The response with a naive `deadline` made UTC, so the other schema checks still run.
-
-    api/services/leasing.py returns lease deadlines as naive datetimes ("2026-11-29T16:38:27"),
-    which the schema's `date-time` (RFC 3339: an offset is required) rejects.  Shown by
-    `test_lease_deadlines_are_rfc3339_date_times` (strict xfail); everything else is checked.
-    """
-    try:
-        body = response.json()
-    except ValueError:
-        return response
-    if not isinstance(body, dict) or not _naive(body.get("deadline")):
-        return response
-    fixed = {**body, "deadline": body["deadline"] + "+00:00"}
-    return schemathesis.Response(
-        status_code=response.status_code,
-        headers={**response.headers, "content-length": []},
-        content=json.dumps(fixed).encode(),
-        request=response.request,
-        elapsed=response.elapsed,
-        verify=response.verify,
-    )
-
-
 def _role(method: str, path: str, tags: list[str]) -> str:
     if "leases" in tags:
         return "worker"
@@ -132,15 +108,7 @@ def _check(case: Any, target: Target, headers: dict[str, str], *, use_live_lease
         if "worker_id" in params:
             params["worker_id"] = "w1"
     response = case.call(base_url=target.url, headers=headers, timeout=60)
-    if response.status_code == 422:
-        # Documented as FastAPI's HTTPValidationError, sent as spectune's error body: a known
-        # schema bug (test_422_responses_match_the_documented_schema).
-        case.validate_response(response, checks=[not_a_server_error])
-        error = response.json()["error"]
-        assert error["code"] == "invalid" and error["message"], response.text
-    else:
-        checked = _without_known_deadline_bug(response)
-        case.validate_response(checked, checks=[not_a_server_error, response_schema_conformance])
+    case.validate_response(response, checks=[not_a_server_error, response_schema_conformance])
 
 
 def _fuzz(op: Any, mode: GenerationMode, target: Target, headers: dict[str, str]) -> None:
@@ -176,9 +144,6 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(target: Targ
     assert len(ran) >= 11, ran
 
 
-@pytest.mark.xfail(
-    strict=True, reason="api/services/leasing.py sends lease deadlines as naive datetimes (no UTC offset)"
-)
 def test_lease_deadlines_are_rfc3339_date_times(target: Target) -> None:
     lease_id = target.live_lease()
     assert lease_id is not None
@@ -187,10 +152,6 @@ def test_lease_deadlines_are_rfc3339_date_times(target: Target) -> None:
     assert not _naive(r.json()["deadline"]), r.json()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the schema documents 422 as FastAPI's HTTPValidationError; api/errors.py sends {error: {...}, detail: str}",
-)
 def test_422_responses_match_the_documented_schema(target: Target) -> None:
     schema = schemathesis.openapi.from_url(f"{target.url}/openapi.json")
     op = schema["/v1/studies"]["POST"]
@@ -220,10 +181,6 @@ def test_bodies_over_the_limit_are_413_before_parsing(target: Target) -> None:
     assert r.status_code == 413
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="api/app.py limit_body checks only Content-Length; a chunked body of any size is read in full",
-)
 def test_a_chunked_body_over_the_limit_is_refused_too(target: Target) -> None:
     def chunks() -> Iterator[bytes]:
         yield b'{"name": "'
