@@ -48,7 +48,7 @@ def _demo_spec(name: str, landscape: str, max_trials: int) -> dict[str, Any]:
         },
         "workload": {"output_len": 128, "num_prompts": 16, "concurrency": [1], "warmup_requests": 2, "repeats": 3},
         "budget": {"max_trials": max_trials},
-        "sampler": "tpe",
+        "sampler": "auto",
         "seed": 0,
     }
 
@@ -154,32 +154,44 @@ def _progress_line(elapsed: float, study: dict[str, Any]) -> str:
     )
 
 
+def _config_text(c: dict[str, Any]) -> str:
+    return f"num_steps={c['num_steps']} topk={c['topk']} num_draft_tokens={c['num_draft_tokens']}"
+
+
 def _print_result(study: dict[str, Any], trials: list[dict[str, Any]], db_url: str, wall_s: float) -> None:
     echo = typer.echo
     echo("")
     echo(f"Study {study['name']}: {study['state']} ({study.get('finish_reason') or 'deadline'}) in {wall_s:.0f} s")
-    measured = [t for t in trials if t["state"] == "COMPLETE" and t.get("duplicate_of") is None]
-    infeasible = [t for t in measured if not t["feasible"]]
-    echo(f"  {len(measured)} configurations measured ({len(infeasible)} could not run), baseline per worker first")
-    best = study.get("best")
-    if not best:
+    launched = [t for t in trials if t.get("duplicate_of") is None and t.get("inferred_from") is None]
+    measured = [t for t in launched if t["state"] == "COMPLETE" and t["feasible"]]
+    failed = [t for t in launched if t["state"] == "COMPLETE" and not t["feasible"]]
+    pruned = [t for t in launched if t["state"] == "PRUNED"]
+    echo(
+        f"  {study.get('configurations_launched', len(launched))} server restarts: {len(measured)} measured, "
+        f"{len(pruned)} pruned early, {len(failed)} could not run; every worker measured its baseline first"
+    )
+    # The answer is the confirmed winner; without confirmation, the best trial of the search.
+    answer = study.get("winner") or study.get("best")
+    if not answer:
         echo("  no configuration finished; see the logs under the demo folder")
         return
-    c = best["config"]
     echo("")
     echo(study["verdict"])
-    echo(
-        f"  best: num_steps={c['num_steps']} topk={c['topk']} num_draft_tokens={c['num_draft_tokens']} (trial {best['trial_number']})"
-    )
-    for level, s in (best.get("speedup_by_level") or {}).items():
-        iv = (best.get("speedup_interval_by_level") or {}).get(level)
-        spread = f"  95% interval {iv['low']:.3f}-{iv['high']:.3f}" if iv else ""
-        lv = next((x for x in best.get("levels") or [] if str(x["concurrency"]) == level), None)
+    for row in study.get("confirmation") or []:
+        iv = row.get("speedup_interval") or {}
+        band = f" ({iv['low']:.3f}-{iv['high']:.3f})" if iv else ""
+        got = f"{row['speedup']:.3f}x{band}" if row.get("speedup") is not None else row.get("state", "?")
+        echo(f"  confirmed {_config_text(row['config'])}: search {row['search_speedup']:.3f}x, re-measured {got}")
+    echo(f"  answer: {_config_text(answer['config'])} (trial {answer['trial_number']})")
+    for level, lv_speedup in (answer.get("speedup_by_level") or {}).items():
+        iv = (answer.get("speedup_interval_by_level") or {}).get(level)
+        spread = f", 95% interval {iv['low']:.3f}-{iv['high']:.3f}" if iv else ""
+        lv = next((x for x in answer.get("levels") or [] if str(x["concurrency"]) == level), None)
         al = f", accept length {lv['accept_length']:.2f}" if lv and lv.get("accept_length") else ""
-        echo(f"  concurrency {level}: speedup {s:.3f}x over no speculation{spread}{al}")
+        echo(f"  concurrency {level}: {lv_speedup:.3f}x the speed without speculation{spread}{al}")
     echo("")
     echo("Launch it (replace the model names with your paths):")
-    echo(f"  {best['launch_command']}")
+    echo(f"  {answer['launch_command']}")
     echo("")
     echo("Look at it again in the dashboard (behind spectune's login):")
     echo(f"  spectune server --database-url {db_url}   # then open http://127.0.0.1:8000/login")
