@@ -5,7 +5,7 @@
 
 Two `spectune server` processes (separate engines) share one Postgres database; workers (real
 `spectune worker` processes driving the simulated engine) are split between the two URLs.  While
-the study runs, a seeded schedule SIGKILLs random workers and restarts them after a moment (as
+the study runs, a seeded schedule (points of the study's progress) SIGKILLs random workers and restarts them after a moment (as
 systemd does: KillMode=mixed takes the engine down with the worker), SIGKILLs one API process
 and starts it again on the same port, and (optionally) restarts Postgres once.  At the end every
 process is stopped the way systemd stops it (SIGTERM) and the run is checked against what
@@ -69,9 +69,9 @@ class ChaosPlan:
     seed: int = 7
     lease_ttl_s: float = 5.0
     max_attempts: int = 5
-    # Mean gap between worker kills (exponential), after a first quiet spell (baselines).
-    kill_gap_s: float = 6.0
-    first_kill_after_s: float = 8.0
+    # Worker kills fire at random points of the study's progress (fractions of the trials
+    # finished), so every planned kill happens however fast or slow the machine is.
+    kill_window: tuple[float, float] = (0.05, 0.85)
     # A killed worker stays down for this many lease TTLs (uniform): under 1 it comes back and
     # gets its own live lease again; over 1 its lease expires and another worker takes the trial.
     down_ttls: tuple[float, float] = (0.1, 2.5)
@@ -316,7 +316,7 @@ def run_chaos(
     down: dict[str, float] = {}  # worker name -> when to restart it
     try:
         deadline = t0 + plan.time_limit_s
-        next_kill = t0 + plan.first_kill_after_s + rng.expovariate(1.0 / plan.kill_gap_s)
+        kill_at = sorted(plan.trials * rng.uniform(*plan.kill_window) for _ in range(plan.worker_kills))
         api_killed = not plan.kill_api
         pg_restarted = not (plan.restart_postgres and postgres_restart is not None)
         last_progress = ""
@@ -341,14 +341,13 @@ def run_chaos(
                     del down[w.name]
                     start_worker(w)
                     log.note(t0, f"restarted worker {w.name}")
-            if log.worker_kills < plan.worker_kills and now >= next_kill:
+            if log.worker_kills < plan.worker_kills and done >= kill_at[log.worker_kills]:
                 candidates = [w for w in cluster.workers if w.name not in down]
                 w = rng.choice(candidates)
                 kill_worker(w)
                 down[w.name] = now + plan.lease_ttl_s * rng.uniform(*plan.down_ttls)
                 log.worker_kills += 1
                 log.note(t0, f"SIGKILL worker {w.name} (and its engines)")
-                next_kill = now + rng.expovariate(1.0 / plan.kill_gap_s)
             if not api_killed and done >= plan.trials // 4:
                 api = cluster.apis[1]
                 api.signal(signal.SIGKILL)
@@ -571,7 +570,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=12)
     p.add_argument("--trials", type=int, default=60)
     p.add_argument("--worker-kills", type=int, default=12)
-    p.add_argument("--kill-gap-s", type=float, default=6.0)
     p.add_argument("--no-api-kill", action="store_true")
     p.add_argument("--no-postgres-restart", action="store_true")
     p.add_argument("--seed", type=int, default=7)
@@ -589,7 +587,6 @@ def main(argv: list[str] | None = None) -> int:
         kill_api=not args.no_api_kill,
         restart_postgres=not args.no_postgres_restart,
         seed=args.seed,
-        kill_gap_s=args.kill_gap_s,
         time_limit_s=args.time_limit_s,
     )
     db_url, drop = create_database(args.pg_admin_dsn)

@@ -26,7 +26,6 @@ def test_killed_workers_and_a_killed_api_lose_nothing(pg_db_url: str, tmp_path: 
         kill_api=True,
         restart_postgres=False,
         seed=3,
-        kill_gap_s=4.0,
         time_limit_s=150.0,
     )
     report = run_chaos(plan, tmp_path, pg_db_url)
