@@ -22,7 +22,11 @@ class ServiceContext:
     settings: Settings
     engine: Engine
     sessions: sessionmaker[Session]
-    storage: optuna.storages.RDBStorage
+    # Optuna's RDB storage wrapped once in its process-wide cache: finished trials are read from
+    # the database once, later reads fetch only what changed.  `optuna.load_study` given a bare
+    # RDBStorage wraps it in a fresh, empty cache on every call and re-reads the whole study.
+    storage: optuna.storages.BaseStorage
+    rdb: optuna.storages.RDBStorage
     sqlite: bool = field(default=False)
 
     @classmethod
@@ -31,11 +35,12 @@ class ServiceContext:
         engine = make_engine(url)
         # One RDBStorage per process (reference/optuna.md §2: many leak connections).  Tables are
         # created by `spectune db upgrade`, never here, so concurrent first starts cannot race.
-        storage = optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs(url), skip_table_creation=True)
-        return cls(settings, engine, make_sessionmaker(engine), storage, is_sqlite(url))
+        rdb = optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs(url), skip_table_creation=True)
+        storage = optuna.storages.get_storage(rdb)
+        return cls(settings, engine, make_sessionmaker(engine), storage, rdb, is_sqlite(url))
 
     def close(self) -> None:
-        self.storage.engine.dispose()
+        self.rdb.engine.dispose()
         self.engine.dispose()
 
     @contextmanager

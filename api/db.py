@@ -13,7 +13,10 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
+
+from api.errors import BusyError
 
 SQLITE_BUSY_TIMEOUT_S = 30.0
 
@@ -70,9 +73,15 @@ def db_now(session: Session) -> datetime:
     if session.get_bind().dialect.name == "sqlite":
         raw = session.execute(text("SELECT strftime('%Y-%m-%d %H:%M:%f', 'now')")).scalar_one()
         return datetime.fromisoformat(str(raw))
-    value = session.execute(text("SELECT timezone('UTC', now())")).scalar_one()
+    # clock_timestamp(), not now(): now() is the transaction's start, and a lease that waited for
+    # a lock would get a deadline from before the wait.
+    value = session.execute(text("SELECT timezone('UTC', clock_timestamp())")).scalar_one()
     assert isinstance(value, datetime)
     return value.replace(tzinfo=None)
+
+
+LOCK_WAIT_MS = 10_000
+LOCK_NOT_AVAILABLE = "55P03"  # Postgres: lock_timeout expired
 
 
 def advisory_lock_key(name: str) -> int:
@@ -87,4 +96,12 @@ def lock_name(session: Session, name: str) -> None:
     unique constraints on our tables catch the rest, so nothing is taken there.
     """
     if session.get_bind().dialect.name != "sqlite":
-        session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": advisory_lock_key(name)})
+        # Bounded wait: a request queued behind many others holds a pooled connection all the
+        # while, and 64 workers asking at once would drain the pool (heartbeats then starve).
+        session.execute(text(f"SET LOCAL lock_timeout = '{LOCK_WAIT_MS}ms'"))
+        try:
+            session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": advisory_lock_key(name)})
+        except OperationalError as e:
+            if getattr(e.orig, "sqlstate", None) == LOCK_NOT_AVAILABLE:
+                raise BusyError(f"{name} is busy; ask again shortly") from e
+            raise

@@ -9,6 +9,7 @@
     ├── InvalidInputError          422  a field is wrong (names it)
     ├── PayloadTooLargeError       413  body over the configured limit
     ├── SchemaOutdatedError        503  the database schema is not at head (names the fix)
+    ├── BusyError                  503  a lock could not be had in time; retry
     └── StorageUnavailableError    503  the database cannot be reached
 
 Errors from `optimizer` (its own hierarchy) are mapped here too.  A response never carries a
@@ -72,6 +73,12 @@ class PayloadTooLargeError(ApiError):
 
 class SchemaOutdatedError(ApiError):
     status, code = 503, "schema_outdated"
+
+
+class BusyError(ApiError):
+    """Too many requests wait for the same lock; clients retry (the worker does, with back-off)."""
+
+    status, code = 503, "busy"
 
 
 class StorageUnavailableError(ApiError):

@@ -90,7 +90,7 @@ class DatabaseCollector(Collector):
             "SELECT s.study_name, t.state, COUNT(*) FROM trials t JOIN studies s ON s.study_id = t.study_id "
             "GROUP BY s.study_name, t.state"
         )
-        with ctx.storage.engine.connect() as conn:
+        with ctx.rdb.engine.connect() as conn:
             for study, state, n in conn.execute(query):
                 trials.add_metric([study, str(state)], n)
         return trials

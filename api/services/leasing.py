@@ -27,7 +27,7 @@ from api.artifacts import store_trial_artifacts
 from api.auth import Principal, require_worker
 from api.context import ServiceContext
 from api.db import db_now
-from api.errors import ConflictError, ForbiddenError, LeaseGoneError, NotFoundError
+from api.errors import BusyError, ConflictError, ForbiddenError, LeaseGoneError, NotFoundError
 from api.models import BaselineRow, EventRow, LeaseRow, StudyRow, TrialConfigRow, WorkerRow
 from api.protocol import CompleteIn, CompleteOut, HeartbeatOut, Inventory, LeaseOut, ProgressIn, ProgressOut
 from api.services import studies as study_svc
@@ -75,7 +75,13 @@ class LeaseService:
         if quarantined:
             return None
         for study in self._candidate_studies(inventory):
-            out = self._lease_from_study(study, worker_id)
+            try:
+                out = self._lease_from_study(study, worker_id)
+            except BusyError:
+                # Many workers queue on this study right now: try the next one, or say "no work
+                # now" (204); the worker asks again after its idle back-off.
+                log.info("study %s busy; worker %s tries elsewhere", study.name, worker_id)
+                continue
             if out is not None:
                 return out
         return None
