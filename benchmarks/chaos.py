@@ -364,6 +364,18 @@ def run_chaos(
                 log.note(t0, f"Postgres back after {log.postgres_restart_s:.1f} s")
                 pg_restarted = True
             time.sleep(0.5)
+        # As systemd would: a worker killed near the end comes back and delivers what its outbox
+        # holds (the API keeps a late report, or answers that the lease was settled elsewhere).
+        for w in cluster.workers:
+            if w.name in down:
+                del down[w.name]
+                start_worker(w)
+                log.note(t0, f"restarted worker {w.name} after the study ended")
+        flush_deadline = time.monotonic() + 30
+        while time.monotonic() < flush_deadline and any(
+            w.outbox.exists() and any(w.outbox.glob("*.json")) for w in cluster.workers
+        ):
+            time.sleep(0.5)
         log.wall_s = time.monotonic() - t0
         log.note(t0, "stopping the workers (SIGTERM)")
     finally:
