@@ -65,7 +65,7 @@ def maybe_finish(s: Session, spec: StudySpec, now: datetime, storage: optuna.sto
         .select_from(LeaseRow)
         .where(LeaseRow.study_name == spec.name, LeaseRow.kind != "baseline", LeaseRow.state.in_(("queued", "active")))
     )
-    if pending:
+    if pending or _unleased_running(s, spec, storage):
         return
     if confirming(s, spec.name):
         done = s.scalar(
@@ -93,6 +93,27 @@ def maybe_finish(s: Session, spec: StudySpec, now: datetime, storage: optuna.sto
         log.info("study %s: %s; confirming", spec.name, reason)
         return
     _finish(row, now, reason)
+
+
+def _unleased_running(s: Session, spec: StudySpec, storage: optuna.storages.BaseStorage) -> bool:
+    """Does Optuna hold a RUNNING trial that no lease will finish (an ask whose lease was lost)?
+
+    Such a trial is failed by the lease service after `orphan_grace_s`; until then the study must
+    not finish around it.
+    """
+    running = storage.get_all_trials(
+        storage.get_study_id_from_name(spec.name), deepcopy=False, states=(TrialState.RUNNING,)
+    )
+    if not running:
+        return False
+    held = set(
+        s.scalars(
+            select(LeaseRow.trial_number).where(
+                LeaseRow.study_name == spec.name, LeaseRow.kind == "trial", LeaseRow.state.in_(("queued", "active"))
+            )
+        )
+    )
+    return any(t.number not in held for t in running)
 
 
 def space_exhausted(s: Session, spec: StudySpec, storage: optuna.storages.BaseStorage) -> bool:
