@@ -6,6 +6,8 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api.errors import PayloadTooLargeError
+
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
     for key, value in scope.get("headers", ()):
@@ -15,12 +17,15 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 
 async def _refuse(send: Send, max_bytes: int) -> None:
-    message = f"request body over {max_bytes} bytes; send less (SPECTUNE_MAX_BODY_BYTES sets the limit)"
-    body = json.dumps({"error": {"code": "payload_too_large", "message": message}, "detail": message}).encode()
+    # Answered here, before any route runs, in the same shape api.errors gives every error.
+    err = PayloadTooLargeError(
+        f"request body over {max_bytes} bytes; send less (SPECTUNE_MAX_BODY_BYTES sets the limit)"
+    )
+    body = json.dumps({"error": {"code": err.code, "message": err.message}, "detail": err.message}).encode()
     await send(
         {
             "type": "http.response.start",
-            "status": 413,
+            "status": err.status,
             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
         }
     )
