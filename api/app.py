@@ -7,19 +7,58 @@ Routes, in the order they match: `/healthz`, `/v1/...` (the API), `/docs` and `/
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.routing import iter_route_contexts
+from starlette.routing import compile_path
 
 from api import schema
 from api.context import ServiceContext
 from api.dashboard import DashboardGate, login_router
-from api.errors import ERROR_RESPONSES, install_error_handlers
+from api.errors import ERROR_RESPONSES, MethodNotAllowedError, NotFoundError, install_error_handlers
 from api.limits import BodyLimitMiddleware
 from api.metrics import ApiMetrics, metrics_router
 from api.routes import fleet, leases, studies
 from api.settings import Settings, get_settings
+
+API_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+
+
+def install_unknown_api_paths(app: FastAPI) -> None:
+    """Answer unknown `/v1` paths (and known ones with another method) in the API's error shape.
+
+    Without this they would fall through to the dashboard mounted at `/`, which answers an API
+    client with HTML or a dashboard permission error.  Registered after every API router, so it
+    only sees what no route claimed.
+    """
+
+    catch_all = ("/v1", "/v1/{rest:path}")
+
+    def unknown(request: Request) -> None:
+        path = request.url.path
+        allow = sorted({method for regex, methods in api_routes() if regex.match(path) for method in methods})
+        if allow:
+            raise MethodNotAllowedError(
+                f"{request.method} is not allowed on {path}; use {', '.join(allow)}", allow=allow
+            )
+        raise NotFoundError(f"no API endpoint {path}; the endpoints are listed at /docs")
+
+    @functools.cache
+    def api_routes() -> list[tuple[re.Pattern[str], frozenset[str]]]:
+        # FastAPI keeps included routers nested; iter_route_contexts walks them.
+        found = []
+        for route in iter_route_contexts(app.routes):
+            path, methods = getattr(route, "path", None), getattr(route, "methods", None)
+            if path and methods and path.startswith("/v1/") and path not in catch_all:
+                found.append((compile_path(path)[0], frozenset(methods)))
+        return found
+
+    for path in catch_all:
+        app.add_api_route(path, unknown, methods=API_METHODS, include_in_schema=False)
 
 
 def create_app(settings: Settings | None = None, *, check_schema: bool = True) -> FastAPI:
@@ -62,6 +101,7 @@ def create_app(settings: Settings | None = None, *, check_schema: bool = True) -
     app.include_router(studies.router)
     app.include_router(leases.router)
     app.include_router(fleet.router)
+    install_unknown_api_paths(app)
     app.include_router(login_router())
     app.include_router(metrics_router(metrics))
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)

@@ -1,7 +1,8 @@
 """Errors raised by the API package, and the one place where every error becomes HTTP.
 
     ApiError (status, code)
-    ├── NotFoundError              404  unknown study, lease or worker
+    ├── NotFoundError              404  unknown study, lease or worker, or an unknown /v1 path
+    ├── MethodNotAllowedError      405  a known /v1 path with another method (Allow names them)
     ├── ConflictError              409  name taken, lease held elsewhere or already finished
     ├── LeaseGoneError             410  the lease expired and was reclaimed
     ├── AuthError                  401  no token, unknown or revoked token
@@ -13,7 +14,8 @@
     └── StorageUnavailableError    503  the database cannot be reached
 
 Errors from `optimizer` (its own hierarchy) are mapped here too.  A response never carries a
-database error's text: those are logged and answered with a generic 503.
+database error's text: those (ours, and Optuna's StorageInternalError around them) are logged and
+answered with a generic 503.  Every 503 carries `Retry-After`, which the worker honours.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from optuna.exceptions import StorageInternalError
 from pydantic import BaseModel
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -45,6 +48,14 @@ class ApiError(Exception):
 
 class NotFoundError(ApiError):
     status, code = 404, "not_found"
+
+
+class MethodNotAllowedError(ApiError):
+    status, code = 405, "method_not_allowed"
+
+    def __init__(self, message: str, *, allow: list[str]) -> None:
+        super().__init__(message)
+        self.allow = allow
 
 
 class ConflictError(ApiError):
@@ -107,6 +118,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (401, "no, malformed, unknown or revoked token"),
         (403, "the token's role may not do this"),
         (404, "unknown study, lease or worker"),
+        (405, "this path takes other methods; `Allow` names them"),
         (409, "conflict: name taken, lease ended or held elsewhere"),
         (410, "the lease expired and was reclaimed"),
         (413, "request body too large"),
@@ -141,16 +153,24 @@ def _loc(loc: Sequence[Any]) -> str:
     return ".".join(parts) or "body"
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    headers = {"WWW-Authenticate": "Bearer"}
+# Seconds a client waits before retrying a 503 (busy lock, database hiccup).
+RETRY_AFTER_S = 2
 
+
+def _headers(exc: ApiError) -> dict[str, str] | None:
+    if isinstance(exc, AuthError):
+        return {"WWW-Authenticate": "Bearer"}
+    if isinstance(exc, MethodNotAllowedError):
+        return {"Allow": ", ".join(exc.allow)}
+    if exc.status == 503:
+        return {"Retry-After": str(RETRY_AFTER_S)}
+    return None
+
+
+def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(
-            _body(exc.code, exc.message, exc.field),
-            status_code=exc.status,
-            headers=headers if isinstance(exc, AuthError) else None,
-        )
+        return JSONResponse(_body(exc.code, exc.message, exc.field), status_code=exc.status, headers=_headers(exc))
 
     @app.exception_handler(OptimizerError)
     async def _optimizer_error(request: Request, exc: OptimizerError) -> JSONResponse:
@@ -169,10 +189,15 @@ def install_error_handlers(app: FastAPI) -> None:
         details = [{"field": _loc(e.get("loc", ())), "message": str(e.get("msg", ""))} for e in errors[:20]]
         return JSONResponse(_body("invalid", message, field, details=details), status_code=422)
 
-    @app.exception_handler(SQLAlchemyError)
-    async def _db_error(_: Request, exc: SQLAlchemyError) -> JSONResponse:
+    async def _db_error(_: Request, exc: Exception) -> JSONResponse:
         # Never leak SQL or driver text to clients; the log keeps it.
         log.error("database error: %s", exc, exc_info=exc)
         return JSONResponse(
-            _body("storage_unavailable", "the database is unavailable or busy; retry shortly"), status_code=503
+            _body("storage_unavailable", "the database is unavailable or busy; retry shortly"),
+            status_code=503,
+            headers={"Retry-After": str(RETRY_AFTER_S)},
         )
+
+    app.add_exception_handler(SQLAlchemyError, _db_error)
+    # Optuna wraps the database errors of its own storage in this.
+    app.add_exception_handler(StorageInternalError, _db_error)

@@ -159,3 +159,27 @@ def test_oversized_body_is_413(seeded: Api) -> None:
     big["placement"] = {f"k{i}": "x" * 1000 for i in range(2000)}
     r = seeded.post("/v1/studies", "user", big)
     assert r.status_code == 413
+
+
+def test_unknown_api_paths_answer_the_api_error_shape(api: Api) -> None:
+    # Seen: POST /v1/leases//complete answered 403 "a worker token may not view the dashboard",
+    # GET /v1/nope an HTML 404 (both fell through to the dashboard mounted at /).
+    for method, path, role in (
+        ("POST", "/v1/leases//complete", "worker"),
+        ("GET", "/v1/nope", "user"),
+        ("GET", "/v1", "user"),
+        ("DELETE", "/v1/studies/s1/trials/3", "admin"),
+        ("GET", "/v1/nope", None),
+    ):
+        headers = api.h(role) if role else {}
+        r = api.client.request(method, path, headers=headers)
+        assert r.status_code == 404, (method, path, r.status_code, r.text)
+        body = r.json()
+        assert body["error"]["code"] == "not_found" and path in body["error"]["message"]
+    # A known path with another method: 405 naming the allowed ones.
+    r = api.client.request("DELETE", "/v1/studies", headers=api.h("user"))
+    assert r.status_code == 405, r.text
+    assert "POST" in r.headers["allow"] and "GET" in r.headers["allow"]
+    assert r.json()["error"]["code"] == "method_not_allowed"
+    r = api.client.request("GET", "/v1/leases/00000000-0000-0000-0000-000000000000/complete", headers=api.h("worker"))
+    assert r.status_code == 405 and r.headers["allow"] == "POST", r.text

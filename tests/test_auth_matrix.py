@@ -41,6 +41,8 @@ OPEN: frozenset[tuple[str, str]] = frozenset(
         ("GET", "/docs"),
         ("GET", "/docs/oauth2-redirect"),
         ("GET", "/redoc"),
+        # Unknown API paths answer 404/405 in the API's error shape (api.app.install_unknown_api_paths).
+        *((m, p) for m in ("GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS") for p in ("/v1", "/v1/{rest:path}")),
     }
 )
 # The role each protected endpoint needs ("user": user or admin).
