@@ -114,6 +114,9 @@ class Failure(BaseModel):
     # True when the host, not the configuration, is at fault (e.g. argparse rejected a flag name
     # for this SGLang version): then the trial is retried elsewhere and never taught to the sampler.
     host_fault: bool = False
+    # Levels measured before the work was interrupted (e.g. the worker shut down mid-benchmark):
+    # kept with the trial if it is given up, so a measurement is never thrown away.
+    levels: list[LevelMetrics] = Field(default_factory=list, max_length=64)
 
 
 class CompleteIn(BaseModel):

@@ -8,6 +8,7 @@ the simulated engine (`python -m workers.simulator`) and are skipped until it is
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.util
 import logging
@@ -91,6 +92,10 @@ class FakeApi:
     heartbeat_status: dict[str, int] = field(default_factory=dict)
     progress_action: dict[str, str] = field(default_factory=dict)
     complete_status: int | None = None  # e.g. 503 for an outage of the complete endpoint
+    # A broken API that hands the held lease back even after it ended (the loop of issue 11).
+    hand_back_forever: bool = False
+    # When set, progress calls wait (at most 60 s) until the event is set: a test acts meanwhile.
+    progress_gate: threading.Event | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def names(self, endpoint: str) -> list[str]:
@@ -115,7 +120,10 @@ class FakeApi:
             with self.lock:
                 self.calls.append(("lease", worker_id, body))
                 current = self.held.get(worker_id)
-                if current is None or current["lease_id"] in self.completed or current["lease_id"] in self.expired:
+                ended = current is not None and (
+                    current["lease_id"] in self.completed or current["lease_id"] in self.expired
+                )
+                if current is None or (ended and not self.hand_back_forever):
                     if not self.queue:
                         return Response(status_code=204)
                     current = self.held[worker_id] = self.queue.pop(0)
@@ -137,6 +145,12 @@ class FakeApi:
             body = await request.json()
             with self.lock:
                 self.calls.append(("progress", lease_id, body))
+            gate = self.progress_gate
+            for _ in range(6000):
+                if gate is None or gate.is_set():
+                    break
+                await asyncio.sleep(0.01)
+            with self.lock:
                 action = self.progress_action.get(lease_id, "continue")
             return Response(content=_json({"action": action}), media_type="application/json")
 

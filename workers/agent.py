@@ -12,7 +12,10 @@ One turn of the loop (rq-style: small steps, errors logged and never fatal to th
    server: a restart is what a trial costs anyway, and nothing stale can leak into the next one).
 
 A lost lease (409/410 from a heartbeat or progress call) cancels the work at once: the server is
-stopped and nothing is reported.  Shutdown is two-stage (`ShutdownSignals`): the first SIGTERM or
+stopped and nothing is reported.  A lease whose work ended here (reported, lost or abandoned), or
+that was started `max_starts_per_lease` times, is never launched again: offered again, it is
+refused and reported as `lost` (workers/ledger.py), so no API bug can make this host relaunch a
+server in a loop.  Shutdown is two-stage (`ShutdownSignals`): the first SIGTERM or
 SIGINT takes no more work, cancels the launch or benchmark, stops the server, reports the lease
 as failed `lost` ("worker shutting down") and exits 0; a second one kills the server's process
 group and exits at once with 128 + the signal number.
@@ -42,6 +45,7 @@ from workers.errors import ConfigError, LaunchCancelled, LaunchError, WorkerErro
 from workers.gpu import GpuProbe, open_probe
 from workers.heartbeat import Heartbeat
 from workers.inventory import build_inventory, describe
+from workers.ledger import LaunchLedger
 from workers.loadgen import LoadgenCancelled, LoadgenError, load_prompts, run_workload
 from workers.outbox import Outbox, deliver_pending
 
@@ -169,6 +173,7 @@ class _LeaseRun:
         self.cancel = cancel
         self.lost = threading.Event()
         self.pruned = False
+        self.levels: list[LevelMetrics] = []  # measured so far
 
 
 class Agent:
@@ -186,6 +191,7 @@ class Agent:
         load_prompts: LoadPrompts = load_prompts,
         stop_event: threading.Event | None = None,
         backoff: Backoff | None = None,
+        ledger: LaunchLedger | None = None,
     ) -> None:
         self.client = client
         self.outbox = outbox
@@ -200,6 +206,8 @@ class Agent:
         self._current: _LeaseRun | None = None
         self._lock = threading.Lock()
         self.leases_done = 0
+        self.leases_refused = 0
+        self.ledger = ledger if ledger is not None else LaunchLedger(outbox.root)
 
     # -- shutdown (called from the signal watcher thread, never from a signal handler) ----------
 
@@ -290,6 +298,15 @@ class Agent:
 
     def process_lease(self, lease: LeaseOut) -> None:
         log.info("lease %s: %s", lease.lease_id, describe_lease(lease))
+        refusal = self.ledger.refusal(lease.lease_id)
+        if refusal is not None:
+            # Never relaunch: report it so the API ends the lease, and wait before asking again.
+            log.error("lease %s offered again and REFUSED: %s", lease.lease_id, refusal)
+            self.leases_refused += 1
+            self._report(lease.lease_id, _failed("lost", f"refused by the worker: {refusal}"))
+            self._wait_idle("a lease this worker must not start again was offered")
+            return
+        self.ledger.started(lease.lease_id)
         run = _LeaseRun(lease, threading.Event())
         with self._lock:
             self._current = run
@@ -307,6 +324,7 @@ class Agent:
                 elif report is not None:
                     self._report(lease.lease_id, report)
         finally:
+            self.ledger.ended(lease.lease_id)
             with self._lock:
                 self._current = None
             self._stop_server()
@@ -316,7 +334,11 @@ class Agent:
         if run.lost.is_set() or heartbeat.lost.is_set():
             return None
         message = "worker shutting down" if self.stop_event.is_set() else "worker cancelled the lease"
-        return _failed("lost", message)
+        report = _failed("lost", message)
+        if run.levels:
+            assert report.failure is not None
+            report.failure.levels = list(run.levels)
+        return report
 
     def _work(self, run: _LeaseRun, heartbeat: Heartbeat) -> CompleteIn | None:
         lease = run.lease
@@ -423,6 +445,7 @@ class Agent:
             "-" if m.accept_length is None else f"{m.accept_length:.2f}",
             "-" if m.itl_ms_p99 is None else f"{m.itl_ms_p99:.1f}",
         )
+        run.levels.append(m)
         if run.cancel.is_set():
             return False
         body = ProgressIn(
