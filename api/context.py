@@ -5,15 +5,27 @@ Created by the app factory (or a test) and passed down; nothing here is a module
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import optuna
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from api.db import engine_kwargs, is_sqlite, lock_name, make_engine, make_sessionmaker, transaction
+from api.db import (
+    engine_kwargs,
+    file_lock,
+    install_sqlite_transactions,
+    is_sqlite,
+    lock_name,
+    make_engine,
+    make_sessionmaker,
+    sqlite_path,
+    transaction,
+)
 from api.settings import Settings
 
 
@@ -21,6 +33,8 @@ from api.settings import Settings
 class ServiceContext:
     settings: Settings
     engine: Engine
+    # Read-only sessions.  On SQLite they are deferred transactions on an engine of their own, so
+    # a reader that calls Optuna meanwhile never waits for itself; writes go through `unit`.
     sessions: sessionmaker[Session]
     # Optuna's RDB storage wrapped once in its process-wide cache: finished trials are read from
     # the database once, later reads fetch only what changed.  `optuna.load_study` given a bare
@@ -28,6 +42,11 @@ class ServiceContext:
     storage: optuna.storages.BaseStorage
     rdb: optuna.storages.RDBStorage
     sqlite: bool = field(default=False)
+    # SQLite only: where the per-name lock files live (db.file_lock).
+    lock_dir: Path | None = None
+    # Write sessions (units); the same as `sessions` on Postgres.
+    writes: sessionmaker[Session] | None = None
+    read_engine: Engine | None = None
 
     @classmethod
     def open(cls, settings: Settings) -> ServiceContext:
@@ -36,12 +55,37 @@ class ServiceContext:
         # One RDBStorage per process (reference/optuna.md §2: many leak connections).  Tables are
         # created by `spectune db upgrade`, never here, so concurrent first starts cannot race.
         rdb = optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs(url), skip_table_creation=True)
+        sqlite = is_sqlite(url)
+        lock_dir = None
+        if sqlite:
+            # Optuna's engine gets the same transactions as ours: popping an enqueued trial reads
+            # then writes, and two deferred transactions would both pop it.
+            install_sqlite_transactions(rdb.engine)
+            path = sqlite_path(url)
+            lock_dir = Path(tempfile.gettempdir()) / "spectune-locks" if path is None else Path(f"{path}.locks")
         storage = optuna.storages.get_storage(rdb)
-        return cls(settings, engine, make_sessionmaker(engine), storage, rdb, is_sqlite(url))
+        read_engine = make_engine(url, immediate=False) if sqlite else engine
+        return cls(
+            settings,
+            engine,
+            make_sessionmaker(read_engine),
+            storage,
+            rdb,
+            sqlite,
+            lock_dir,
+            writes=make_sessionmaker(engine),
+            read_engine=read_engine,
+        )
+
+    @property
+    def write_sessions(self) -> sessionmaker[Session]:
+        return self.writes or self.sessions
 
     def close(self) -> None:
         self.rdb.engine.dispose()
         self.engine.dispose()
+        if self.read_engine is not None and self.read_engine is not self.engine:
+            self.read_engine.dispose()
 
     @contextmanager
     def unit(self, lock: str | None = None) -> Iterator[Unit]:
@@ -51,12 +95,16 @@ class ServiceContext:
         that serialises this unit across API processes; each step runs in a savepoint.  SQLite
         allows one writer at a time and a transaction that read before Optuna (another
         connection) wrote cannot write afterwards, so there every step is its own short
-        transaction and no lock is needed: writers are serialised by SQLite itself.
+        transaction, and the lock is a file lock held for the whole unit.
         """
         if self.sqlite:
-            yield Unit(self.sessions, None)
+            if lock is None or self.lock_dir is None:
+                yield Unit(self.write_sessions, None)
+                return
+            with file_lock(self.lock_dir, lock):
+                yield Unit(self.write_sessions, None)
             return
-        with self.sessions() as session, session.begin():
+        with self.write_sessions() as session, session.begin():
             if lock is not None:
                 lock_name(session, lock)
             yield Unit(self.sessions, session)

@@ -6,13 +6,17 @@ the database server, never from the API process, so several API processes agree 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy import Engine, create_engine, event, make_url, text
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -33,28 +37,49 @@ def engine_kwargs(url: str) -> dict[str, Any]:
     return {"pool_pre_ping": True, "pool_size": 10, "max_overflow": 20}
 
 
-def make_engine(url: str) -> Engine:
+def make_engine(url: str, *, immediate: bool = True) -> Engine:
+    """An engine for `url`; on SQLite, `immediate` picks the transaction kind (see below)."""
     engine = create_engine(url, **engine_kwargs(url))
     if is_sqlite(url):
-
-        @event.listens_for(engine, "connect")
-        def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
-            # Take over transaction control from the driver (it would BEGIN only before writes).
-            dbapi_conn.isolation_level = None
-            cur = dbapi_conn.cursor()
-            # WAL lets readers and one writer work side by side; the setting persists in the file.
-            cur.execute("PRAGMA journal_mode=WAL")
-            cur.execute("PRAGMA foreign_keys=ON")
-            cur.close()
-
-        @event.listens_for(engine, "begin")
-        def _begin_immediate(conn: Any) -> None:
-            # Every transaction takes SQLite's write lock up front, so a read-then-write step is
-            # isolated from a concurrent one (SQLite has no row locks).  Optuna's own engine is
-            # never called while one of ours is open: see ServiceContext.unit.
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
-
+        install_sqlite_transactions(engine, immediate=immediate)
     return engine
+
+
+def install_sqlite_transactions(engine: Engine, *, immediate: bool = True) -> None:
+    """Make every transaction on this SQLite engine take the write lock up front.
+
+    With `immediate=False` (read-only sessions) a transaction is a plain deferred one: in WAL
+    mode it reads a consistent snapshot and never blocks a writer.  The rule that keeps this free
+    of self-deadlocks: never call Optuna (its own engine, also immediate) while one of our write
+    transactions is open (ServiceContext.unit); reads may.
+
+    Applied to our engine and to Optuna's (ServiceContext.open).  SQLite has no row locks: a
+    deferred transaction reads, then fails with "database is locked" (without waiting: the busy
+    timeout does not apply to a read lock that must be upgraded) or, worse, two of them read the
+    same row before either writes.  That is how two concurrent asks once popped the same enqueued
+    Optuna trial and a worker relaunched its server in a loop (tests/test_lease_livelock.py).
+    `BEGIN IMMEDIATE` waits for the busy timeout instead and serialises read-then-write steps.
+    """
+
+    @event.listens_for(engine, "connect")
+    def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+        # Take over transaction control from the driver (it would BEGIN only before writes).
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        # WAL lets readers and one writer work side by side; the setting persists in the file.
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
+        cur.close()
+
+    begin = "BEGIN IMMEDIATE" if immediate else "BEGIN"
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: Any) -> None:
+        conn.exec_driver_sql(begin)
+
+    # Connections opened before the hooks were installed would bypass them.
+    engine.dispose()
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
@@ -89,11 +114,45 @@ def advisory_lock_key(name: str) -> int:
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big", signed=True)
 
 
+def sqlite_path(url: str) -> Path | None:
+    """The database file of a SQLite URL (None for an in-memory database)."""
+    database = make_url(url).database
+    if not database or database == ":memory:":
+        return None
+    return Path(database)
+
+
+@contextmanager
+def file_lock(folder: Path, name: str, wait_ms: int = LOCK_WAIT_MS) -> Iterator[None]:
+    """Serialise work on `name` across threads and processes that share one SQLite file.
+
+    The SQLite counterpart of `lock_name`: an exclusive flock on a file per name beside the
+    database.  flock locks belong to the open file description, so two threads of one process
+    exclude each other too.  The wait is bounded like Postgres's lock_timeout: BusyError after it.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{advisory_lock_key(name) & 0xFFFFFFFFFFFF:012x}.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        deadline = time.monotonic() + wait_ms / 1000
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise BusyError(f"{name} is busy; ask again shortly") from None
+                time.sleep(0.005)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def lock_name(session: Session, name: str) -> None:
     """Serialise work on `name` across API processes until this transaction ends.
 
-    Postgres: a transaction-scoped advisory lock.  SQLite serialises writers by itself, and the
-    unique constraints on our tables catch the rest, so nothing is taken there.
+    Postgres: a transaction-scoped advisory lock.  SQLite: see `file_lock` (ServiceContext.unit
+    takes it, since SQLite units are not one transaction).
     """
     if session.get_bind().dialect.name != "sqlite":
         # Bounded wait: a request queued behind many others holds a pooled connection all the

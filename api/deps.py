@@ -9,7 +9,7 @@ from fastapi import Depends, Header, Request
 from api.auth import Principal, authenticate, require_role
 from api.context import ServiceContext
 from api.services.fleet import FleetService
-from api.services.leasing import LeaseService
+from api.services.leasing.service import LeaseService
 from api.services.studies import StudyService
 
 

@@ -9,7 +9,20 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint, text
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    text,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -32,8 +45,21 @@ class ApiToken(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
 
 
+def _one_of(column: str, values: tuple[str, ...], name: str) -> CheckConstraint:
+    """The database's copy of a state machine's vocabulary (migrations/versions/0002_state_checks.py)."""
+    return CheckConstraint(f"{column} IN ({', '.join(repr(v) for v in values)})", name=name)
+
+
+# The values of api/services/leasing/states.py's enums (a test checks they agree).
+LEASE_STATES = ("queued", "active", "completed", "failed", "expired", "superseded")
+LEASE_KINDS = ("baseline", "trial", "confirm")
+STUDY_STATES = ("running", "stopped", "finished")
+CONFIG_STATES = ("pending", "done", "infeasible", "pruned", "failed")
+
+
 class StudyRow(Base):
     __tablename__ = "spectune_studies"
+    __table_args__ = (_one_of("state", STUDY_STATES, "ck_study_state"),)
 
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     # running: leases are handed out; stopped: by a user; finished: budget, patience or space used up.
@@ -49,7 +75,10 @@ class TrialConfigRow(Base):
     """One row per configuration launched in a study: the de-duplication key of restarts."""
 
     __tablename__ = "spectune_trial_configs"
-    __table_args__ = (UniqueConstraint("study_name", "config_key", name="uq_trial_config"),)
+    __table_args__ = (
+        UniqueConstraint("study_name", "config_key", name="uq_trial_config"),
+        _one_of("state", CONFIG_STATES, "ck_config_state"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     study_name: Mapped[str] = mapped_column(ForeignKey("spectune_studies.name", ondelete="CASCADE"))
@@ -86,6 +115,8 @@ class LeaseRow(Base):
             postgresql_where=text("state = 'active'"),
             sqlite_where=text("state = 'active'"),
         ),
+        _one_of("state", LEASE_STATES, "ck_lease_state"),
+        _one_of("kind", LEASE_KINDS, "ck_lease_kind"),
     )
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True)

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Sequence
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 import optuna
@@ -17,10 +16,13 @@ from api.context import ServiceContext
 from api.db import db_now
 from api.errors import ConflictError
 from api.models import BaselineRow, LeaseRow, StudyRow, TrialConfigRow, WorkerRow
+from api.services.leasing.records import lease_payload, new_lease_row
+from api.services.leasing.states import LeaseKind
 from optimizer import answers
 from optimizer import confirmation as confirm
 from optimizer import study as opt
 from optimizer.analysis import Interval, level_intervals
+from optimizer.budget import budget_used
 from optimizer.errors import StudyNotFoundError
 from optimizer.infeasible import known_to_fail, oom_points
 from optimizer.model_sampler import space_configs
@@ -51,11 +53,20 @@ def confirming(s: Session, name: str) -> bool:
     return found is not None
 
 
-def maybe_finish(s: Session, spec: StudySpec, now: datetime, storage: optuna.storages.BaseStorage) -> None:
+def study_trials(storage: optuna.storages.BaseStorage, name: str) -> list[FrozenTrial]:
+    """Every trial of a study, read from Optuna's storage for `maybe_finish`.
+
+    Read before our write transaction opens: on SQLite, calling Optuna while we hold the write
+    lock would wait for ourselves (api/db.py install_sqlite_transactions).
+    """
+    return storage.get_all_trials(storage.get_study_id_from_name(name), deepcopy=False)
+
+
+def maybe_finish(s: Session, spec: StudySpec, now: datetime, trials: Sequence[FrozenTrial]) -> None:
     """Once the budget is used and nothing is in flight: confirm the top candidates, then finish.
 
-    The study stays `running` while its confirmations run (new key `phase` says which), and moves
-    to `finished` only when every confirmation is done or given up.
+    `trials` comes from `study_trials`, read before `s` began.  The study stays `running` while
+    its confirmations run, and moves to `finished` only when every confirmation is done or given up.
     """
     row = s.get(StudyRow, spec.name, with_for_update=True)
     if row is None or row.state != "running":
@@ -65,7 +76,7 @@ def maybe_finish(s: Session, spec: StudySpec, now: datetime, storage: optuna.sto
         .select_from(LeaseRow)
         .where(LeaseRow.study_name == spec.name, LeaseRow.kind != "baseline", LeaseRow.state.in_(("queued", "active")))
     )
-    if pending or _unleased_running(s, spec, storage):
+    if pending or _unleased_running(s, spec, trials):
         return
     if confirming(s, spec.name):
         done = s.scalar(
@@ -73,37 +84,39 @@ def maybe_finish(s: Session, spec: StudySpec, now: datetime, storage: optuna.sto
             .select_from(LeaseRow)
             .where(LeaseRow.study_name == spec.name, LeaseRow.kind == "confirm", LeaseRow.state == "completed")
         )
-        _finish(row, now, f"{row.finish_reason or 'budget used'}; {done or 0} confirmed")
+        why = (row.finish_reason or "budget used").removesuffix(CONFIRMING_SUFFIX)
+        _finish(row, now, f"{why}; {done or 0} confirmed")
         return
-    launched = s.scalar(select(func.count()).select_from(TrialConfigRow).where(TrialConfigRow.study_name == spec.name))
-    launched = launched or 0
-    reason = None
-    if launched >= spec.budget.max_trials:
-        reason = f"max_trials={spec.budget.max_trials} configurations measured"
-    elif spec.budget.max_hours is not None and now - row.created_at > timedelta(hours=spec.budget.max_hours):
-        reason = f"max_hours={spec.budget.max_hours} passed"
-    elif space_exhausted(s, spec, storage):
+    reason = budget_used(spec.budget, launched_count(s, spec.name), now - row.created_at)
+    if reason is None and space_exhausted(s, spec, trials):
         reason = "every valid configuration in the search space was measured or is known to run out of memory"
-    elif spec.budget.patience is not None:
-        reason = _patience_reason(spec, storage)
+    if reason is None and spec.budget.patience is not None:
+        reason = _patience_reason(spec, trials)
     if reason is None:
         return
-    if start_confirmation(s, spec, now, storage):
-        row.finish_reason = f"{reason}; confirming the best candidates against fresh baselines"[:256]
+    if start_confirmation(s, spec, now, trials):
+        row.finish_reason = f"{reason}{CONFIRMING_SUFFIX}"[:256]
         log.info("study %s: %s; confirming", spec.name, reason)
         return
     _finish(row, now, reason)
 
 
-def _unleased_running(s: Session, spec: StudySpec, storage: optuna.storages.BaseStorage) -> bool:
+# While its confirmations run, a study's finish_reason ends with this; it is dropped on finishing.
+CONFIRMING_SUFFIX = "; confirming the best candidates against fresh baselines"
+
+
+def launched_count(s: Session, study: str) -> int:
+    """Configurations launched so far in a study (what the budget counts)."""
+    return s.scalar(select(func.count()).select_from(TrialConfigRow).where(TrialConfigRow.study_name == study)) or 0
+
+
+def _unleased_running(s: Session, spec: StudySpec, trials: Sequence[FrozenTrial]) -> bool:
     """Does Optuna hold a RUNNING trial that no lease will finish (an ask whose lease was lost)?
 
     Such a trial is failed by the lease service after `orphan_grace_s`; until then the study must
     not finish around it.
     """
-    running = storage.get_all_trials(
-        storage.get_study_id_from_name(spec.name), deepcopy=False, states=(TrialState.RUNNING,)
-    )
+    running = [t for t in trials if t.state == TrialState.RUNNING]
     if not running:
         return False
     held = set(
@@ -116,14 +129,13 @@ def _unleased_running(s: Session, spec: StudySpec, storage: optuna.storages.Base
     return any(t.number not in held for t in running)
 
 
-def space_exhausted(s: Session, spec: StudySpec, storage: optuna.storages.BaseStorage) -> bool:
+def space_exhausted(s: Session, spec: StudySpec, trials: Sequence[FrozenTrial]) -> bool:
     """Is every configuration of the space launched already, or known to fail (optimizer.infeasible)?"""
     launched = set(s.scalars(select(TrialConfigRow.config_key).where(TrialConfigRow.study_name == spec.name)).all())
     configs = space_configs(spec.search_space)
     if len(launched) >= len(configs):
         return True
-    study = optuna.load_study(study_name=spec.name, storage=storage)
-    ooms = oom_points(study.get_trials(deepcopy=False))
+    ooms = oom_points(list(trials))
     return all(c.key in launched or known_to_fail(c, ooms) is not None for c in configs)
 
 
@@ -134,53 +146,42 @@ def _finish(row: StudyRow, now: datetime, reason: str) -> None:
     log.info("study %s finished: %s", row.name, reason)
 
 
-def start_confirmation(s: Session, spec: StudySpec, now: datetime, storage: optuna.storages.BaseStorage) -> bool:
+def start_confirmation(s: Session, spec: StudySpec, now: datetime, trials: Sequence[FrozenTrial]) -> bool:
     """Queue one confirm lease per candidate; False when there is nothing to confirm."""
     if spec.confirmation.top <= 0:
         return False
-    study = optuna.load_study(study_name=spec.name, storage=storage)
-    chosen = confirm.candidates(study.get_trials(deepcopy=False), spec.confirmation.top)
+    chosen = confirm.candidates(list(trials), spec.confirmation.top)
     if not chosen:
         return False
     capable = set(s.scalars(select(BaselineRow.worker_id).where(BaselineRow.baseline_key == baseline_key(spec))).all())
     for t in chosen:
         config = SpecConfig.model_validate(t.user_attrs["config"])
         measured_on = t.user_attrs.get("worker_id")
+        payload = lease_payload(
+            spec,
+            config,
+            confirm={
+                # Another host than the one that found it, when the study has several.
+                "avoid_worker": measured_on if len(capable - {measured_on}) > 0 else None,
+                "search_speedup": t.value,
+            },
+        )
         s.add(
-            LeaseRow(
-                id=str(uuid.uuid4()),
-                study_name=spec.name,
-                kind="confirm",
-                state="queued",
-                worker_id=None,
-                trial_number=t.number,
-                attempt=1,
-                config_key=config.key,
-                payload={
-                    "server": server_settings(spec, config).model_dump(mode="json"),
-                    "workload": spec.workload.model_dump(mode="json"),
-                    "config": config.model_dump(mode="json"),
-                    "confirm": {
-                        # Another host than the one that found it, when the study has several.
-                        "avoid_worker": measured_on if len(capable - {measured_on}) > 0 else None,
-                        "search_speedup": t.value,
-                    },
-                },
-                created_at=now,
+            new_lease_row(
+                spec, LeaseKind.CONFIRM, now, 0.0, worker_id=None, config=config, number=t.number, payload=payload
             )
         )
     s.flush()
     return True
 
 
-def _patience_reason(spec: StudySpec, storage: optuna.storages.BaseStorage) -> str | None:
+def _patience_reason(spec: StudySpec, trials: Sequence[FrozenTrial]) -> str | None:
     """Patience counts measured trials (not duplicates answered from earlier ones) since the best."""
     assert spec.budget.patience is not None
-    study = optuna.load_study(study_name=spec.name, storage=storage)
     best_value: float | None = None
     since_best = 0
     states = (TrialState.COMPLETE, TrialState.PRUNED)
-    for t in sorted(study.get_trials(deepcopy=False, states=states), key=lambda t: t.number):
+    for t in sorted((t for t in trials if t.state in states), key=lambda t: t.number):
         if "duplicate_of" in t.user_attrs or "inferred_from" in t.user_attrs:
             continue
         if (

@@ -1,0 +1,116 @@
+"""Leases whose worker went silent, and Optuna trials that no lease will ever finish."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+from optuna.trial import TrialState
+from sqlalchemy import select
+
+from api.context import ServiceContext
+from api.db import db_now
+from api.models import LeaseRow, StudyRow
+from api.services import studies as study_svc
+from api.services.leasing.confirm import ConfirmLeases
+from api.services.leasing.records import HostHealth, event
+from api.services.leasing.states import LIVE, LeaseKind, LeaseState, StudyState, end
+from api.services.leasing.trial import GiveUp, TrialLeases
+from optimizer import attrs as A
+from optimizer.spec import StudySpec
+
+log = logging.getLogger("spectune.api.leasing")
+
+
+class Expiry:
+    def __init__(self, ctx: ServiceContext, health: HostHealth, trials: TrialLeases, confirms: ConfirmLeases) -> None:
+        self.ctx = ctx
+        self.settings = ctx.settings
+        self.health = health
+        self.trials = trials
+        self.confirms = confirms
+
+    def reclaim_expired(self) -> int:
+        """Expire leases past their deadline (database clock); re-queue or fail their trials."""
+        give_ups: list[GiveUp] = []
+        touched: dict[str, StudySpec] = {}
+        with self.ctx.unit() as u:
+            with u.step() as s:
+                now = db_now(s)
+                expired = s.scalars(
+                    select(LeaseRow)
+                    .where(LeaseRow.state == LeaseState.ACTIVE, LeaseRow.deadline < now)
+                    .with_for_update(skip_locked=True)
+                ).all()
+                for lease in expired:
+                    deadline = lease.deadline
+                    end(s, lease, LeaseState.EXPIRED, now)
+                    event(s, "lease_expired", lease, f"no heartbeat since deadline {deadline}")
+                    if lease.worker_id is not None:
+                        self.health.failure(s, lease.worker_id, "lease expired without a report")
+                    if lease.kind == LeaseKind.BASELINE:
+                        continue
+                    spec = study_svc.spec_of(s, lease.study_name)
+                    touched[spec.name] = spec
+                    if lease.kind == LeaseKind.TRIAL and lease.trial_number is not None:
+                        message = "the worker sent no heartbeat before the lease's deadline"
+                        give_up = self.trials.retry_or_fail(s, spec, lease, now, "lease_expired", message)
+                        if give_up is not None:
+                            give_ups.append(give_up)
+                    elif lease.kind == LeaseKind.CONFIRM:
+                        self.confirms.retry(s, lease, now, "lease expired")
+            for give_up in give_ups:
+                self.trials.tell_given_up(give_up)
+            for spec in touched.values():
+                snapshot = study_svc.study_trials(self.ctx.storage, spec.name)
+                with u.step() as s:
+                    study_svc.maybe_finish(s, spec, db_now(s), snapshot)
+        self.fail_orphans()
+        return len(expired)
+
+    def fail_orphans(self) -> None:
+        """Fail trials Optuna handed out whose lease was never recorded.
+
+        `TrialLeases.ask_new` asks Optuna (committed at once) and then records the lease; an API
+        process or a database that dies in between leaves a RUNNING trial no lease will ever
+        finish, which constant-liar TPE would count as a pessimistic guess forever and which
+        would keep its study from finishing.  A RUNNING trial without a queued or active lease
+        that is older than `orphan_grace_s` (asks take milliseconds) is told FAIL, then the
+        study may finish.
+        """
+        with self.ctx.sessions() as s:
+            now = db_now(s)
+            names = list(s.scalars(select(StudyRow.name).where(StudyRow.state == StudyState.RUNNING)))
+        grace = timedelta(seconds=self.settings.orphan_grace_s)
+        storage = self.ctx.storage
+        for name in names:
+            try:
+                study_id = storage.get_study_id_from_name(name)
+            except KeyError:
+                continue
+            running = storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,))
+            old = [t for t in running if t.datetime_start is None or now - t.datetime_start >= grace]
+            if not old:
+                continue
+            with self.ctx.sessions() as s:
+                held = set(
+                    s.scalars(
+                        select(LeaseRow.trial_number).where(
+                            LeaseRow.study_name == name,
+                            LeaseRow.kind == LeaseKind.TRIAL,
+                            LeaseRow.state.in_(LIVE),
+                        )
+                    )
+                )
+                spec = study_svc.spec_of(s, name)
+            orphans = [t.number for t in old if t.number not in held]
+            for number in orphans:
+                log.warning("study %s: trial %d was asked but never leased; telling it FAIL", name, number)
+                message = "asked from Optuna but never leased (the API or database failed in between)"
+                self.trials.tell_given_up(
+                    GiveUp(spec, number, {A.FAILURE_KIND: "not_leased", A.FAILURE_MESSAGE: message})
+                )
+            if orphans:
+                snapshot = study_svc.study_trials(storage, name)
+                with self.ctx.unit() as u, u.step() as s:
+                    study_svc.maybe_finish(s, spec, db_now(s), snapshot)

@@ -1,0 +1,157 @@
+"""What every kind of lease shares: the one lease-row builder, its wire form, events, host health.
+
+Kept free of any decision about *which* lease to hand out: baseline.py, trial.py and confirm.py
+make those, each for its own kind.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from api.db import db_now
+from api.models import BaselineRow, EventRow, LeaseRow, TrialConfigRow, WorkerRow
+from api.protocol import LeaseOut
+from api.services.leasing.states import ConfigState, LeaseKind, LeaseState
+from api.settings import Settings
+from optimizer.plan import server_settings
+from optimizer.space import SpecConfig
+from optimizer.spec import StudySpec
+
+log = logging.getLogger("spectune.api.leasing")
+
+# Failure kinds caused by the configuration itself: taught to the sampler as infeasible.
+CONFIG_FAILURES = frozenset({"invalid_config", "oom", "launch_timeout"})
+
+
+def lease_payload(spec: StudySpec, config: SpecConfig | None, **extra: Any) -> dict[str, Any]:
+    """What a worker needs to run a lease: server settings, workload and configuration."""
+    return {
+        "server": server_settings(spec, config).model_dump(mode="json"),
+        "workload": spec.workload.model_dump(mode="json"),
+        "config": None if config is None else config.model_dump(mode="json"),
+        **extra,
+    }
+
+
+def new_lease_id() -> str:
+    return str(uuid.uuid4())
+
+
+def new_lease_row(
+    spec: StudySpec,
+    kind: LeaseKind,
+    now: datetime,
+    ttl_s: float,
+    *,
+    worker_id: str | None,
+    config: SpecConfig | None,
+    number: int | None,
+    attempt: int = 1,
+    payload: dict[str, Any] | None = None,
+) -> LeaseRow:
+    """A new lease: active for `worker_id`, or queued for any worker when it is None."""
+    active = worker_id is not None
+    return LeaseRow(
+        id=new_lease_id(),
+        study_name=spec.name,
+        kind=kind.value,
+        state=(LeaseState.ACTIVE if active else LeaseState.QUEUED).value,
+        worker_id=worker_id,
+        trial_number=number,
+        attempt=attempt,
+        config_key=None if config is None else config.key,
+        payload=payload if payload is not None else lease_payload(spec, config),
+        created_at=now,
+        leased_at=now if active else None,
+        deadline=now + timedelta(seconds=ttl_s) if active else None,
+    )
+
+
+def lease_out(lease: LeaseRow, settings: Settings) -> LeaseOut:
+    assert lease.deadline is not None
+    p = lease.payload
+    return LeaseOut.model_validate(
+        {
+            "lease_id": lease.id,
+            "kind": lease.kind,
+            "study": lease.study_name,
+            "trial_number": lease.trial_number,
+            "attempt": lease.attempt,
+            "deadline": lease.deadline.replace(tzinfo=UTC),
+            "heartbeat_interval_s": settings.heartbeat_interval_s,
+            "server": p["server"],
+            "workload": p["workload"],
+            "config": p.get("config"),
+        }
+    )
+
+
+def event(s: Session, kind: str, lease: LeaseRow, detail: str) -> None:
+    s.add(
+        EventRow(
+            at=db_now(s),
+            kind=kind,
+            study_name=lease.study_name,
+            worker_id=lease.worker_id,
+            lease_id=lease.id,
+            detail=detail,
+        )
+    )
+
+
+def latest_baseline(s: Session, worker_id: str, key: str) -> BaselineRow | None:
+    return s.scalars(
+        select(BaselineRow)
+        .where(BaselineRow.worker_id == worker_id, BaselineRow.baseline_key == key)
+        .order_by(BaselineRow.measured_at.desc())
+        .limit(1)
+    ).first()
+
+
+def baseline_tok_s(row: BaselineRow) -> dict[int, float]:
+    return {int(k): float(v) for k, v in row.tok_s.items()}
+
+
+def set_config_state(s: Session, study: str, key: str | None, state: ConfigState) -> None:
+    if key is None:
+        return
+    row = s.scalars(
+        select(TrialConfigRow).where(TrialConfigRow.study_name == study, TrialConfigRow.config_key == key)
+    ).first()
+    if row is not None:
+        row.state = state.value
+
+
+def touch_seen(s: Session, worker_id: str | None, now: datetime) -> None:
+    if worker_id is not None and (w := s.get(WorkerRow, worker_id)) is not None:
+        w.last_seen = now
+
+
+class HostHealth:
+    """Consecutive host failures per worker, and quarantine after `quarantine_after` of them."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    def failure(self, s: Session, worker_id: str, reason: str) -> None:
+        w = s.get(WorkerRow, worker_id)
+        if w is None:
+            return
+        w.consecutive_host_failures += 1
+        if w.consecutive_host_failures >= self.settings.quarantine_after and not w.quarantined:
+            w.quarantined = True
+            w.quarantine_reason = f"{w.consecutive_host_failures} host failures in a row; last: {reason}"[:512]
+            s.add(EventRow(at=db_now(s), kind="worker_quarantined", worker_id=worker_id, detail=w.quarantine_reason))
+            log.warning("worker %s quarantined: %s", worker_id, w.quarantine_reason)
+
+    @staticmethod
+    def success(s: Session, worker_id: str) -> None:
+        w = s.get(WorkerRow, worker_id)
+        if w is not None:
+            w.consecutive_host_failures = 0

@@ -1,0 +1,250 @@
+"""The lease protocol's entry points (design: docs/design.md "Leases"): ask, heartbeat, progress, complete.
+
+Each kind of lease lives in its own module (baseline.py, trial.py, confirm.py), expiry in
+expiry.py, and every state change goes through states.py's guarded moves.  Invariants held by the
+database, so several API processes can serve one database:
+* a worker holds at most one active lease (partial unique index);
+* a queued lease is claimed by one worker only (`FOR UPDATE SKIP LOCKED` on Postgres; on SQLite
+  the study's file lock and immediate transactions);
+* a configuration is launched once per study (unique key in spectune_trial_configs);
+* deadlines and timestamps come from the database clock;
+* `complete` is idempotent: a repeat returns the stored outcome and changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from api.auth import Principal, require_worker
+from api.context import ServiceContext
+from api.db import db_now
+from api.errors import BusyError, ConflictError, ForbiddenError, InvalidInputError, LeaseGoneError, NotFoundError
+from api.models import LeaseRow, StudyRow, WorkerRow
+from api.protocol import CompleteIn, CompleteOut, HeartbeatOut, Inventory, LeaseOut, ProgressIn, ProgressOut
+from api.services import studies as study_svc
+from api.services.leasing import records
+from api.services.leasing.baseline import BaselineLeases
+from api.services.leasing.confirm import ConfirmLeases
+from api.services.leasing.expiry import Expiry
+from api.services.leasing.records import HostHealth, lease_out
+from api.services.leasing.states import LeaseKind, LeaseState, StudyState, WorkerHoldsLeaseError
+from api.services.leasing.trial import TrialLeases
+from optimizer import study as opt
+from optimizer.budget import budget_used
+from optimizer.spec import StudySpec
+
+log = logging.getLogger("spectune.api.leasing")
+
+
+class LeaseService:
+    def __init__(self, ctx: ServiceContext) -> None:
+        self.ctx = ctx
+        self.settings = ctx.settings
+        self.health = HostHealth(ctx.settings)
+        self.baselines = BaselineLeases(ctx.settings, self.health)
+        self.trials = TrialLeases(ctx, self.health)
+        self.confirms = ConfirmLeases(ctx, self.health, self.baselines)
+        self.expiry = Expiry(ctx, self.health, self.trials, self.confirms)
+
+    def reclaim_expired(self) -> int:
+        return self.expiry.reclaim_expired()
+
+    # ------------------------------------------------------------------ asking for work
+
+    def lease(self, principal: Principal, worker_id: str, inventory: Inventory) -> LeaseOut | None:
+        require_worker(principal, worker_id)
+        with self.ctx.unit() as u, u.step() as s:
+            now = db_now(s)
+            worker = self._touch_worker(s, worker_id, inventory, now)
+            current = self._active_lease_of(s, worker_id)
+            held = None
+            if current is not None and current.deadline is not None and current.deadline >= now:
+                held = (current, current.kind, current.study_name, current.trial_number)
+            quarantined = worker.quarantined
+        if held is not None:
+            lease, kind, study, number = held
+            if kind != LeaseKind.TRIAL or number is None or self._trial_running(study, number):
+                # A worker asking again while it holds a live lease (it restarted) gets it back.
+                return lease_out(lease, self.settings)
+            # Its trial finished behind its back: the lease ends here and is never handed out again.
+            self.trials.supersede(lease.id, f"trial {number} was already finished when its worker asked again")
+        self.reclaim_expired()
+        if quarantined:
+            return None
+        for spec in self._candidate_studies(inventory):
+            try:
+                out = self._lease_from_study(spec, worker_id)
+            except BusyError:
+                # Many workers queue on this study right now: try the next one, or say "no work
+                # now" (204); the worker asks again after its idle back-off.
+                log.info("study %s busy; worker %s tries elsewhere", spec.name, worker_id)
+                continue
+            except WorkerHoldsLeaseError:
+                # The same worker asked twice at once and the other request won: the lease it
+                # holds is the answer to both.
+                with self.ctx.sessions() as s:
+                    won = self._active_lease_of(s, worker_id)
+                return None if won is None else lease_out(won, self.settings)
+            if out is not None:
+                return out
+        return None
+
+    def _trial_running(self, study: str, number: int) -> bool:
+        with self.ctx.sessions() as s:
+            spec = study_svc.spec_of(s, study)
+        return not opt.get_trial(opt.load_study(self.ctx.storage, spec), number).state.is_finished()
+
+    def _touch_worker(self, s: Session, worker_id: str, inv: Inventory, now: datetime) -> WorkerRow:
+        row = s.get(WorkerRow, worker_id)
+        if row is None:
+            row = WorkerRow(
+                id=worker_id,
+                inventory=inv.model_dump(mode="json"),
+                first_seen=now,
+                last_seen=now,
+                consecutive_host_failures=0,
+                quarantined=False,
+            )
+            s.add(row)
+            try:
+                with s.begin_nested():
+                    s.flush()
+            except IntegrityError:  # registered by a concurrent request of the same worker
+                row = s.get(WorkerRow, worker_id, populate_existing=True)
+                assert row is not None
+        row.inventory = inv.model_dump(mode="json")
+        row.last_seen = now
+        return row
+
+    @staticmethod
+    def _active_lease_of(s: Session, worker_id: str) -> LeaseRow | None:
+        return s.scalars(
+            select(LeaseRow).where(LeaseRow.worker_id == worker_id, LeaseRow.state == LeaseState.ACTIVE)
+        ).first()
+
+    def _candidate_studies(self, inv: Inventory) -> list[StudySpec]:
+        with self.ctx.sessions() as s:
+            rows = s.scalars(
+                select(StudyRow)
+                .where(StudyRow.state == StudyState.RUNNING)
+                .order_by(StudyRow.created_at, StudyRow.name)
+            ).all()
+        out = []
+        models = set(inv.models)
+        for row in rows:
+            spec = StudySpec.model_validate(row.spec)
+            if any(inv.labels.get(k) != v for k, v in spec.placement.items()):
+                continue
+            if spec.model.target not in models or spec.model.draft not in models:
+                continue
+            out.append(spec)
+        return out
+
+    def _lease_from_study(self, spec: StudySpec, worker_id: str) -> LeaseOut | None:
+        key = study_svc.baseline_key_of(spec)
+        with self.ctx.unit(lock=f"study:{spec.name}") as u:
+            with u.step() as s:
+                now = db_now(s)
+                row = s.get(StudyRow, spec.name)
+                if row is None or row.state != StudyState.RUNNING:
+                    return None
+                if not self.baselines.has_fresh(s, worker_id, key, now):
+                    lease = self.baselines.new(s, spec, worker_id, now)
+                    return None if lease is None else lease_out(lease, self.settings)
+                claimed = self.trials.claim_queued(s, spec.name, worker_id, now)
+                if claimed is not None:
+                    return lease_out(claimed, self.settings)
+                confirming = study_svc.confirming(s, spec.name)
+                spent = None
+                if not confirming:
+                    spent = budget_used(spec.budget, study_svc.launched_count(s, spec.name), now - row.created_at)
+            if spent is not None:
+                # Finishing may start the confirmation of the best candidates instead.
+                snapshot = study_svc.study_trials(self.ctx.storage, spec.name)
+                with u.step() as s:
+                    study_svc.maybe_finish(s, spec, db_now(s), snapshot)
+                    confirming = study_svc.confirming(s, spec.name)
+                if not confirming:
+                    return None
+            if confirming:
+                with u.step() as s:
+                    lease = self.confirms.lease(s, spec, worker_id, key, db_now(s))
+                    return None if lease is None else lease_out(lease, self.settings)
+            return self.trials.ask_new(u, spec, worker_id)
+
+    # ------------------------------------------------------------------ heartbeat / progress
+
+    def _owned(self, s: Session, principal: Principal, lease_id: str, *, for_update: bool = True) -> LeaseRow:
+        q = select(LeaseRow).where(LeaseRow.id == lease_id)
+        if for_update:
+            q = q.with_for_update()
+        lease = s.scalars(q).first()
+        if lease is None:
+            raise NotFoundError(f"no lease {lease_id}")
+        require_worker(principal, lease.worker_id or "")
+        if principal.worker_id is not None and lease.worker_id != principal.worker_id:
+            raise ForbiddenError("this lease belongs to another worker")
+        return lease
+
+    @staticmethod
+    def _require_live(lease: LeaseRow, now: datetime) -> None:
+        if lease.state == LeaseState.EXPIRED or (
+            lease.state == LeaseState.ACTIVE and lease.deadline is not None and lease.deadline < now
+        ):
+            raise LeaseGoneError(f"lease {lease.id} expired and was reclaimed; stop this work")
+        if lease.state != LeaseState.ACTIVE:
+            raise ConflictError(f"lease {lease.id} is {lease.state}; stop this work")
+
+    def heartbeat(self, principal: Principal, lease_id: str) -> HeartbeatOut:
+        with self.ctx.unit() as u, u.step() as s:
+            now = db_now(s)
+            lease = self._owned(s, principal, lease_id)
+            self._require_live(lease, now)
+            lease.deadline = now + timedelta(seconds=self.settings.lease_ttl_s)
+            records.touch_seen(s, lease.worker_id, now)
+            return HeartbeatOut(deadline=lease.deadline.replace(tzinfo=UTC))
+
+    def progress(self, principal: Principal, lease_id: str, body: ProgressIn) -> ProgressOut:
+        with self.ctx.unit() as u:
+            with u.step() as s:
+                now = db_now(s)
+                lease = self._owned(s, principal, lease_id)
+                self._require_live(lease, now)
+                lease.deadline = now + timedelta(seconds=self.settings.lease_ttl_s)
+                if lease.kind != LeaseKind.TRIAL or lease.trial_number is None or lease.worker_id is None:
+                    return ProgressOut(action="continue")
+                spec = study_svc.spec_of(s, lease.study_name)
+                base_row = records.latest_baseline(s, lease.worker_id, study_svc.baseline_key_of(spec))
+                base = None if base_row is None else records.baseline_tok_s(base_row)
+                number = lease.trial_number
+        if base is None or body.concurrency not in base or base[body.concurrency] <= 0:
+            return ProgressOut(action="continue")
+        return self.trials.progress(spec, lease_id, number, body, body.output_tok_s / base[body.concurrency])
+
+    # ------------------------------------------------------------------ complete
+
+    def complete(self, principal: Principal, lease_id: str, body: CompleteIn) -> CompleteOut:
+        if body.outcome == "ok" and body.metrics is None:
+            raise InvalidInputError("metrics: an ok outcome needs metrics", field="metrics")
+        if body.outcome == "failed" and body.failure is None:
+            raise InvalidInputError("failure: a failed outcome needs a failure with kind and message", field="failure")
+        with self.ctx.unit(lock=f"lease:{lease_id}") as u:
+            with u.step() as s:
+                lease = self._owned(s, principal, lease_id)
+                if lease.state in (LeaseState.COMPLETED, LeaseState.FAILED):
+                    return CompleteOut(lease_id=lease.id, state=lease.state, speedup=lease.speedup, duplicate=True)
+                if lease.state in (LeaseState.QUEUED, LeaseState.SUPERSEDED):
+                    raise ConflictError(f"lease {lease.id} is {lease.state}; this report is not expected")
+                late = lease.state == LeaseState.EXPIRED
+                spec = study_svc.spec_of(s, lease.study_name)
+                kind = lease.kind
+            if kind == LeaseKind.BASELINE:
+                return self.baselines.complete(u, spec, lease_id, body, late)
+            if kind == LeaseKind.CONFIRM:
+                return self.confirms.complete(u, spec, lease_id, body, late)
+            return self.trials.complete(u, spec, lease_id, body, late)

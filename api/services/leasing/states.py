@@ -1,0 +1,122 @@
+"""The life of a lease, as one explicit state machine.
+
+    queued ──claim──▶ active ──report ok──▶ completed
+      │                 │ ├──report failed──▶ failed
+      │                 │ ├──deadline passed──▶ expired ──late report──▶ completed | failed
+      │                 │ └──its trial finished elsewhere──▶ superseded
+      └──its trial finished elsewhere──▶ superseded
+
+Every move is a guarded compare-and-set (`UPDATE … WHERE id = :id AND state = :from`) inside the
+caller's transaction, so two API processes (or two threads on SQLite) can never both move one
+lease: the loser gets `LeaseRaceError` and its transaction is rolled back.  The database holds the
+same vocabulary as CHECK constraints (migrations/versions/0002_state_checks.py).
+
+Invariants the lease service keeps with these moves (tests/test_lease_stress.py checks them on
+database snapshots while workers run):
+* an active trial lease's Optuna trial is RUNNING: a trial that finishes ends its live leases in
+  the same step (`supersede_live`), and a lease found out of step is superseded before it is
+  handed back to its worker (`LeaseService.lease`);
+* a lease id is handed out to one worker, once: an ended lease never becomes active again, and a
+  retry is a new lease with a new id and attempt + 1;
+* a configuration is never answered as a duplicate of its own trial.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import update
+from sqlalchemy.orm import Session
+from sqlalchemy.orm.attributes import set_committed_value
+
+from api.errors import ConflictError
+from api.models import LeaseRow
+
+
+class LeaseKind(StrEnum):
+    BASELINE = "baseline"
+    TRIAL = "trial"
+    CONFIRM = "confirm"
+
+
+class LeaseState(StrEnum):
+    QUEUED = "queued"
+    ACTIVE = "active"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    SUPERSEDED = "superseded"
+
+
+class ConfigState(StrEnum):
+    """spectune_trial_configs.state: what became of a configuration launched in a study."""
+
+    PENDING = "pending"  # leased or queued
+    DONE = "done"
+    INFEASIBLE = "infeasible"  # failed for the configuration's sake (OOM, invalid, launch time-out)
+    PRUNED = "pruned"
+    FAILED = "failed"  # infrastructure, after its retries
+
+
+class StudyState(StrEnum):
+    RUNNING = "running"
+    STOPPED = "stopped"
+    FINISHED = "finished"
+
+
+LIVE = (LeaseState.QUEUED, LeaseState.ACTIVE)
+# A report is taken for these (an expired lease's late report is real and is kept).
+REPORTABLE = (LeaseState.ACTIVE, LeaseState.EXPIRED)
+ENDED = (LeaseState.COMPLETED, LeaseState.FAILED, LeaseState.SUPERSEDED)
+
+TRANSITIONS: dict[LeaseState, frozenset[LeaseState]] = {
+    LeaseState.QUEUED: frozenset({LeaseState.ACTIVE, LeaseState.SUPERSEDED}),
+    LeaseState.ACTIVE: frozenset({LeaseState.COMPLETED, LeaseState.FAILED, LeaseState.EXPIRED, LeaseState.SUPERSEDED}),
+    LeaseState.EXPIRED: frozenset({LeaseState.COMPLETED, LeaseState.FAILED}),
+    LeaseState.COMPLETED: frozenset(),
+    LeaseState.FAILED: frozenset(),
+    LeaseState.SUPERSEDED: frozenset(),
+}
+
+
+class LeaseRaceError(ConflictError):
+    """Another request moved this lease first; this one's transaction must not go on."""
+
+
+class WorkerHoldsLeaseError(ConflictError):
+    """A concurrent request of the same worker got it a lease first (one active lease per worker)."""
+
+
+class IllegalTransitionError(ConflictError):
+    """A move the state machine does not allow (e.g. re-activating an ended lease)."""
+
+
+def move(s: Session, lease: LeaseRow, to: LeaseState, **values: Any) -> None:
+    """Move `lease` to `to`, setting `values` too, if and only if it is still in its current state.
+
+    `lease.state` is the state this request read; the UPDATE matches only while the row is
+    still in it.  The in-memory row is updated to match.
+    """
+    current = LeaseState(lease.state)
+    if to not in TRANSITIONS[current]:
+        raise IllegalTransitionError(f"lease {lease.id} is {current.value}; it cannot become {to.value}")
+    s.flush()  # pending changes of this row first, so the UPDATE below sees them
+    result = s.execute(
+        update(LeaseRow)
+        .where(LeaseRow.id == lease.id, LeaseRow.state == current.value)
+        .values(state=to.value, **values)
+        .execution_options(synchronize_session=False)
+    )
+    if getattr(result, "rowcount", 0) != 1:
+        raise LeaseRaceError(f"lease {lease.id} changed meanwhile (it is no longer {current.value}); ask again")
+    # Keep the row object in step without a round trip (the ORM must not write these again).
+    set_committed_value(lease, "state", to.value)
+    for key, value in values.items():
+        set_committed_value(lease, key, value)
+
+
+def end(s: Session, lease: LeaseRow, to: LeaseState, now: datetime, **values: Any) -> None:
+    """Move a lease to an ended state, stamping `finished_at`."""
+    move(s, lease, to, finished_at=now, **values)
