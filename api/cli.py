@@ -13,6 +13,8 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
+from workers.lifeline import exit_with_parent
+
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Tune SGLang EAGLE-3 speculative decoding.")
 db_app = typer.Typer(no_args_is_help=True, help="Database schema.")
 token_app = typer.Typer(no_args_is_help=True, help="API tokens (talks to the database directly).")
@@ -76,6 +78,7 @@ def server(
         _fail(f"cannot open the database {engine.url.render_as_string(hide_password=True)}: {e}")
     finally:
         engine.dispose()
+    exit_with_parent()
     uvicorn.run(create_app(settings), host=host, port=port, log_level="info")
 
 
@@ -87,6 +90,7 @@ def worker(config: Annotated[Path, typer.Option("--config", "-c", help="worker T
         from workers.agent import main as worker_main
     except ImportError as e:  # pragma: no cover - packaging problem
         _fail(f"the worker is not available in this installation: {e}")
+    exit_with_parent()
     raise typer.Exit(worker_main(config))
 
 

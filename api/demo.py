@@ -23,6 +23,8 @@ from typing import Any
 import httpx
 import typer
 
+from workers.lifeline import child_env
+
 # The simulated engine runs this much faster than real time (all rates scale equally, so the
 # speedups are unchanged) and starts up in a fraction of the real time.
 SIM_SPEED = 20.0
@@ -107,10 +109,13 @@ demo = "true"
 
 @contextmanager
 def _process(argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
-    """A child in its own process group; on exit SIGTERM, a bounded wait, then SIGKILL."""
+    """A child in its own process group; on exit SIGTERM, a bounded wait, then SIGKILL.
+
+    The child also follows the demo if the demo is killed outright (workers/lifeline.py).
+    """
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TZ": "UTC", **(env or {})},
+            argv, stdout=log, stderr=subprocess.STDOUT, env=child_env({**os.environ, "TZ": "UTC", **(env or {})}),
             start_new_session=True,
         )  # fmt: skip
     try:
@@ -123,6 +128,10 @@ def _process(argv: list[str], log_path: Path, env: dict[str, str] | None = None)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
+
+
+def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeout: float = 60.0) -> None:
@@ -205,6 +214,8 @@ def run_demo(*, workdir: Path, landscape: str = "moe-pcie", max_trials: int = 20
     from api.schema import upgrade
 
     started = time.monotonic()
+    # SIGTERM (a time-out, `kill`) unwinds like Ctrl-C, so every child is stopped on the way out.
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     workdir = workdir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     db_path = workdir / "spectune.db"

@@ -28,6 +28,7 @@ version in CI.  Results of the full run: benchmarks/README.md, "Chaos run".
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -48,6 +49,7 @@ import httpx
 
 from tests.e2e_support import WorkerProc, group_alive, kill_engines, start_worker, write_worker_config
 from tests.servers import free_port
+from workers.lifeline import child_env
 
 MODELS = {"moe-pcie": "moe-pcie", "moe-pcie-eagle3": "moe-pcie-eagle3"}
 STUDY = "chaos"
@@ -76,9 +78,14 @@ class ChaosPlan:
     # gets its own live lease again; over 1 its lease expires and another worker takes the trial.
     down_ttls: tuple[float, float] = (0.1, 2.5)
     time_limit_s: float = 900.0
+    # API processes on the database (two exercise cross-process coordination; SQLite gets one).
+    apis: int = 2
+    # CPU-bound processes started next to the run (two per core is the stress test's contention).
+    busy_loops: int = 0
+    confirm_top: int = 3
 
 
-def study_spec(trials: int, seed: int) -> dict[str, Any]:
+def study_spec(trials: int, seed: int, confirm_top: int = 3) -> dict[str, Any]:
     return {
         "name": STUDY,
         "model": {"target": "moe-pcie", "draft": "moe-pcie-eagle3"},
@@ -88,6 +95,7 @@ def study_spec(trials: int, seed: int) -> dict[str, Any]:
         "budget": {"max_trials": trials},
         "sampler": "random",
         "seed": seed,
+        "confirmation": {"top": confirm_top},
     }  # fmt: skip
 
 
@@ -114,7 +122,7 @@ class ApiProc:
         argv += ["--host", "127.0.0.1", "--port", str(self.port)]
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "TZ": "UTC", **self.env},
+                argv, stdout=out, stderr=subprocess.STDOUT, env=child_env({**os.environ, "TZ": "UTC", **self.env}),
                 start_new_session=True,
             )  # fmt: skip
         deadline = time.monotonic() + timeout_s
@@ -186,6 +194,9 @@ class Snapshot:
     # active leases, and trials with two active leases.
     double_workers: list[str]
     double_trials: list[str]
+    # Active trial leases whose Optuna trial is already finished.  A report makes that true for
+    # the moment between Optuna's commit and ours; a lease seen so twice, apart, is a violation.
+    active_on_finished: list[str] = field(default_factory=list)
 
 
 def snapshot(db_url: str) -> Snapshot | None:
@@ -217,7 +228,14 @@ def snapshot(db_url: str) -> Snapshot | None:
                     "AND trial_number IS NOT NULL GROUP BY study_name, kind, trial_number HAVING COUNT(*) > 1"
                 )
             ).scalars()
-            return Snapshot(row.state if row else "missing", int(done or 0), list(workers), list(trials))
+            stale = s.execute(
+                text(
+                    "SELECT l.id FROM spectune_leases l JOIN studies st ON st.study_name = l.study_name "
+                    "JOIN trials t ON t.study_id = st.study_id AND t.number = l.trial_number "
+                    "WHERE l.state = 'active' AND l.kind = 'trial' AND t.state <> 'RUNNING'"
+                )
+            ).scalars()
+            return Snapshot(row.state if row else "missing", int(done or 0), list(workers), list(trials), list(stale))
     except SQLAlchemyError:
         return None
 
@@ -246,6 +264,9 @@ class ChaosLog:
     finished: bool = False
     snapshots: int = 0
     double_holds: list[str] = field(default_factory=list)
+    # lease id -> when it was first seen active on a finished trial; and the confirmed violations.
+    active_on_finished_since: dict[str, float] = field(default_factory=dict)
+    stale_leases: list[str] = field(default_factory=list)
 
     def note(self, t0: float, what: str) -> None:
         line = f"{time.monotonic() - t0:7.1f} s  {what}"
@@ -273,7 +294,7 @@ def start_cluster(plan: ChaosPlan, root: Path, db_url: str) -> Cluster:
         # Chaos kills many workers: a worker must not be quarantined for being killed.
         "SPECTUNE_QUARANTINE_AFTER": "1000",
     }
-    apis = [ApiProc(n, db_url, root / f"api-{n}.log", env) for n in ("a", "b")]
+    apis = [ApiProc(n, db_url, root / f"api-{n}.log", env) for n in ("a", "b")[: plan.apis]]
     engine = make_engine(db_url)
     tokens: dict[str, str] = {}
     try:
@@ -289,7 +310,7 @@ def start_cluster(plan: ChaosPlan, root: Path, db_url: str) -> Cluster:
         api.start()
     r = httpx.post(
         f"{apis[0].url}/v1/studies",
-        json=study_spec(plan.trials, plan.seed),
+        json=study_spec(plan.trials, plan.seed, plan.confirm_top),
         headers={"Authorization": f"Bearer {tokens['user']}"},
         timeout=60,
     )
@@ -298,16 +319,41 @@ def start_cluster(plan: ChaosPlan, root: Path, db_url: str) -> Cluster:
     workers = []
     for i in range(plan.workers):
         name = f"gpu-{i:02d}"
-        w = write_worker_config(root, name, apis[i % 2].url, tokens[name], MODELS)
+        w = write_worker_config(root, name, apis[i % len(apis)].url, tokens[name], MODELS)
         start_worker(w)
         workers.append(w)
     return Cluster(root, db_url, apis, workers, tokens)
+
+
+# An active lease on a finished trial for this long is a violation, not a report being recorded.
+STALE_AFTER_S = 3.0
+
+
+@contextmanager
+def busy_loops(n: int) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """`n` processes spinning on a core each, stopped (with their groups) on the way out."""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], env=child_env(), start_new_session=True)
+        for _ in range(n)
+    ]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
 
 
 def run_chaos(
     plan: ChaosPlan, root: Path, db_url: str, *, postgres_restart: Callable[[], float] | None = None
 ) -> ChaosReport:
     """Run the study under the plan's faults; stop everything; return the checked figures."""
+    with busy_loops(plan.busy_loops):
+        return _run_chaos(plan, root, db_url, postgres_restart)
+
+
+def _run_chaos(plan: ChaosPlan, root: Path, db_url: str, postgres_restart: Callable[[], float] | None) -> ChaosReport:
     root.mkdir(parents=True, exist_ok=True)
     rng = random.Random(plan.seed)
     log = ChaosLog()
@@ -328,6 +374,15 @@ def run_chaos(
                 for holder in snap.double_workers + snap.double_trials:
                     log.double_holds.append(holder)
                     log.note(t0, f"TWO ACTIVE LEASES: {holder}")
+                seen = log.active_on_finished_since
+                for lease_id in list(seen):
+                    if lease_id not in snap.active_on_finished:
+                        del seen[lease_id]
+                for lease_id in snap.active_on_finished:
+                    first = seen.setdefault(lease_id, now)
+                    if now - first >= STALE_AFTER_S and lease_id not in log.stale_leases:
+                        log.stale_leases.append(lease_id)
+                        log.note(t0, f"ACTIVE LEASE ON A FINISHED TRIAL: {lease_id}")
                 progress = f"study {snap.state}, {snap.trial_leases_done} trial leases finished"
                 if progress != last_progress:
                     log.note(t0, progress)
@@ -349,7 +404,7 @@ def run_chaos(
                 log.worker_kills += 1
                 log.note(t0, f"SIGKILL worker {w.name} (and its engines)")
             if not api_killed and done >= plan.trials // 4:
-                api = cluster.apis[1]
+                api = cluster.apis[-1]
                 api.signal(signal.SIGKILL)
                 log.api_kills += 1
                 log.note(t0, f"SIGKILL API {api.name}; restarting it in 3 s")
@@ -386,7 +441,7 @@ def run_chaos(
             kill_engines(w)  # clean up whatever a failed run left behind
         for api in cluster.apis:
             api.signal(signal.SIGTERM)
-    return check(cluster, log, orphans)
+    return check(cluster, log, orphans, faults=plan.worker_kills > 0 or plan.kill_api)
 
 
 # ------------------------------------------------------------------------------------ checks
@@ -412,7 +467,12 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def check(cluster: Cluster, log: ChaosLog, orphans: list[int]) -> ChaosReport:
+LAUNCH_RE = re.compile(r"lease (\S+): launching the server")
+# uvicorn's access log: `"POST /v1/... HTTP/1.1" 503 Service Unavailable`
+SERVER_ERROR_RE = re.compile(r'HTTP/1\.1" (5\d\d) ')
+
+
+def check(cluster: Cluster, log: ChaosLog, orphans: list[int], *, faults: bool = True) -> ChaosReport:
     import optuna
     from sqlalchemy import select
 
@@ -438,20 +498,20 @@ def check(cluster: Cluster, log: ChaosLog, orphans: list[int]) -> ChaosReport:
         states[t.state.name] += 1
         if t.state.name in ("RUNNING", "WAITING"):
             problems.append(f"trial {t.number} is still {t.state.name}")
-        if t.state.name == "FAIL" and not any(
-            k in t.user_attrs for k in ("failure_reason", "reason", "failure_message", "duplicate_of")
-        ):
-            problems.append(f"trial {t.number} FAILED without a reason: {t.user_attrs}")
+        if t.state.name == "FAIL" and not (t.user_attrs.get("failure_kind") and t.user_attrs.get("failure_message")):
+            problems.append(f"trial {t.number} FAILED without a failure kind and message: {t.user_attrs}")
     fail_reasons: dict[str, int] = defaultdict(int)
     for t in trials:
         if t.state.name == "FAIL":
-            reason = str(t.user_attrs.get("failure_reason") or t.user_attrs.get("reason") or "?")
+            reason = f"{t.user_attrs.get('failure_kind')}: {t.user_attrs.get('failure_message')}"
             fail_reasons[re.sub(r"\d+", "N", reason)[:80]] += 1
     measured_per_trial: dict[int, int] = defaultdict(int)
     for le in leases:
         if le.kind == "trial" and le.state == "completed" and le.trial_number is not None:
             measured_per_trial[le.trial_number] += 1
     measured_twice = sorted(n for n, k in measured_per_trial.items() if k > 1)
+    if measured_twice and not faults:
+        problems.append(f"trials measured by two leases without any fault: {measured_twice}")
 
     # 2. Every report a worker queued is in the database (or was refused with a reason).
     queued: dict[str, str] = {}
@@ -472,8 +532,25 @@ def check(cluster: Cluster, log: ChaosLog, orphans: list[int]) -> ChaosReport:
         left = list(w.outbox.glob("*.json")) if w.outbox.exists() else []
         if left:
             problems.append(f"worker {w.name}: {len(left)} report(s) still in its outbox: {[p.name for p in left]}")
+    launches: dict[str, int] = defaultdict(int)
+    for w in cluster.workers:
+        for m in LAUNCH_RE.finditer(w.log_text()):
+            launches[m.group(1)] += 1
+    # A worker killed mid-work may start its live lease once more after its restart; never more.
+    most = 2 if faults else 1
+    for lease_id, n in sorted(launches.items()):
+        if n > most:
+            problems.append(f"lease {lease_id} launched {n} times")
+    server_errors: dict[str, int] = defaultdict(int)
     for api in cluster.apis:
-        tokens_in_logs += sum(api.log.read_text(errors="replace").count(t) for t in secrets)
+        text = api.log.read_text(errors="replace")
+        tokens_in_logs += sum(text.count(t) for t in secrets)
+        for m in SERVER_ERROR_RE.finditer(text):
+            server_errors[m.group(1)] += 1
+        if "Traceback" in text:
+            problems.append(f"a traceback in API {api.name}'s log ({api.log})")
+    if server_errors and not faults:
+        problems.append(f"server errors answered: {dict(server_errors)}")
     if tokens_in_logs:
         problems.append(f"{tokens_in_logs} token value(s) found in the API and worker logs")
     kept = 0
@@ -494,6 +571,8 @@ def check(cluster: Cluster, log: ChaosLog, orphans: list[int]) -> ChaosReport:
     # write when it waited for the study lock (see "Chaos run" in benchmarks/README.md).
     for holder in sorted(set(log.double_holds)):
         problems.append(f"two active leases at once: {holder}")
+    for lease_id in log.stale_leases:
+        problems.append(f"lease {lease_id} stayed active for {STALE_AFTER_S:.0f} s after its trial finished")
 
     # 4. Orphaned engines.
     if orphans:
@@ -538,6 +617,9 @@ def check(cluster: Cluster, log: ChaosLog, orphans: list[int]) -> ChaosReport:
         "  refused, lease already settled by the API": refused_settled,
         "  lost": len(queued) - kept - refused_settled,
         "two active leases for one worker or one trial": f"{len(log.double_holds)} in {log.snapshots} snapshots",
+        "active leases on finished trials (past the report window)": len(log.stale_leases),
+        "launches, most for one lease": f"{sum(launches.values())}, {max(launches.values(), default=0)}",
+        "5xx answered by the API": dict(server_errors),
         "orphaned engines": len(orphans),
         "leases reclaimed": len(reclaim_lag),
         "  reclaimed after deadline, p50 / max": f"{_pct(reclaim_lag, 0.5):.1f} / {max(reclaim_lag, default=float('nan')):.1f} s",

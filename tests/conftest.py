@@ -7,8 +7,10 @@ TEMPLATE` on Postgres, a file copy on SQLite), so tests never share state.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -165,3 +167,58 @@ INVENTORY: dict[str, Any] = {
     "gpus": [{"index": 0, "name": "NVIDIA H200", "memory_mib": 143771}],
     "labels": {"gpu": "h200"},
 }
+
+
+# -- nothing a test starts may outlive it ----------------------------------------------------------
+
+
+def processes_marked(marker: str) -> list[tuple[int, str]]:
+    """(pid, command line) of every process whose environment holds `marker` (this one excluded)."""
+    needle = marker.encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if cmd:  # zombies have an empty command line; their parent reaps them
+            found.append((int(entry.name), cmd))
+    return found
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_process_left_behind() -> Iterator[None]:
+    """Mark every process this module starts (SPECTUNE_RUN_ID is inherited, engines included:
+    workers/launcher/config.py) and fail if any is still running once the module is done.
+
+    Children stopped by their parent's death (workers/lifeline.py) get a bounded moment to go;
+    whatever is left is killed, so one leak cannot spill into the next module, and reported.
+    """
+    from workers.lifeline import RUN_ID_ENV
+
+    marker = f"{RUN_ID_ENV}=test-{uuid.uuid4().hex}"
+    previous = os.environ.get(RUN_ID_ENV)
+    os.environ[RUN_ID_ENV] = marker.split("=", 1)[1]
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(RUN_ID_ENV, None)
+        else:
+            os.environ[RUN_ID_ENV] = previous
+        left = processes_marked(marker)
+        for _ in range(200):  # up to ~20 s: SIGTERM handling, engines draining
+            if not left:
+                break
+            time.sleep(0.1)
+            left = processes_marked(marker)
+        for pid, _ in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        assert not left, "processes started by this module outlived it:\n" + "\n".join(
+            f"  {pid}: {cmd[:200]}" for pid, cmd in left
+        )

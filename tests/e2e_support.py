@@ -22,6 +22,7 @@ import httpx
 
 from tests.conftest import make_tokens
 from tests.servers import api_server, free_port, stop_process_group
+from workers.lifeline import child_env
 
 T = TypeVar("T")
 SERVER_PID_RE = re.compile(r"server started: pid (\d+)")
@@ -108,7 +109,7 @@ def start_worker(w: WorkerProc) -> None:
     with open(w.log, "ab") as log:
         w.proc = subprocess.Popen(
             [sys.executable, "-m", "api.cli", "worker", "--config", str(w.config)],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TZ": "UTC"}, start_new_session=True,
+            stdout=log, stderr=subprocess.STDOUT, env=child_env({**os.environ, "TZ": "UTC"}), start_new_session=True,
         )  # fmt: skip
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import httpx
 
+from workers.lifeline import child_env
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -42,7 +44,9 @@ def api_server(
         str(port),
     ]
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env=child_env(full_env), start_new_session=True
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60

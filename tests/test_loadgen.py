@@ -28,6 +28,7 @@ from api.protocol import LevelMetrics
 from optimizer.space import SpecConfig
 from optimizer.spec import Workload
 from tests.servers import free_port, stop_process_group
+from workers.lifeline import child_env
 from workers.loadgen import LoadgenCancelled, LoadgenError, load_prompts, make_client, run_level, run_workload
 from workers.loadgen.chunked import ChunkedDecoder, ChunkedError
 from workers.loadgen.request import _scan_progress, _StreamState, stream_generate
@@ -550,7 +551,7 @@ def simulator(config: SpecConfig | None, log_path: Path) -> Iterator[str]:
         "SPECTUNE_SIM_NOISE": "0",
     }
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=child_env(env), start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from optimizer.space import SpecConfig
+from workers.lifeline import child_env
 from workers.simulator.args import build_parser
 from workers.simulator.landscapes import get_landscape
 from workers.simulator.model import predict
@@ -82,7 +83,7 @@ def launch(tmp_path: Path) -> Iterator[object]:
                 [*argv, *flags],
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
-                env=full_env,
+                env=child_env(full_env),
                 cwd=REPO,
                 start_new_session=True,
             )

@@ -46,6 +46,7 @@ from workers.gpu import GpuProbe, open_probe
 from workers.heartbeat import Heartbeat
 from workers.inventory import build_inventory, describe
 from workers.ledger import LaunchLedger
+from workers.lifeline import exit_with_parent
 from workers.loadgen import LoadgenCancelled, LoadgenError, load_prompts, run_workload
 from workers.outbox import Outbox, deliver_pending
 
@@ -665,4 +666,5 @@ if __name__ == "__main__":  # `python -m workers.agent worker.toml`, for hosts w
     if len(sys.argv) != 2:
         sys.stderr.write("usage: python -m workers.agent /path/to/worker.toml\n")
         sys.exit(EXIT_CONFIG)
+    exit_with_parent()
     sys.exit(main(Path(sys.argv[1])))

@@ -19,6 +19,7 @@ from api.models import BaselineRow, LeaseRow, StudyRow, TrialConfigRow, WorkerRo
 from api.services.leasing.records import lease_payload, new_lease_row
 from api.services.leasing.states import LeaseKind
 from optimizer import answers
+from optimizer import attrs as A
 from optimizer import confirmation as confirm
 from optimizer import study as opt
 from optimizer.analysis import Interval, level_intervals
@@ -449,6 +450,8 @@ class StudyService:
                     # Why a PRUNED trial was stopped, and what it measured before.
                     "pruned": ua.get("pruned"),
                     "partial_speedup_by_level": ua.get("partial_speedup_by_level"),
+                    # A trial given up after its attempts: the levels they measured before the end.
+                    "levels_measured": ua.get(A.LEVELS_MEASURED),
                     # warm_start | prior_study | grid (enqueued), else the sampler's proposal.
                     "source": ua.get("source"),
                     # What the `auto` sampler predicted for it when it proposed it.

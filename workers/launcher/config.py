@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from workers.errors import ConfigError
+from workers.lifeline import ENV as LIFELINE_ENV
+from workers.lifeline import RUN_ID_ENV
 
 # `python -m <module>`: a dotted module name only, never a path or command text.
 _MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
@@ -37,6 +39,7 @@ _INHERITED = frozenset(
         "TRITON_CACHE_DIR",
         "TORCHINDUCTOR_CACHE_DIR",
         "FLASHINFER_WORKSPACE_BASE",
+        RUN_ID_ENV,  # finds every process of one run, engines included (workers/lifeline.py)
     }
 )
 _INHERITED_PREFIXES = ("LC_", "NCCL_")
@@ -87,4 +90,6 @@ def server_env(engine: EngineConfig, inherited: Mapping[str, str] | None = None)
         # CUDA numbers GPUs fastest-first by default, NVML by PCI bus: make the indices agree.
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     env.update(engine.env)
+    # The engine follows this worker if it dies without stopping it (workers/lifeline.py).
+    env[LIFELINE_ENV] = str(os.getpid())
     return env

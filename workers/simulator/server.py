@@ -45,6 +45,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from optimizer.space import SpecConfig
+from workers.lifeline import exit_with_parent
 from workers.simulator.args import ResolvedArgs, build_parser, resolve
 from workers.simulator.engine import Chunk, Engine, EngineOptions, Request, word_of
 from workers.simulator.landscapes import Landscape, UnknownLandscapeError, get_landscape
@@ -862,6 +863,9 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
     args = list(sys.argv[1:] if argv is None else argv)
     env = SimEnv.from_environ(os.environ if environ is None else environ)
     configure_logging()
+    # A worker SIGKILLed leaves its engine behind; the simulator follows its worker (real SGLang
+    # relies on systemd's cgroup for that).
+    exit_with_parent(os.environ if environ is None else environ)
     ns = build_parser(env.version).parse_args(args)  # exits 2 on a bad flag, like SGLang
     configure_logging(str(ns.log_level))
     try:
