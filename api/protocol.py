@@ -15,7 +15,10 @@ from optimizer.space import SpecConfig
 from optimizer.spec import Workload
 
 LeaseKind = Literal["baseline", "trial", "confirm"]
-FailureKind = Literal["invalid_config", "oom", "launch_timeout", "crash", "benchmark_error", "lost"]
+# `refused`: the worker will not run what the *study* asks on this host (a model not in its
+# registry, a flag outside its allowlist, a prompt file it lacks, a lease it cannot read).  A
+# study fault, never counted against the host: the study is not offered to that worker again.
+FailureKind = Literal["invalid_config", "oom", "launch_timeout", "crash", "benchmark_error", "lost", "refused"]
 
 
 class GpuInfo(BaseModel):

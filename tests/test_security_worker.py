@@ -4,8 +4,8 @@ A compromised (or buggy) API can send any lease it likes.  These tests send such
 real agent (its real launcher, its own config) from a scripted API on 127.0.0.1 and check that
 nothing outside the worker's own config is ever run or read: models outside the registry, server
 flags outside `engine.allowed_extra_args`, word values that would read as options, and prompt
-files outside the prompt folder are all refused as `invalid_config` with `host_fault` set and a
-message that says how to fix it, before any server starts.
+files outside the prompt folder are all refused as `refused` (a study fault, never counted against
+the host) with a message that says how to fix it, before any server starts.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _refusals(fake: FakeApi, ids: list[str]) -> dict[str, CompleteIn]:
     for lid in ids:
         r = reports[lid]
         assert r.outcome == "failed" and r.failure is not None, r
-        assert r.failure.kind == "invalid_config" and r.failure.host_fault is True, r.failure
+        assert r.failure.kind == "refused" and r.failure.host_fault is False, r.failure
     return reports
 
 

@@ -282,7 +282,7 @@ def running_agent(config: Path) -> Iterator[tuple[Agent, list[int]]]:
 # -- tests that need no engine ---------------------------------------------------------------
 
 
-def test_lease_for_a_model_outside_the_registry_is_refused_as_a_host_fault(tmp_path, api, caplog):
+def test_lease_for_a_model_outside_the_registry_is_refused_as_a_study_fault(tmp_path, api, caplog):
     caplog.set_level(logging.INFO)
     fake, server = api
     fake.queue = [lease_body("L-1", target="not-here"), lease_body("L-2", draft="unknown-draft")]
@@ -292,7 +292,7 @@ def test_lease_for_a_model_outside_the_registry_is_refused_as_a_host_fault(tmp_p
     for lid, name in (("L-1", "not-here"), ("L-2", "unknown-draft")):
         failure = reports[lid].failure
         assert reports[lid].outcome == "failed" and failure is not None
-        assert failure.kind == "invalid_config" and failure.host_fault is True
+        assert failure.kind == "refused" and failure.host_fault is False
         assert name in failure.message and "[models]" in failure.message
     # The inventory told the API what this host has.
     inventory = next(body for e, _, body in fake.calls if e == "lease")
@@ -310,7 +310,7 @@ def test_unknown_prompt_file_is_refused_before_any_launch(tmp_path, api):
     with running_agent(write_config(tmp_path, server.url)):
         wait_for(lambda: "L-1" in fake.completed, what="the report")
     failure = fake.reports()["L-1"].failure
-    assert failure is not None and failure.kind == "invalid_config" and failure.host_fault
+    assert failure is not None and failure.kind == "refused" and not failure.host_fault
     assert "absent.jsonl" in failure.message
 
 

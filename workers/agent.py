@@ -39,7 +39,16 @@ from typing import Any, Protocol
 
 from api.protocol import CompleteIn, Failure, FailureKind, Inventory, LeaseOut, LevelMetrics, Metrics, ProgressIn
 from optimizer.sglang import ServerSettings
-from workers.client import ApiClient, ApiError, ApiUnavailable, AuthError, Backoff, LeaseLost, make_http_client
+from workers.client import (
+    ApiClient,
+    ApiError,
+    ApiUnavailable,
+    AuthError,
+    Backoff,
+    LeaseLost,
+    LeaseUnreadable,
+    make_http_client,
+)
 from workers.config import DEFAULT_ALLOWED_EXTRA_ARGS, WorkerConfig, load_config, read_token
 from workers.errors import ConfigError, LaunchCancelled, LaunchError, WorkerError
 from workers.gpu import GpuProbe, open_probe
@@ -270,6 +279,13 @@ class Agent:
         except ApiUnavailable as e:
             self._wait_idle(str(e))
             return
+        except LeaseUnreadable as e:
+            # Off protocol (e.g. a value this worker cannot take): a study fault, refused by id so
+            # the API ends the lease instead of handing it back until it expires.
+            log.error("lease %s cannot be read and is REFUSED: %s", e.lease_id, e)
+            self._report(e.lease_id, _failed("refused", f"the lease does not match this worker's protocol: {e}"))
+            self._wait_idle("an unreadable lease was refused")
+            return
         except ApiError as e:
             log.error("asking for work failed: %s", e)
             self._wait_idle("lease request refused")
@@ -352,16 +368,15 @@ class Agent:
                 "invalid_config",
                 f"model(s) {', '.join(missing)} not in this worker's model registry (known: {known}); "
                 "add them to [models] in the worker config, or place the study on workers that have them",
-                host_fault=True,
             )
         refusal = server_settings_refusal(settings, self.settings.allowed_extra_args)
         if refusal is not None:
             log.warning("lease %s refused: %s", lid, refusal)
-            return _failed("invalid_config", refusal, host_fault=True)
+            return _failed("refused", refusal)
         try:
             prompts = self._load_prompts(lease.workload.prompts, self.settings.prompt_dir)
         except (ValueError, OSError, LoadgenError) as e:
-            return _failed("invalid_config", f"prompt set {lease.workload.prompts!r}: {e}", host_fault=True)
+            return _failed("refused", f"prompt set {lease.workload.prompts!r}: {e}")
         if run.cancel.is_set():
             return self._abandoned(run, heartbeat)
 

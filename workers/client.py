@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -62,6 +63,14 @@ class ApiRejected(ApiError):
 
 class ApiProtocolError(ApiError):
     """The API answered 2xx with a body this worker cannot read (API and worker versions differ)."""
+
+
+class LeaseUnreadable(ApiProtocolError):
+    """A lease whose id could be read but not the rest: it is refused by id, never run."""
+
+    def __init__(self, lease_id: str, message: str) -> None:
+        super().__init__(message)
+        self.lease_id = lease_id
 
 
 class ApiUnavailable(ApiError):
@@ -145,7 +154,13 @@ class ApiClient:
         resp = self._request("POST", path, inventory.model_dump(mode="json"), "lease", retry_for_s)
         if resp.status_code == 204:
             return None
-        return self._parse(resp, LeaseOut, "lease")
+        try:
+            return self._parse(resp, LeaseOut, "lease")
+        except ApiProtocolError as e:
+            lease_id = _lease_id_of(resp)
+            if lease_id is None:
+                raise
+            raise LeaseUnreadable(lease_id, str(e)) from e
 
     def heartbeat(self, lease_id: str, *, retry_for_s: float | None = None) -> HeartbeatOut:
         resp = self._request("POST", self._lease_path(lease_id, "heartbeat"), None, "heartbeat", retry_for_s)
@@ -217,6 +232,18 @@ class ApiClient:
                 f"{what}: the API's answer does not match this worker's protocol (upgrade spectune on "
                 f"one side): {e.error_count()} error(s), first: {e.errors()[0]['msg']}"
             ) from e
+
+
+def _lease_id_of(resp: httpx.Response) -> str | None:
+    """The lease id of an answer that is not a valid lease, if it has a plausible one."""
+    try:
+        raw = resp.json()
+    except ValueError:
+        return None
+    lease_id = raw.get("lease_id") if isinstance(raw, dict) else None
+    if isinstance(lease_id, str) and re.fullmatch(r"[0-9a-f-]{36}", lease_id):
+        return lease_id
+    return None
 
 
 def make_http_client(base_url: str, *, timeout_s: float, transport: httpx.BaseTransport | None = None) -> httpx.Client:

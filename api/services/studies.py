@@ -15,8 +15,8 @@ from sqlalchemy.orm import Session
 from api.context import ServiceContext
 from api.db import db_now
 from api.errors import ConflictError
-from api.models import BaselineRow, LeaseRow, StudyRow, TrialConfigRow, WorkerRow
-from api.services.leasing.records import lease_payload, new_lease_row
+from api.models import BaselineRow, EventRow, LeaseRow, StudyRow, TrialConfigRow, WorkerRow
+from api.services.leasing.records import LEASE_REFUSED, lease_payload, new_lease_row
 from api.services.leasing.states import LeaseKind
 from optimizer import answers
 from optimizer import attrs as A
@@ -327,6 +327,14 @@ class StudyService:
                 .order_by(LeaseRow.created_at)
             ).all()
             confirmations = _confirmations(confirm_rows)
+            refusals = [
+                {"worker_id": e.worker_id, "at": e.at, "message": e.detail}
+                for e in s.scalars(
+                    select(EventRow)
+                    .where(EventRow.study_name == name, EventRow.kind == LEASE_REFUSED)
+                    .order_by(EventRow.at)
+                )
+            ]
         counts, trials = self._trial_counts(name)
         best = opt.best_trial_of(trials)
         best_doc = None if best is None else self._describe_best(spec, best)
@@ -358,6 +366,9 @@ class StudyService:
             "best_by_level": {str(k): v.as_json() for k, v in answers.best_by_level(spec, trials).items()},
             "adaptive_spec": None if exported is None else exported.as_json(),
             "verdict": _verdict(winner, measured),
+            # Workers that refused what this study asks (a study fault: they are not offered it
+            # again, and it counts nothing against them).
+            "refused_by": refusals,
         }
 
     def _winner(

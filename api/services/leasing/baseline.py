@@ -19,7 +19,7 @@ from api.models import BaselineRow, LeaseRow
 from api.protocol import CompleteIn, CompleteOut
 from api.services import studies as study_svc
 from api.services.leasing import records
-from api.services.leasing.records import HostHealth, event
+from api.services.leasing.records import HostHealth, counts_against_host, event
 from api.services.leasing.states import LeaseKind, LeaseState, end
 from api.settings import Settings
 from optimizer.spec import StudySpec
@@ -77,7 +77,9 @@ class BaselineLeases:
                 self.health.success(s, lease.worker_id)
             else:
                 assert body.failure is not None
-                self.health.failure(s, lease.worker_id, f"baseline failed: {body.failure.kind}: {body.failure.message}")
+                if counts_against_host(body.failure.kind):
+                    reason = f"baseline failed: {body.failure.kind}: {body.failure.message}"
+                    self.health.failure(s, lease.worker_id, reason)
             if late:
                 event(s, "late_report_kept", lease, "baseline reported after its lease expired")
             return CompleteOut(lease_id=lease.id, state=lease.state)

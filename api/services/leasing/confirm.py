@@ -153,7 +153,7 @@ class ConfirmLeases:
                 failure = body.failure
                 reason = "no baseline to pair with" if failure is None else f"{failure.kind}: {failure.message}"
                 if failure is not None and (failure.host_fault or failure.kind not in CONFIG_FAILURES):
-                    if failure.kind != "lost":
+                    if records.counts_against_host(failure.kind):
                         self.health.failure(s, lease.worker_id, reason)
                     self.retry(s, lease, now, reason)
                 else:

@@ -29,6 +29,19 @@ log = logging.getLogger("spectune.api.leasing")
 CONFIG_FAILURES = frozenset({"invalid_config", "oom", "launch_timeout"})
 
 
+def counts_against_host(kind: str) -> bool:
+    """Does a failure of this kind count towards quarantining its host?
+
+    `lost` is a worker shutting down; `refused` is the worker declining what the *study* asks
+    (a flag outside its allowlist, a model it lacks): neither says the host is sick.
+    """
+    return kind not in ("lost", "refused")
+
+
+# Event kind recorded when a worker refuses a study's lease; the study is not offered to it again.
+LEASE_REFUSED = "lease_refused"
+
+
 def lease_payload(spec: StudySpec, config: SpecConfig | None, **extra: Any) -> dict[str, Any]:
     """What a worker needs to run a lease: server settings, workload and configuration."""
     return {

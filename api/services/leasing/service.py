@@ -24,7 +24,7 @@ from api.auth import Principal, require_worker
 from api.context import ServiceContext
 from api.db import db_now
 from api.errors import BusyError, ConflictError, ForbiddenError, InvalidInputError, LeaseGoneError, NotFoundError
-from api.models import LeaseRow, StudyRow, WorkerRow
+from api.models import EventRow, LeaseRow, StudyRow, WorkerRow
 from api.protocol import CompleteIn, CompleteOut, HeartbeatOut, Inventory, LeaseOut, ProgressIn, ProgressOut
 from api.services import studies as study_svc
 from api.services.leasing import records
@@ -76,7 +76,7 @@ class LeaseService:
         self.reclaim_expired()
         if quarantined:
             return None
-        for spec in self._candidate_studies(inventory):
+        for spec in self._candidate_studies(inventory, worker_id):
             try:
                 out = self._lease_from_study(spec, worker_id)
             except BusyError:
@@ -127,16 +127,25 @@ class LeaseService:
             select(LeaseRow).where(LeaseRow.worker_id == worker_id, LeaseRow.state == LeaseState.ACTIVE)
         ).first()
 
-    def _candidate_studies(self, inv: Inventory) -> list[StudySpec]:
+    def _candidate_studies(self, inv: Inventory, worker_id: str) -> list[StudySpec]:
         with self.ctx.sessions() as s:
             rows = s.scalars(
                 select(StudyRow)
                 .where(StudyRow.state == StudyState.RUNNING)
                 .order_by(StudyRow.created_at, StudyRow.name)
             ).all()
+            refused = set(
+                s.scalars(
+                    select(EventRow.study_name).where(
+                        EventRow.kind == records.LEASE_REFUSED, EventRow.worker_id == worker_id
+                    )
+                )
+            )
         out = []
         models = set(inv.models)
         for row in rows:
+            if row.name in refused:
+                continue
             spec = StudySpec.model_validate(row.spec)
             if any(inv.labels.get(k) != v for k, v in spec.placement.items()):
                 continue
@@ -243,6 +252,11 @@ class LeaseService:
                 late = lease.state == LeaseState.EXPIRED
                 spec = study_svc.spec_of(s, lease.study_name)
                 kind = lease.kind
+                if body.failure is not None and body.failure.kind == "refused":
+                    # A study fault: this worker is not offered the study again (_candidate_studies).
+                    records.event(s, records.LEASE_REFUSED, lease, body.failure.message[:2000])
+                    log.warning("worker %s refused lease %s of study %s: %s", lease.worker_id, lease.id,
+                                lease.study_name, body.failure.message)  # fmt: skip
             if kind == LeaseKind.BASELINE:
                 return self.baselines.complete(u, spec, lease_id, body, late)
             if kind == LeaseKind.CONFIRM:

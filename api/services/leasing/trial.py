@@ -296,7 +296,7 @@ class TrialLeases:
                 records.set_config_state(s, spec.name, lease.config_key, outcome_state)
                 self.health.success(s, worker_id)
             elif failure is not None:
-                if failure.kind != "lost":  # a worker shutting down is not a sick host
+                if records.counts_against_host(failure.kind):
                     self.health.failure(s, worker_id, f"{failure.kind}: {failure.message}")
                 give_up = self.retry_or_fail(s, spec, lease, now, failure.kind, failure.message)
             if give_up is None:
