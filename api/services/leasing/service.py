@@ -1,4 +1,4 @@
-"""The lease protocol's entry points (design: docs/design.md "Leases"): ask, heartbeat, progress, complete.
+"""The lease protocol's entry points (docs/leases.md): ask, heartbeat, progress, complete.
 
 Each kind of lease lives in its own module (baseline.py, trial.py, confirm.py), expiry in
 expiry.py, and every state change goes through states.py's guarded moves.  Invariants held by the
