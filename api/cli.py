@@ -99,6 +99,9 @@ def demo(
     workdir: Annotated[Path, typer.Option(help="where the demo keeps its database and logs")] = Path("./spectune-demo"),
     landscape: Annotated[str, typer.Option(help="simulated engine landscape")] = "moe-pcie",
     trials: Annotated[int, typer.Option(help="max trials")] = 20,
+    deadline_s: Annotated[
+        float, typer.Option(help="stop the study after this many seconds and show what it found")
+    ] = 280.0,
 ) -> None:
     """Run a whole study on the embedded default: SQLite, the API, two simulated workers."""
     _ensure_utc()
@@ -106,7 +109,7 @@ def demo(
         from api.demo import run_demo
     except ImportError as e:
         _fail(f"the demo is not available in this installation: {e}")
-    raise typer.Exit(run_demo(workdir=workdir, landscape=landscape, max_trials=trials))
+    raise typer.Exit(run_demo(workdir=workdir, landscape=landscape, max_trials=trials, deadline_s=deadline_s))
 
 
 @db_app.command("upgrade")

@@ -207,7 +207,9 @@ def _print_result(study: dict[str, Any], trials: list[dict[str, Any]], db_url: s
     echo(f"  and sign in with the token in {Path(db_url.removeprefix('sqlite:///')).parent / 'user.token'}")
 
 
-def run_demo(*, workdir: Path, landscape: str = "moe-pcie", max_trials: int = 20) -> int:
+def run_demo(
+    *, workdir: Path, landscape: str = "moe-pcie", max_trials: int = 20, deadline_s: float = DEMO_DEADLINE_S
+) -> int:
     """Run the demo; returns the process exit status."""
     from api.auth import create_token
     from api.db import make_engine, make_sessionmaker
@@ -273,7 +275,7 @@ def run_demo(*, workdir: Path, landscape: str = "moe-pcie", max_trials: int = 20
             workers.append((proc, log_path))
         last = ""
         study: dict[str, Any] = {}
-        while time.monotonic() - started < DEMO_DEADLINE_S:
+        while time.monotonic() - started < deadline_s:
             study = httpx.get(f"{api_url}/v1/studies/{study_name}", headers=headers, timeout=30).json()
             line = _progress_line(time.monotonic() - started, study)
             if line.split("]", 1)[1] != last:

@@ -184,14 +184,18 @@ def test_sharded_measurements_match_one_process_and_the_simulator_model(tmp_path
             trust_env=False,
         ).json()["meta_info"]
     want = predict(landscape, config, 4, cuda_graph_max_bs=SIM_MAX_RUNNING, max_running_requests=SIM_MAX_RUNNING)
+    # The counts are exact; the rates are wall-clock measurements of a paced simulator, which a busy
+    # machine slows by a few per cent (3.6% was seen with busy loops on every core).  The tolerance
+    # still catches what sharding could break: double-counted tokens, a wrong time window.
+    rel = 0.10
     for m in (one, two):
         assert m.completion_tokens == 2 * 4 * 512 and m.num_requests == 8
         for run in m.output_tok_s_runs:
-            assert run / SIM_SPEED == pytest.approx(want.output_tok_s, rel=0.03), m
+            assert run / SIM_SPEED == pytest.approx(want.output_tok_s, rel=rel), m
         assert m.per_user_tok_s is not None
-        assert m.per_user_tok_s / SIM_SPEED == pytest.approx(want.per_user_tok_s, rel=0.03), m
+        assert m.per_user_tok_s / SIM_SPEED == pytest.approx(want.per_user_tok_s, rel=rel), m
         assert m.accept_length == pytest.approx(direct["spec_accept_length"], rel=1e-9)
-    # Each is within 3% of the model above; between themselves, within the sum of that noise.
-    assert two.output_tok_s == pytest.approx(one.output_tok_s, rel=0.05)
+    # Between themselves, within that noise.
+    assert two.output_tok_s == pytest.approx(one.output_tok_s, rel=rel)
     assert two.spec_verify_ct == one.spec_verify_ct
     assert _no_generator_processes_left()
