@@ -13,19 +13,17 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import func, select
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.context import ServiceContext, Unit
 from api.db import db_now
-from api.errors import ConflictError
 from api.models import BaselineRow, LeaseRow, WorkerRow
 from api.protocol import CompleteIn, CompleteOut
 from api.services import studies as study_svc
 from api.services.leasing import records
 from api.services.leasing.baseline import BaselineLeases
 from api.services.leasing.records import CONFIG_FAILURES, HostHealth, event
-from api.services.leasing.states import LeaseKind, LeaseState, end, move
+from api.services.leasing.states import LeaseKind, LeaseState, claim, end
 from optimizer import confirmation as confirm
 from optimizer.spec import StudySpec
 
@@ -60,19 +58,7 @@ class ConfirmLeases:
                 return self.baselines.new(s, spec, worker_id, now)
             info = dict(lease.payload.get("confirm") or {})
             info["baseline_id"] = base.id
-            try:
-                with s.begin_nested():
-                    move(
-                        s,
-                        lease,
-                        LeaseState.ACTIVE,
-                        worker_id=worker_id,
-                        leased_at=now,
-                        deadline=now + timedelta(seconds=self.settings.lease_ttl_s),
-                        payload={**lease.payload, "confirm": info},
-                    )
-            except IntegrityError as e:  # the worker got another lease concurrently
-                raise ConflictError("this worker already holds an active lease; ask again") from e
+            claim(s, lease, worker_id, now, self.settings.lease_ttl_s, payload={**lease.payload, "confirm": info})
             log.info("lease %s: study %s confirms trial %s on %s", lease.id, spec.name, lease.trial_number, worker_id)
             return lease
         return None

@@ -23,11 +23,12 @@ database snapshots while workers run):
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
@@ -115,6 +116,27 @@ def move(s: Session, lease: LeaseRow, to: LeaseState, **values: Any) -> None:
     set_committed_value(lease, "state", to.value)
     for key, value in values.items():
         set_committed_value(lease, key, value)
+
+
+def claim(s: Session, lease: LeaseRow, worker_id: str, now: datetime, ttl_s: float, **values: Any) -> None:
+    """queued -> active for `worker_id`, with a deadline `ttl_s` from `now` (database clock).
+
+    WorkerHoldsLeaseError when the worker got another active lease meanwhile (the partial unique
+    index); the savepoint keeps the caller's transaction usable.
+    """
+    try:
+        with s.begin_nested():
+            move(
+                s,
+                lease,
+                LeaseState.ACTIVE,
+                worker_id=worker_id,
+                leased_at=now,
+                deadline=now + timedelta(seconds=ttl_s),
+                **values,
+            )
+    except IntegrityError as e:
+        raise WorkerHoldsLeaseError("this worker already holds an active lease; ask again") from e
 
 
 def end(s: Session, lease: LeaseRow, to: LeaseState, now: datetime, **values: Any) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 import optuna
@@ -26,7 +26,15 @@ from api.protocol import CompleteIn, CompleteOut, LeaseOut, ProgressIn, Progress
 from api.services import studies as study_svc
 from api.services.leasing import records
 from api.services.leasing.records import CONFIG_FAILURES, HostHealth, event, lease_out
-from api.services.leasing.states import ConfigState, LeaseKind, LeaseState, StudyState, WorkerHoldsLeaseError, end, move
+from api.services.leasing.states import (
+    ConfigState,
+    LeaseKind,
+    LeaseState,
+    StudyState,
+    WorkerHoldsLeaseError,
+    claim,
+    end,
+)
 from optimizer import attrs as A
 from optimizer import pruning
 from optimizer import study as opt
@@ -82,18 +90,7 @@ class TrialLeases:
         ).first()
         if lease is None:
             return None
-        try:
-            with s.begin_nested():
-                move(
-                    s,
-                    lease,
-                    LeaseState.ACTIVE,
-                    worker_id=worker_id,
-                    leased_at=now,
-                    deadline=now + timedelta(seconds=self.settings.lease_ttl_s),
-                )
-        except IntegrityError as e:  # the worker got another lease concurrently
-            raise WorkerHoldsLeaseError("this worker already holds an active lease; ask again") from e
+        claim(s, lease, worker_id, now, self.settings.lease_ttl_s)
         return lease
 
     def ask_new(self, u: Unit, spec: StudySpec, worker_id: str) -> LeaseOut | None:
