@@ -185,7 +185,9 @@ def processes_marked(marker: str) -> list[tuple[int, str]]:
             cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:  # gone meanwhile, or not ours to read
             continue
-        if cmd:  # zombies have an empty command line; their parent reaps them
+        # Zombies have an empty command line (their parent reaps them); multiprocessing's resource
+        # tracker belongs to this pytest process and ends with it.
+        if cmd and "multiprocessing.resource_tracker" not in cmd:
             found.append((int(entry.name), cmd))
     return found
 

@@ -49,7 +49,12 @@ class Target:
         return {"Authorization": f"Bearer {self.tokens[role]}"}
 
     def live_lease(self) -> str | None:
-        r = httpx.post(f"{self.url}/v1/workers/w1/lease", json=INVENTORY, headers=self.headers("worker"), timeout=30)
+        # A worker of its own: what the fuzzer reported as w1 (e.g. a refusal, after which w1 is
+        # not offered the study again) must not decide whether there is work.
+        worker = f"w-{uuid.uuid4().hex[:8]}"
+        r = httpx.post(
+            f"{self.url}/v1/workers/{worker}/lease", json=INVENTORY, headers=self.headers("worker"), timeout=30
+        )
         assert r.status_code in (200, 204), r.text
         return None if r.status_code == 204 else str(r.json()["lease_id"])
 

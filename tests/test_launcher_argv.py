@@ -175,6 +175,8 @@ def test_server_env_is_minimal_and_config_wins() -> None:
         "CUDA_VISIBLE_DEVICES": "2,3",
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
         "PYTHONUNBUFFERED": "1",
+        # The engine stops itself if this worker dies without stopping it (workers/lifeline.py).
+        "SPECTUNE_EXIT_WITH_PARENT": str(os.getpid()),
     }
     # Without gpu_indices the worker's own CUDA_VISIBLE_DEVICES (e.g. from systemd) carries over.
     assert server_env(EngineConfig(python=sys.executable), inherited)["CUDA_VISIBLE_DEVICES"] == "7"
