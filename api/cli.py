@@ -297,6 +297,8 @@ def study_watch(
             last = line
         if shown["state"] != "running":
             typer.echo(shown["verdict"])
+            if shown.get("cost"):
+                typer.echo(f"cost: {shown['cost']['summary']}")
             if shown.get("best"):
                 typer.echo(shown["best"]["launch_command"])
             return

@@ -179,6 +179,8 @@ def _print_result(study: dict[str, Any], trials: list[dict[str, Any]], db_url: s
         f"  {study.get('configurations_launched', len(launched))} server restarts: {len(measured)} measured, "
         f"{len(pruned)} pruned early, {len(failed)} could not run; every worker measured its baseline first"
     )
+    if study.get("cost"):
+        echo(f"  cost: {study['cost']['summary']}")
     # The answer is the confirmed winner; without confirmation, the best trial of the search.
     answer = study.get("winner") or study.get("best")
     if not answer:

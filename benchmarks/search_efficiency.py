@@ -1,33 +1,36 @@
-"""How many restarts does each search strategy need to find the best configuration?  (Run by hand.)
+"""Launches and GPU-hours until a study declares its answer, per strategy.  (Run by hand.)
 
-    python benchmarks/search_efficiency.py                    # every landscape, 20 seeds (minutes)
-    python benchmarks/search_efficiency.py --seeds 5 --quick  # a smoke run
-    python benchmarks/search_efficiency.py --levels 1,64      # a two-level workload (geomean)
+    python benchmarks/search_efficiency.py                      # 6 landscapes x 20 seeds (minutes)
+    python benchmarks/search_efficiency.py --seeds 5            # a smoke run
+    python benchmarks/search_efficiency.py --levels 1,64        # one workload for every landscape
 
-No servers: every trial is simulated with the simulator's pure model (`workers.simulator.model`):
-start-up seconds and memory check for the launched server, throughput and accept length per
+No servers: every launch is simulated with the simulator's pure model (`workers.simulator.model`):
+start-up seconds and memory check of the server launched, throughput and accept length per
 concurrency level from `predict`, with the simulator's noise model (per-request lognormal timing
 noise averaged over the workload, acceptance sampling noise, a per-host offset that cancels
-against the same host's baseline, and a slow drift over simulated wall time, so a trial measured
-hours after its baseline carries up to ~1% of drift).
+against the same host's baseline, and a slow drift over simulated wall time).
 
 Strategies, each on every landscape and seed:
 
-* `spectune` - the service's own loop: `sampler: auto` (optimizer.model_sampler), SGLang's
-  defaults as warm start, canonical de-duplication, OOM regions inferred from failures (no
-  launch), CUDA graphs captured for the workload's levels only (optimizer.plan).
+* `default` - the service's own loop with the default study (`sampler: auto`, convergence stop
+  on, `min_gain` 1%, confirmation of the top 3 whose intervals overlap the leader's), two
+  workers on two hosts leasing in the order of their clocks, so proposals are made while the
+  other host's trial is in flight; the study declares its answer when it converges (or
+  `max_trials` = 30), then confirms (one fresh baseline per host, baseline-candidate-baseline
+  only where drift was seen).  A "speculation does not pay" verdict is not confirmed.
+* `budget20` - the same loop with the convergence stop off and `max_trials: 20` (the behaviour
+  the issue reported: the whole budget is spent, then confirmation).
 * `tpe` - Optuna's default TPESampler() over the raw space (steps 1-10, topk {1,2,4,8}, draft
-  tokens 2-64 as independent integers), no domain knowledge: every proposal is launched (a tree
-  SGLang cannot fill fails at the first verify, after the start-up), failures are told as 0,
-  SGLang's default graph capture up to the largest level.
-* `random` - uniform over the valid canonical configurations, without repeats.
-* `grid` - SGLang's `bench_speculative.py` grid: steps 1,3,5,7 x topk 1,2,4,8 x draft tokens
-  2,4,8,16,32, valid points only, in its loop order, each point a fresh server (as it does).
+  tokens 2-64 as independent integers), 20 launches on one host; no domain knowledge: every
+  proposal is launched (a tree SGLang cannot fill fails after its start-up), failures told as 0,
+  SGLang's default graph capture up to the largest level; its answer is the best measured.
+* `grid` - SGLang's `bench_speculative.py` grid (optimizer.costs.grid_points), each point a
+  fresh server; its answer is the best measured.
 
-Measured per run: launches until a launched configuration's true objective is within 2% of the
-true optimum, the simulated GPU-hours spent until then (start-up + benchmark, x GPUs), and the
-true objective of the configuration each strategy would *report* (best measured) after 10, 20
-and 40 launches, as a share of the optimum.  One baseline is measured first in every run.
+Everything is counted: baselines (re-measured every 6 h of simulated time, and the fresh ones
+of the confirmation), search launches, confirmations, failed launches.  GPU-hours = (start-up +
+warm-up + benchmark) x the landscape's GPUs.  The answer's share = its true objective / the true
+optimum, where "run without speculation" counts as 1.0x and the optimum is at least 1.0x.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from typing import Any
 
 import optuna
 
+from optimizer import confirmation, convergence, costs
 from optimizer import study as opt
 from optimizer.infeasible import known_to_fail, oom_points
 from optimizer.objective import LevelResult, score
@@ -60,11 +64,7 @@ from workers.simulator.model import (
 )
 
 WITHIN = 0.98
-BUDGETS = (10, 20, 40)
-GRID_STEPS = (1, 3, 5, 7)
-GRID_TOPK = (1, 2, 4, 8)
-GRID_NDT = (2, 4, 8, 16, 32)
-STRATEGIES = ("spectune", "tpe", "random", "grid")
+TRACE = False
 
 
 @dataclass(frozen=True)
@@ -95,19 +95,31 @@ class Host:
     rng: random.Random
     seed: int
     noise: NoiseModel = field(default_factory=NoiseModel)
+    host_id: str = "host"
     clock_s: float = 0.0
     gpu_s: float = 0.0
     baseline: list[dict[str, Any]] = field(default_factory=list)
     baseline_at: float = -1e18
+    # Launches and GPU-seconds by kind: baseline, search, confirm, failed.
+    launches: dict[str, int] = field(default_factory=dict)
+    gpu_by_kind: dict[str, float] = field(default_factory=dict)
+    kind: str = "search"
+    last_startup_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.clock_s = self.rng.uniform(0, 24 * 3600)
         self.start_clock = self.clock_s
 
+    def count(self, kind: str, gpu_s_before: float) -> None:
+        self.launches[kind] = self.launches.get(kind, 0) + 1
+        self.gpu_by_kind[kind] = self.gpu_by_kind.get(kind, 0.0) + self.gpu_s - gpu_s_before
+
     def _measure(self, config: SpecConfig | None) -> list[dict[str, Any]]:
         ls, wl, p = self.landscape, self.workload, self.plan
         out = []
-        drift = self.noise.drift_factor(self.seed, "host", self.clock_s)
+        drift = self.noise.drift_factor(self.seed, self.host_id, self.clock_s) * self.noise.host_factor(
+            self.seed, self.host_id
+        )
         for c in wl.levels:
             pr = predict(
                 ls,
@@ -144,26 +156,34 @@ class Host:
 
     def _start(self, config: SpecConfig | None) -> None:
         p = self.plan
-        self._spend(
-            startup_seconds(
-                self.landscape,
-                config,
-                max_running_requests=p.max_running_requests,
-                cuda_graph_bs=p.cuda_graph_bs,
-                cuda_graph_max_bs=p.cuda_graph_max_bs,
-            )
-            + self.workload.warmup_s
+        self.last_startup_s = startup_seconds(
+            self.landscape,
+            config,
+            max_running_requests=p.max_running_requests,
+            cuda_graph_bs=p.cuda_graph_bs,
+            cuda_graph_max_bs=p.cuda_graph_max_bs,
         )
+        self._spend(self.last_startup_s + self.workload.warmup_s)
 
-    def baseline_levels(self) -> list[dict[str, Any]]:
-        if self.clock_s - self.baseline_at > 6 * 3600:
+    def baseline_levels(self, *, fresh: bool = False) -> list[dict[str, Any]]:
+        if fresh or self.clock_s - self.baseline_at > 6 * 3600:
+            before = self.gpu_s
             self._start(None)
             self.baseline = self._measure(None)
             self.baseline_at = self.clock_s
+            self.count("baseline", before)
         return self.baseline
 
     def launch(self, config: SpecConfig) -> tuple[str, list[dict[str, Any]]]:
-        """('ok', levels) | ('oom', []) | ('invalid', [])."""
+        """('ok', levels) | ('oom', []) | ('invalid', []), counted under `self.kind` or failed."""
+        before = self.gpu_s
+        outcome, levels = self._launch(config)
+        self.count(self.kind if outcome == "ok" else "failed", before)
+        if outcome == "oom":
+            self.launches["oom"] = self.launches.get("oom", 0) + 1
+        return outcome, levels
+
+    def _launch(self, config: SpecConfig) -> tuple[str, list[dict[str, Any]]]:
         p = self.plan
         mem = check_memory(
             self.landscape,
@@ -266,15 +286,81 @@ def spectune_plan(spec: StudySpec) -> Plan:
     return Plan(s.max_running_requests, s.cuda_graph_bs, s.cuda_graph_max_bs)
 
 
-def run_spectune(host: Host, truth: Truth, spec: StudySpec, max_launches: int) -> Run:
-    """The service's loop (api.services.leasing) without the database."""
-    run = Run()
+@dataclass
+class Answer:
+    """One run to its declared answer: every launch counted, and how good the answer is."""
+
+    launches: int
+    by_kind: dict[str, int]
+    gpu_h: float
+    gpu_h_by_kind: dict[str, float]
+    share: float  # true objective of the answer / true optimum (the baseline counts as 1.0)
+    oom: int
+    reason: str
+
+
+def _answer(hosts: Sequence[Host], truth: Truth, value: float, reason: str) -> Answer:
+    by_kind: dict[str, int] = {}
+    gpu: dict[str, float] = {}
+    for h in hosts:
+        for k, v in h.launches.items():
+            by_kind[k] = by_kind.get(k, 0) + v
+        for k, g in h.gpu_by_kind.items():
+            gpu[k] = gpu.get(k, 0.0) + g / 3600
+    oom = by_kind.pop("oom", 0)
+    best = max(truth.optimum, 1.0)
+    return Answer(sum(by_kind.values()), by_kind, sum(gpu.values()), gpu, value / best, oom, reason)
+
+
+def run_study(hosts: list[Host], truth: Truth, spec: StudySpec) -> Answer:
+    """The service's loop (api.services.leasing / studies.maybe_finish) without the database.
+
+    Workers (one per host) lease in the order their hosts' clocks say: a result is told when its
+    host's clock is the earliest, so a worker asking meanwhile sees the other's trial in flight
+    (RUNNING, as in the service).  After every result the study is assessed
+    (optimizer.convergence, when `budget.converge`); once settled, or `max_trials` launched,
+    no new trial is asked; when nothing is in flight the top candidates whose intervals overlap
+    the leader's are confirmed, each host measuring one fresh baseline for all of its
+    confirmations (and a baseline after each candidate only where it saw drift).
+    """
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage = optuna.storages.InMemoryStorage()
     opt.create_study(storage, spec)
     launched: dict[str, int] = {}
+    pending: dict[int, tuple[float, int, dict[str, Any]]] = {}  # host index -> (done at, trial, attrs)
+    settled = convergence.Assessment(False, "", 0, 0, 1.0, None, 1.0, None)
     asks = 0
-    while len(run.truths) < max_launches and asks < 4 * max_launches:
+    for h in hosts:
+        h.kind = "search"
+        h.baseline_levels()
+    while True:
+        # Deliver the earliest finished result first.
+        if pending:
+            i_next = min(pending, key=lambda i: pending[i][0])
+            idle = [i for i in range(len(hosts)) if i not in pending]
+            if not idle or min(hosts[i].clock_s for i in idle) >= pending[i_next][0]:
+                _, number, attrs = pending.pop(i_next)
+                study = opt.load_study(storage, spec)
+                _tell(study, number, attrs)
+                if spec.budget.converge:
+                    settled = convergence.assess(spec, study.get_trials(deepcopy=False))
+                    if TRACE:
+                        print(
+                            "   ", attrs.get("config_key"), attrs.get("failure_kind"), settled.reason, file=sys.stderr
+                        )
+                continue
+        idle = [i for i in range(len(hosts)) if i not in pending]
+        stop = settled.settled or len(launched) >= spec.budget.max_trials or asks > 8 * spec.budget.max_trials
+        if stop:
+            if pending:
+                # Idle until the next result (which may unsettle the study).
+                t_next = min(p[0] for p in pending.values())
+                for i in idle:
+                    hosts[i].clock_s = max(hosts[i].clock_s, t_next)
+                continue
+            break
+        i = min(idle, key=lambda j: hosts[j].clock_s)
+        h = hosts[i]
         asks += 1
         study = opt.load_study(storage, spec)
         asked = opt.ask(study, spec)
@@ -294,21 +380,72 @@ def run_spectune(host: Host, truth: Truth, spec: StudySpec, max_launches: int) -
                 study, asked.number, attrs | {"inferred_from": proof.trial_number, "failure_kind": "oom"}
             )
             continue
-        base = host.baseline_levels()
-        outcome, levels = host.launch(asked.config)
+        h.kind = "search"
+        base = h.baseline_levels()
+        outcome, levels = h.launch(asked.config)
         launched[key] = asked.number
         if outcome != "ok":
-            opt.tell_infeasible(study, asked.number, attrs | {"failure_kind": "oom" if outcome == "oom" else "crash"})
-            run.add(0.0, 0.0, host.gpu_s)
-            continue
-        sc = score(
-            spec.objective,
-            [LevelResult(lv["concurrency"], lv["output_tok_s"]) for lv in levels],
-            {b["concurrency"]: b["output_tok_s"] for b in base},
-        )
-        opt.tell_value(study, asked.number, sc.value, 0.0, attrs | {"levels": levels, "baseline_levels": base})
-        run.add(truth.value(asked.config), sc.value, host.gpu_s)
-    return run
+            attrs |= {"failure_kind": "oom" if outcome == "oom" else "crash", "_failed": True}
+        else:
+            attrs |= {"levels": levels, "baseline_levels": base, "startup_s": h.last_startup_s}
+        pending[i] = (h.clock_s, asked.number, attrs)
+    study = opt.load_study(storage, spec)
+    trials = study.get_trials(deepcopy=False)
+    reason = settled.reason if settled.settled else f"max_trials={spec.budget.max_trials}"
+    best = opt.best_trial_of(trials)
+    if best is None:
+        return _answer(hosts, truth, 1.0, reason)
+    if settled.settled and settled.pays is False:
+        return _answer(hosts, truth, 1.0, reason)  # "speculation does not pay": run the baseline
+    chosen = confirmation.candidates(trials, spec.confirmation.top, spec)
+    confirmed: list[tuple[float, SpecConfig]] = []
+    began = max(h.clock_s for h in hosts)
+    fresh_at: dict[int, float] = {}
+    last_done: dict[int, float] = {}
+    drift: dict[int, bool] = {}
+    for t in chosen:
+        cfg = SpecConfig.model_validate(t.user_attrs["config"])
+        # One fresh baseline serves every confirmation on its host: keep to a host that has one.
+        paired = [j for j in fresh_at if not drift.get(j, False)]
+        i = paired[0] if paired else min(range(len(hosts)), key=lambda j: hosts[j].clock_s)
+        h = hosts[i]
+        h.clock_s = max(h.clock_s, began)
+        earlier = h.baseline
+        if not confirmation.baseline_serves(fresh_at.get(i, -1.0), began, last_done.get(i), drift.get(i, False)):
+            h.kind = "confirm"
+            base = h.baseline_levels(fresh=True)
+            fresh_at[i] = h.clock_s
+            if i not in drift:
+                drift[i] = confirmation.drift_seen(base, earlier, 0.02)
+        h.kind = "confirm"
+        outcome, levels = h.launch(cfg)
+        last_done[i] = h.clock_s
+        if outcome == "ok":
+            got = confirmation.confirm_result(spec, levels, h.baseline)
+            confirmed.append((got.value, cfg))
+    if confirmed:
+        value, cfg = max(confirmed, key=lambda x: x[0])
+        answer = truth.value(cfg) if value > 1.0 else 1.0
+    else:
+        answer = truth.value(SpecConfig.model_validate(best.user_attrs["config"]))
+    return _answer(hosts, truth, answer, reason)
+
+
+def _tell(study: optuna.Study, number: int, attrs: dict[str, Any]) -> None:
+    if attrs.pop("_failed", False):
+        opt.tell_infeasible(study, number, attrs)
+        return
+    spec = opt_spec(study)
+    sc = score(
+        spec.objective,
+        [LevelResult(lv["concurrency"], lv["output_tok_s"]) for lv in attrs["levels"]],
+        {b["concurrency"]: b["output_tok_s"] for b in attrs["baseline_levels"]},
+    )
+    opt.tell_value(study, number, sc.value, 0.0, attrs)
+
+
+def opt_spec(study: optuna.Study) -> StudySpec:
+    return StudySpec.model_validate(study.user_attrs[opt.SPEC_ATTR])
 
 
 def _measured_value(host: Host, config: SpecConfig) -> tuple[str, float]:
@@ -338,151 +475,123 @@ def run_tpe(host: Host, truth: Truth, seed: int, max_launches: int) -> Run:
     return run
 
 
-def run_random(host: Host, truth: Truth, space: SearchSpace, rng: random.Random, max_launches: int) -> Run:
-    run = Run()
-    configs = list(space.iter_configs())
-    rng.shuffle(configs)
-    for config in configs[:max_launches]:
-        outcome, value = _measured_value(host, config)
-        run.add(truth.value(config) if outcome == "ok" else 0.0, value, host.gpu_s)
-    return run
-
-
-def grid_points() -> list[SpecConfig]:
-    out = []
-    for steps in GRID_STEPS:
-        for topk in GRID_TOPK:
-            for ndt in GRID_NDT:
-                if ndt <= steps * topk + 1:
-                    out.append(SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=ndt))
-    return out
-
-
 def run_grid(host: Host, truth: Truth) -> Run:
     run = Run()
-    for config in grid_points():
+    for config in costs.grid_points():
         outcome, value = _measured_value(host, config)
         run.add(truth.value(config) if outcome == "ok" else 0.0, value, host.gpu_s)
     return run
 
 
-@dataclass
-class Cell:
-    trials: list[float] = field(default_factory=list)  # inf when never within 2%
-    gpu_h: list[float] = field(default_factory=list)
-    total_gpu_h: list[float] = field(default_factory=list)
-    reported: dict[int, list[float]] = field(default_factory=lambda: {b: [] for b in BUDGETS})
+STUDY_STRATEGIES = ("default", "budget20", "tpe", "grid")
+# The memory-bound landscapes are measured where memory binds: spectune captures graphs only for
+# the workload's levels, so at level 1 nothing runs out of memory there.
+LEVELS_BY_LANDSCAPE: dict[str, tuple[int, ...]] = {"mem-tight": (64,), "draft-mem-cliff": (16,)}
 
 
-def simulate(landscape: Landscape, workload: Workload, seeds: int, max_launches: int) -> dict[str, Cell]:
+def _run_answer(hosts: Sequence[Host], truth: Truth, run: Run) -> Answer:
+    best = max(truth.optimum, 1.0)
+    n = len(run.measured)
+    share = run.reported(n) / best if n and max(run.measured) > 1.0 else 1.0 / best
+    return _answer(hosts, truth, share * best, "fixed")
+
+
+def simulate_studies(landscape: Landscape, workload: Workload, seeds: int) -> dict[str, list[Answer]]:
     space = SearchSpace()
-    cells = {s: Cell() for s in STRATEGIES}
+    out: dict[str, list[Answer]] = {s: [] for s in STUDY_STRATEGIES}
     top = max(workload.levels)
     default_plan = Plan(max_running_requests=top, cuda_graph_max_bs=top)
     for seed in range(seeds):
         spec = spec_for(workload, "auto", seed)
-        plans = {"spectune": spectune_plan(spec), "tpe": default_plan, "random": default_plan, "grid": default_plan}
-        truth = Truth(landscape, workload, plans["spectune"], space)
-        for name in STRATEGIES:
-            host = Host(landscape, workload, plans[name], random.Random(f"{landscape.name}/{seed}/host"), seed)
-            rng = random.Random(f"{landscape.name}/{seed}/{name}")
-            if name == "spectune":
-                # It reaches 2% within a few trials; the largest budget reported is enough.
-                run = run_spectune(host, truth, spec, min(max_launches, max(BUDGETS)))
+        plan = spectune_plan(spec)
+        truth = Truth(landscape, workload, plan, space)
+        for name in STUDY_STRATEGIES:
+
+            def hosts_of(p: Plan, n: int, name: str = name, seed: int = seed) -> list[Host]:
+                return [
+                    Host(
+                        landscape,
+                        workload,
+                        p,
+                        random.Random(f"{landscape.name}/{seed}/{name}/{k}"),
+                        seed,
+                        host_id=f"h{k}",
+                    )
+                    for k in range(n)
+                ]
+
+            if name in ("default", "budget20"):
+                hs = hosts_of(plan, 2)
+                s = (
+                    spec
+                    if name == "default"
+                    else spec.model_copy(
+                        update={"budget": spec.budget.model_copy(update={"converge": False, "max_trials": 20})}
+                    )
+                )
+                out[name].append(run_study(hs, truth, s))
             elif name == "tpe":
-                run = run_tpe(host, truth, seed, max_launches)
-            elif name == "random":
-                run = run_random(host, truth, space, rng, max_launches)
+                hs = hosts_of(default_plan, 1)
+                run = run_tpe(hs[0], truth, seed, 20)
+                out[name].append(_run_answer(hs, truth, run))
             else:
-                run = run_grid(host, truth)
-            n, gpu_s = run.to_within(truth.optimum)
-            cell = cells[name]
-            cell.trials.append(math.inf if n is None else n)
-            cell.gpu_h.append(math.inf if gpu_s is None else gpu_s / 3600)
-            cell.total_gpu_h.append(run.gpu_s[-1] / 3600 if run.gpu_s else 0.0)
-            for b in BUDGETS:
-                cell.reported[b].append(run.reported(b) / truth.optimum if truth.optimum > 0 else 0.0)
-    return cells
+                hs = hosts_of(default_plan, 1)
+                run = run_grid(hs[0], truth)
+                out[name].append(_run_answer(hs, truth, run))
+    return out
 
 
 def _median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else math.nan
 
 
-def _fmt(x: float, digits: int = 1) -> str:
-    if math.isinf(x):
-        return "never"
-    return f"{x:.{digits}f}"
-
-
-def report(name: str, cells: dict[str, Cell], seeds: int, max_launches: int) -> list[str]:
-    lines = [f"### {name}", ""]
-    lines.append(
-        "| strategy | median trials to 2% | reached | median GPU-h to 2% | GPU-h of the run | "
-        + " | ".join(f"reported @{b}" for b in BUDGETS)
-        + " |"
-    )
-    lines.append("|---" * (5 + len(BUDGETS)) + "|")
-    for s in STRATEGIES:
-        c = cells[s]
-        reached = sum(1 for t in c.trials if not math.isinf(t))
-        lines.append(
-            f"| {s} | {_fmt(_median(c.trials))} | {reached}/{seeds} | {_fmt(_median(c.gpu_h), 2)} | "
-            f"{_fmt(_median(c.total_gpu_h), 2)} | "
-            + " | ".join(f"{100 * statistics.fmean(c.reported[b]):.1f}%" for b in BUDGETS)
-            + " |"
+def study_report(name: str, levels: Sequence[int], cells: dict[str, list[Answer]], seeds: int) -> list[str]:
+    lines = [
+        f"### {name} (levels {list(levels)}, {seeds} seeds)",
+        "",
+        "| strategy | median launches to the answer | baselines / search / confirm / failed | median GPU-h | "
+        "answer within 2% | median share of optimum | OOM launches (median / max) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for s in STUDY_STRATEGIES:
+        answers = cells[s]
+        split = " / ".join(
+            f"{_median([a.by_kind.get(k, 0) for a in answers]):g}" for k in ("baseline", "search", "confirm", "failed")
         )
-    sp = cells["spectune"]
-    t_sp, h_sp = _median(sp.trials), _median(sp.gpu_h)
-    t_tpe = _median(cells["tpe"].trials)
-    grid_h = _median(cells["grid"].total_gpu_h)
-    grid_to = _median(cells["grid"].gpu_h)
+        within = sum(1 for a in answers if a.share >= WITHIN)
+        ooms = [a.oom for a in answers]
+        lines.append(
+            f"| {s} | {_median([a.launches for a in answers]):g} | {split} | {_median([a.gpu_h for a in answers]):.2f} | "
+            f"{within}/{len(answers)} | {100 * _median([a.share for a in answers]):.1f}% | "
+            f"{_median(ooms):g} / {max(ooms)} |"
+        )
+    d = cells["default"]
+    reasons: dict[str, int] = {}
+    for a in d:
+        key = a.reason.split(":")[0].split(" after")[0]
+        reasons[key] = reasons.get(key, 0) + 1
     lines.append("")
-    lines.append(
-        f"spectune / tpe trials: {_ratio(t_sp, t_tpe, max_launches)}; spectune / random trials: "
-        f"{_ratio(t_sp, _median(cells['random'].trials), max_launches)}; spectune GPU-h to 2% / whole grid: "
-        f"{h_sp / grid_h:.2f} (/ grid's own GPU-h to 2%: {'grid never reached 2%' if math.isinf(grid_to) else f'{h_sp / grid_to:.2f}'})"
-    )
-    ok = t_sp <= 10 and (math.isinf(t_tpe) or t_sp <= 0.5 * t_tpe) and h_sp <= grid_h / 3
-    lines.append(
-        f"targets (median <= 10 trials, <= 1/2 of TPE, <= 1/3 of the grid's GPU-h): {'met' if ok else 'MISSED'}"
-    )
+    lines.append("default study ended by: " + ", ".join(f"{k} ({v})" for k, v in sorted(reasons.items())))
     lines.append("")
     return lines
-
-
-def _ratio(a: float, b: float, cap: int) -> str:
-    if math.isinf(a) and math.isinf(b):
-        return "n/a (neither reached 2%)"
-    if math.isinf(a):
-        return "spectune never reached 2%"
-    if math.isinf(b):
-        return f"< {a / cap:.2f} (the other did not reach 2% within {cap} launches in most runs)"
-    return f"{a / b:.2f}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, default=20)
-    ap.add_argument("--levels", default="1", help="workload concurrency levels, comma-separated")
+    ap.add_argument("--levels", default=None, help="workload concurrency levels for every landscape, comma-separated")
     ap.add_argument("--landscapes", default=",".join(LANDSCAPES))
-    ap.add_argument("--max-launches", type=int, default=60, help="launches per run (TPE and random)")
-    ap.add_argument("--quick", action="store_true", help="40 launches per run")
     args = ap.parse_args(argv)
-    levels = tuple(int(x) for x in args.levels.split(","))
-    workload = Workload(levels=levels)
-    max_launches = 40 if args.quick else args.max_launches
     t0 = time.monotonic()
-    out = [
-        f"search efficiency: levels {list(levels)}, {args.seeds} seeds, up to {max_launches} launches per run",
-        "",
-    ]
+    print(f"search efficiency: {args.seeds} seeds, two workers for the studies", flush=True)
     for name in args.landscapes.split(","):
         ls = LANDSCAPES[name]
-        cells = simulate(ls, workload, args.seeds, max_launches)
-        lines = report(name, cells, args.seeds, max_launches)
-        print("\n".join(lines), flush=True)
-        out += lines
+        if args.levels:
+            levels = tuple(int(x) for x in args.levels.split(","))
+        else:
+            levels = LEVELS_BY_LANDSCAPE.get(name, (1,))
+        cells = simulate_studies(ls, Workload(levels=levels), args.seeds)
+        print("\n".join(study_report(name, levels, cells, args.seeds)), flush=True)
     print(f"({time.monotonic() - t0:.0f} s)")
     return 0
 

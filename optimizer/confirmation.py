@@ -40,24 +40,71 @@ def _measured(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
     return out
 
 
-def candidates(trials: Sequence[FrozenTrial], top: int) -> list[FrozenTrial]:
-    """The distinct configurations worth confirming, best measured first (at most `top`)."""
+def search_interval(spec: StudySpec, t: FrozenTrial) -> Interval | None:
+    """The 95% interval of a trial's objective as measured in the search."""
+    ivs = level_intervals(t.user_attrs.get("levels") or [], t.user_attrs.get("baseline_levels") or [])
+    return objective_interval(spec, float(t.value or 0.0), ivs)
+
+
+def overlaps(a: Interval | None, b: Interval | None, value_a: float, value_b: float) -> bool:
+    """Could the two be in either order?  Without intervals: within CANDIDATE_WINDOW."""
+    if a is None or b is None:
+        return value_a >= value_b * (1.0 - CANDIDATE_WINDOW)
+    return a.high >= b.low and b.high >= a.low
+
+
+def candidates(trials: Sequence[FrozenTrial], top: int, spec: StudySpec | None = None) -> list[FrozenTrial]:
+    """The distinct configurations worth confirming, best measured first (at most `top`).
+
+    With the spec, only those whose search interval overlaps the leader's: one whose interval
+    lies wholly below cannot be the winner, and each confirmation is a restart.
+    """
     if top <= 0:
         return []
     ranked = sorted(_measured(trials), key=lambda t: (-float(t.value or 0.0), t.number))
     out: list[FrozenTrial] = []
     seen: set[str] = set()
+    lead_iv: Interval | None = None
     for t in ranked:
         key = str(t.user_attrs.get("config_key"))
         if key in seen:
             continue
         if out and float(t.value or 0.0) < float(out[0].value or 0.0) * (1.0 - CANDIDATE_WINDOW):
             break
+        if spec is not None:
+            iv = search_interval(spec, t)
+            if not out:
+                lead_iv = iv
+            elif not overlaps(iv, lead_iv, float(t.value or 0.0), float(out[0].value or 0.0)):
+                continue
         seen.add(key)
         out.append(t)
         if len(out) >= top:
             break
     return out
+
+
+def baseline_serves(
+    baseline_at: float, confirmation_began: float, last_confirm_done_on_host: float | None, drift_seen: bool
+) -> bool:
+    """May a host's latest baseline pair with its next confirmation (times in any one clock)?
+
+    One fresh baseline (measured after the confirmation phase began) serves every confirmation
+    on that host; only where drift was seen must a new baseline follow each candidate
+    (baseline-candidate-baseline), i.e. be measured after the host's previous confirmation.
+    """
+    if baseline_at < confirmation_began:
+        return False
+    if drift_seen and last_confirm_done_on_host is not None:
+        return baseline_at >= last_confirm_done_on_host
+    return True
+
+
+def drift_seen(fresh: Sequence[Mapping[str, Any]], earlier: Sequence[Mapping[str, Any]], margin: float) -> bool:
+    """Did the host's baseline move by more than `margin` (relative) between two measurements?"""
+    a = {int(b["concurrency"]): float(b["output_tok_s"]) for b in fresh if b.get("output_tok_s")}
+    b = {int(x["concurrency"]): float(x["output_tok_s"]) for x in earlier if x.get("output_tok_s")}
+    return any(abs(a[c] / b[c] - 1.0) > margin for c in a.keys() & b.keys() if b[c] > 0)
 
 
 @dataclass(frozen=True)

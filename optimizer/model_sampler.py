@@ -2,14 +2,17 @@
 
 Each ask fits `optimizer.perf_model` to every measured trial (accept length and cycle time per
 level, not only the speedup), scores every valid configuration of the space that was never
-launched, is not in flight and is not known to run out of memory, and proposes the one with the
-largest expected improvement (in log speedup) over the best measurement so far.  The model's
+launched, is not in flight and is not known or likely to run out of memory (optimizer.infeasible,
+optimizer.memory_boundary), and proposes the one with the largest expected improvement (in log
+speedup) over the best measurement so far per second of predicted launch and benchmark time
+(optimizer.launch_cost), discounted by its risk of failing.  The model's
 uncertainty (Laplace) makes it try informative configurations while the fit is loose, and go
 straight for the predicted optimum once it is tight.
 
 Before any trial carries an accept length (warm starts still running, or an engine that does
 not report one) it falls back to TPE, and enqueued warm starts always win (Optuna's fixed
-params).  Running trials are excluded, so parallel workers get different proposals.
+params).  Configurations in flight are excluded, their near-copies too, and the value of their
+neighbours is discounted, so parallel workers get different, informative proposals.
 """
 
 from __future__ import annotations
@@ -30,9 +33,19 @@ from optuna.study import Study
 from optuna.trial import FrozenTrial, TrialState
 from scipy.stats import norm
 
+from optimizer import launch_cost
 from optimizer.infeasible import known_to_fail, oom_points
+from optimizer.memory_boundary import PROBABLE_FAILURE, MemoryBoundary, default_batch_of
 from optimizer.params import distributions
-from optimizer.perf_model import Candidates, FittedModel, Observation, fit, observations_from_attrs
+from optimizer.perf_model import (
+    MODEL_FLOOR,
+    Candidates,
+    FittedModel,
+    FloatArray,
+    Observation,
+    fit,
+    observations_from_attrs,
+)
 from optimizer.space import SearchSpace, SpecConfig, params_of
 from optimizer.spec import StudySpec
 
@@ -40,6 +53,9 @@ from optimizer.spec import StudySpec
 # the best measured one); the default space has ~750.
 MAX_SCORED = 20_000
 PREDICTION_ATTR = "model_prediction"
+# Two configurations closer than this (optimizer.model_sampler.coords) are near-copies: never
+# both in flight.
+NEAR_COPY = 0.75
 
 
 @dataclass(frozen=True)
@@ -49,6 +65,8 @@ class Proposal:
     predicted_sd: float  # of the log speedup
     expected_improvement: float
     observations: int
+    p_fail: float = 0.0  # of running out of memory, by the learnt boundary
+    cost_s: float = 0.0  # predicted start-up + benchmark seconds
 
 
 def objective_levels(spec: StudySpec) -> tuple[list[int], list[float]]:
@@ -89,44 +107,144 @@ def _tried_keys(trials: Sequence[FrozenTrial]) -> set[str]:
 
 
 def _best_measured(trials: Sequence[FrozenTrial]) -> float | None:
-    best = None
+    best = best_measured_trial(trials)
+    return None if best is None else float(best.value or 0.0)
+
+
+def best_measured_trial(trials: Sequence[FrozenTrial]) -> FrozenTrial | None:
+    """The feasible measured trial with the best value (the incumbent)."""
+    best: FrozenTrial | None = None
     for t in trials:
         if t.state != TrialState.COMPLETE or t.value is None or t.value <= 0:
             continue
         if t.constraints and any(v > 0 for v in t.constraints.values()):
             continue
-        if best is None or t.value > best:
-            best = t.value
+        if "config" not in t.user_attrs:
+            continue
+        if best is None or t.value > (best.value or 0.0):
+            best = t
     return best
 
 
-def propose(
-    spec: StudySpec, trials: Sequence[FrozenTrial], rng: random.Random, model: FittedModel | None = None
-) -> Proposal | None:
-    """The configuration to measure next, or None when the model has nothing to go on."""
-    if model is None:
-        model = fit(observations_of(trials), spec.search_space.num_steps.high)
-    if model is None:
-        return None
+def gain_over(
+    spec: StudySpec, model: FittedModel, pool: Sequence[SpecConfig], ref: SpecConfig
+) -> tuple[FloatArray, FloatArray]:
+    """Mean and sd of log(candidate / incumbent) by the model (FittedModel.predict_gain).
+
+    The model's misspecification floor hits a near-copy of the incumbent as much as the
+    incumbent itself, so it grows with the distance between the two servers (`coords`).
+    """
+    levels, weights = objective_levels(spec)
+    dist = np.sqrt(((coords(pool) - coords([ref])) ** 2).sum(axis=1))
+    floor = MODEL_FLOOR * np.minimum(1.0, dist / 8.0)
+    return model.predict_gain(Candidates.of(pool), Candidates.of([ref]), levels, weights, floor)
+
+
+@dataclass(frozen=True)
+class OpenPool:
+    """Configurations still worth a launch, with each one's probability of running out of memory."""
+
+    configs: list[SpecConfig]
+    p_fail: FloatArray
+    pending: list[SpecConfig]
+
+
+def pending_configs(trials: Sequence[FrozenTrial]) -> list[SpecConfig]:
+    """Configurations in flight (asked, leased, not yet told)."""
+    return [
+        SpecConfig.model_validate(t.user_attrs["config"])
+        for t in trials
+        if t.state == TrialState.RUNNING and "config" in t.user_attrs
+    ]
+
+
+def open_pool(spec: StudySpec, trials: Sequence[FrozenTrial]) -> OpenPool:
+    """Never launched, not in flight, not known to fail, and not a probable failure by the
+    memory boundary learnt so far (optimizer.memory_boundary)."""
     tried = _tried_keys(trials)
     ooms = oom_points(trials)
     pool = [c for c in space_configs(spec.search_space) if c.key not in tried]
     if ooms:
         pool = [c for c in pool if known_to_fail(c, ooms) is None]
+    boundary = MemoryBoundary.fit(trials, default_batch_of(spec.workload.concurrency))
+    if boundary is not None and pool:
+        p_fail = boundary.p_fail(pool)
+        keep = p_fail < PROBABLE_FAILURE
+        pool = [c for c, k in zip(pool, keep, strict=True) if k]
+        p_fail = p_fail[keep]
+    else:
+        p_fail = np.zeros(len(pool))
+    return OpenPool(pool, p_fail, pending_configs(trials))
+
+
+def coords(configs: Sequence[SpecConfig]) -> FloatArray:
+    """Where a configuration sits for "how alike are two servers": steps in twos, log2 topk,
+    log2 draft tokens in halves."""
+    return np.array(
+        [[c.num_steps / 2.0, math.log2(c.topk), 2.0 * math.log2(c.num_draft_tokens)] for c in configs], dtype=float
+    ).reshape(len(configs), 3)
+
+
+def pending_penalty(pool: Sequence[SpecConfig], pending: Sequence[SpecConfig]) -> FloatArray:
+    """Factor on each candidate's value: 0 for a near-copy of a configuration in flight, rising to
+    1 away from them (what the pending launch will teach about its neighbours is not worth a
+    second launch now)."""
+    out = np.ones(len(pool))
+    if not pending or not pool:
+        return out
+    a, b = coords(pool), coords(pending)
+    d2 = ((a[:, None, :] - b[None, :, :]) ** 2).sum(axis=2)
+    for j in range(len(pending)):
+        out *= np.where(d2[:, j] < NEAR_COPY**2, 0.0, 1.0 - np.exp(-d2[:, j] / 2.0))
+    return out
+
+
+def propose(
+    spec: StudySpec, trials: Sequence[FrozenTrial], rng: random.Random, model: FittedModel | None = None
+) -> Proposal | None:
+    """The configuration to measure next, or None when the model has nothing to go on.
+
+    Value = expected improvement x (1 - probability of running out of memory) x the penalty
+    around configurations in flight, per expected second of launch and benchmark
+    (optimizer.launch_cost).
+    """
+    if model is None:
+        model = fit(observations_of(trials), spec.search_space.num_steps.high)
+    if model is None:
+        return None
+    op = open_pool(spec, trials)
+    pool, p_fail = op.configs, op.p_fail
     if not pool:
         return None
     if len(pool) > MAX_SCORED:
-        pool = rng.sample(pool, MAX_SCORED)
+        idx = sorted(rng.sample(range(len(pool)), MAX_SCORED))
+        pool, p_fail = [pool[i] for i in idx], p_fail[idx]
     cand = Candidates.of(pool)
     levels, weights = objective_levels(spec)
     mean, sd = model.predict_log_speedup(cand, levels, weights)
-    best = _best_measured(trials)
-    incumbent = math.log(best) if best is not None else float(mean.max())
-    z = (mean - incumbent) / sd
+    best = best_measured_trial(trials)
+    if best is not None and float(best.value or 0.0) > 1.0:
+        # The question the convergence stop asks (optimizer.convergence): how much may each
+        # candidate beat the incumbent, as the model sees both, by more than min_gain?  Measuring
+        # where that is most likely also settles the study soonest.
+        ref = SpecConfig.model_validate(best.user_attrs["config"])
+        diff, sd = gain_over(spec, model, pool, ref)
+        z = (diff - math.log1p(spec.budget.min_gain)) / sd
+    else:
+        # Nothing pays yet: improvement over the baseline (or the best so far, if above it).
+        incumbent = max(math.log(float(best.value or 1.0)) if best is not None else float(mean.max()), 0.0)
+        if best is None:
+            incumbent = float(mean.max())
+        z = (mean - incumbent) / sd
     ei = sd * (z * norm.cdf(z) + norm.pdf(z))
-    # Ties (flat EI far from the incumbent) go to the higher mean, then to the smaller server
+    penalty = pending_penalty(pool, op.pending)
+    if not penalty.any():
+        return None
+    cost = launch_cost.fit(spec, trials).seconds(pool, np.exp(mean), p_fail)
+    value = ei * (1.0 - p_fail) * penalty / (cost / float(np.median(cost)))
+    # Ties (flat value far from the incumbent) go to the higher mean, then to the smaller server
     # (fewer draft tokens, shorter graph capture).
-    order = np.lexsort((cand.ndt, -mean, -np.round(ei, 12)))
+    order = np.lexsort((cand.ndt, -mean, -np.round(value, 12)))
     i = int(order[0])
     return Proposal(
         config=cand.configs[i],
@@ -134,6 +252,8 @@ def propose(
         predicted_sd=float(sd[i]),
         expected_improvement=float(ei[i]),
         observations=model.n_observations,
+        p_fail=float(p_fail[i]),
+        cost_s=float(cost[i]),
     )
 
 
@@ -167,6 +287,8 @@ class ModelSampler(BaseSampler):
                         "log_sd": proposal.predicted_sd,
                         "expected_improvement": proposal.expected_improvement,
                         "observations": proposal.observations,
+                        "p_oom": proposal.p_fail,
+                        "predicted_cost_s": proposal.cost_s,
                     }
                 )
             ),

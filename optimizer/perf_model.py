@@ -47,8 +47,8 @@ _OMEGA = (0.1, 0.3)  # fixed per-cycle overhead / decode step
 # Knees tried for the verify cost; 0 means one slope throughout (dense targets).
 KNEES = (0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 # Relative measurement noise of AL and of the cycle ratio (a few % per level, from the loadgen).
-AL_NOISE = 0.02
-COST_NOISE = 0.02
+AL_NOISE = 0.01
+COST_NOISE = 0.01
 # Floor on a prediction's sd: the model is a simplification of a real server.
 MODEL_FLOOR = 0.01
 # Graphs missing at a level make that level run eagerly (calibration.md §5).
@@ -173,6 +173,41 @@ class FittedModel:
             grads[j] = (self._objective(bumped, cand, levels, weights) - mean) / h
         var = np.einsum("ic,ij,jc->c", grads, cov, grads)
         return mean, np.sqrt(np.maximum(var, 0.0) + MODEL_FLOOR**2)
+
+    def predict_gain(
+        self,
+        cand: Candidates,
+        ref: Candidates,
+        levels: Sequence[int],
+        weights: Sequence[float],
+        floor: FloatArray | float = MODEL_FLOOR,
+    ) -> tuple[FloatArray, FloatArray]:
+        """Mean and sd of log(speedup of each candidate / speedup of `ref`'s one configuration).
+
+        The difference's sd comes from the difference of the gradients, so what the model is
+        unsure of for both alike (a neighbour of the incumbent) cancels, as it should; `floor`
+        (per candidate) stands for the model's own misspecification.
+        """
+        theta = np.concatenate([self.logits, [self.gain], self.cost])
+        both = Candidates.of(list(cand.configs) + list(ref.configs[:1]))
+        base = self._objective(theta, both, levels, weights)
+        cov = self._cov(len(theta))
+        grads = np.empty((len(theta), len(base)))
+        for j in range(len(theta)):
+            h = 1e-4 * max(1.0, abs(theta[j]))
+            bumped = theta.copy()
+            bumped[j] += h
+            grads[j] = (self._objective(bumped, both, levels, weights) - base) / h
+        dg = grads[:, :-1] - grads[:, -1:]
+        var = np.einsum("ic,ij,jc->c", dg, cov, dg)
+        return base[:-1] - base[-1], np.sqrt(np.maximum(var, 0.0) + np.asarray(floor) ** 2)
+
+    def _cov(self, n: int) -> FloatArray:
+        cov = np.zeros((n, n))
+        na = len(self.logits) + 1
+        cov[:na, :na] = self.accept_cov
+        cov[na:, na:] = self.cost_cov
+        return cov
 
     def _objective(
         self, theta: FloatArray, cand: Candidates, levels: Sequence[int], weights: Sequence[float]

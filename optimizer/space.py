@@ -4,10 +4,16 @@ The rules (reference/sglang.md §2, `speculative_hook.py::_handle_eagle_family` 
 
 * topk = 1 forces num_draft_tokens = num_steps + 1 (SGLang only warns and adjusts), so with a
   chain the draft-token count is derived, never searched;
-* num_draft_tokens <= num_steps * topk + 1, otherwise the server fails at run time in
-  `organize_draft_results` (top-k over too few candidates); SGLang does not check it at start-up,
-  so we never launch such a point;
-* num_draft_tokens >= 2 (the root plus at least one draft token).
+* num_draft_tokens - 1 <= topk + (num_steps - 1) * topk^2: `organize_draft_results` takes the
+  top (draft tokens - 1) of the candidate scores of every draft step (topk after the first step,
+  topk*topk after each later one); asking for more fails at run time, and SGLang does not check
+  it at start-up, so we never launch such a point.  (`bench_speculative.py`'s steps*topk + 1 is
+  stricter than the server and leaves out real trees such as 3/2/10 or 5/8/49.);
+* num_draft_tokens >= 2 (the root plus at least one draft token);
+* with topk > 1, steps beyond draft tokens - 1 are dominated: a selected node's ancestors score
+  higher, so the tree is at most draft tokens - 1 deep, and more steps are extra draft passes
+  whose candidates are never selected.  Such configurations are valid for SGLang but never worth
+  a launch: the search space leaves them out (`SpecConfig.dominated`).
 
 `canonical()` applies these rules, so two parameter sets that SGLang resolves to the same server
 compare (and hash, and key) equal.
@@ -25,9 +31,18 @@ from optimizer.errors import SpecError
 MIN_DRAFT_TOKENS = 2
 
 
+BOUND_TEXT = "draft tokens - 1 <= topk + (steps - 1) * topk^2"
+
+
 def max_draft_tokens(num_steps: int, topk: int) -> int:
-    """The largest draft-token count SGLang can fill for a tree of this depth and width."""
-    return num_steps * topk + 1
+    """The largest draft-token count SGLang can fill for a tree of this depth and width.
+
+    A chain (topk 1) has exactly steps + 1; a tree offers topk candidates after the first draft
+    step and topk^2 after each later one, plus the root.
+    """
+    if topk == 1:
+        return num_steps + 1
+    return topk + (num_steps - 1) * topk * topk + 1
 
 
 class SpecConfig(BaseModel):
@@ -55,11 +70,18 @@ class SpecConfig(BaseModel):
             raise SpecError(
                 "num_draft_tokens",
                 f"{c.num_draft_tokens} draft tokens cannot be filled by {c.num_steps} steps of topk "
-                f"{c.topk}: at most num_steps*topk+1 = {limit}",
+                f"{c.topk}: SGLang needs {BOUND_TEXT}, so at most {limit}",
             )
         if c.num_draft_tokens < MIN_DRAFT_TOKENS:
             raise SpecError("num_draft_tokens", f"must be at least {MIN_DRAFT_TOKENS}")
         return c
+
+    @property
+    def dominated(self) -> bool:
+        """A tree deeper in steps than its draft tokens can use: same tree as steps = draft tokens - 1,
+        more draft passes (module docstring).  Valid for SGLang, never worth a launch."""
+        c = self.canonical()
+        return c.topk > 1 and c.num_steps > c.num_draft_tokens - 1
 
     @property
     def key(self) -> str:
@@ -114,7 +136,7 @@ class SearchSpace(BaseModel):
                 raise SpecError(
                     "search_space.num_draft_tokens",
                     f"high={n.high} is over the limit: with num_steps.high={s.high} and topk "
-                    f"{max(tree_topks)} SGLang can fill at most num_steps*topk+1 = {limit} draft tokens; "
+                    f"{max(tree_topks)} SGLang can fill at most {limit} draft tokens ({BOUND_TEXT}); "
                     f"lower num_draft_tokens.high to {limit} or raise num_steps.high",
                 )
         if self.cuda_graph_max_bs is not None:
@@ -134,6 +156,8 @@ class SearchSpace(BaseModel):
                 return False
         elif c.cuda_graph_max_bs not in self.cuda_graph_max_bs:
             return False
+        if c.dominated:
+            return False
         try:
             c.check()
         except SpecError:
@@ -149,7 +173,8 @@ class SearchSpace(BaseModel):
                     ndts: Sequence[int] = [steps + 1]
                 else:
                     hi = min(self.num_draft_tokens.high, max_draft_tokens(steps, topk))
-                    ndts = range(self.num_draft_tokens.low, hi + 1)
+                    # Dominated trees (steps > draft tokens - 1) are left out.
+                    ndts = range(max(self.num_draft_tokens.low, steps + 1), hi + 1)
                 for ndt in ndts:
                     for bs in graph_choices:
                         yield SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=ndt, cuda_graph_max_bs=bs)
@@ -157,9 +182,11 @@ class SearchSpace(BaseModel):
     def config_from_params(self, params: dict[str, Any]) -> SpecConfig:
         """Turn Optuna params (see optimizer.study) into the canonical configuration to launch.
 
-        With topk > 1 a sampled draft-token count above steps*topk+1 is clamped to that limit:
-        SGLang cannot fill more, and the clamp keeps Optuna's distributions fixed, which TPE and GP
-        need.  The clamped configuration is then de-duplicated by its canonical key.
+        With topk > 1 a sampled draft-token count above `max_draft_tokens` is clamped to that
+        limit: SGLang cannot fill more, and the clamp keeps Optuna's distributions fixed, which TPE
+        and GP need.  A dominated tree (steps > draft tokens - 1) becomes the one that dominates it
+        (steps = draft tokens - 1, within the space's steps).  The result is then de-duplicated by
+        its canonical key.
         """
         steps = int(params["num_steps"])
         topk = int(params["topk"])
@@ -167,6 +194,9 @@ class SearchSpace(BaseModel):
             ndt = steps + 1
         else:
             ndt = min(int(params.get("num_draft_tokens", self.num_draft_tokens.high)), max_draft_tokens(steps, topk))
+            if steps > ndt - 1:
+                steps = max(self.num_steps.low, ndt - 1)
+                ndt = max(ndt, min(steps + 1, max_draft_tokens(steps, topk)))
         bs = params.get("cuda_graph_max_bs")
         return SpecConfig(
             num_steps=steps, topk=topk, num_draft_tokens=ndt, cuda_graph_max_bs=None if bs is None else int(bs)

@@ -152,6 +152,10 @@ class Budget(BaseModel):
     max_trials: int = Field(default=30, ge=1, le=10_000)
     max_hours: float | None = Field(default=None, gt=0)
     patience: int | None = Field(default=None, ge=1)
+    # Convergence stop (optimizer.convergence): finish once no configuration left is likely to
+    # beat the incumbent by more than this share; max_trials / max_hours stay caps.
+    converge: bool = True
+    min_gain: float = Field(default=0.01, ge=0.0, le=1.0)
 
 
 SamplerName = Literal["auto", "tpe", "gp", "random", "grid"]
@@ -223,6 +227,12 @@ def validate_spec(spec: StudySpec) -> StudySpec:
             canon = cfg.check()
         except SpecError as e:
             raise SpecError(f"{field}.{e.field}", e.message) from e
+        if canon.dominated:
+            raise SpecError(
+                field,
+                f"{canon.key} has more steps than its draft tokens can use (steps > draft tokens - 1 with "
+                f"topk > 1): the same tree with steps {canon.num_draft_tokens - 1} is faster",
+            )
         if not spec.search_space.contains(canon):
             raise SpecError(field, f"{canon.key} lies outside the search space")
     return spec

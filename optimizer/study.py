@@ -9,7 +9,7 @@ How the search space maps onto Optuna (define-by-run at ask time, in the service
 * `cuda_graph_max_bs` CategoricalDistribution, only when the spec tunes it.
 
 Distributions never change between trials (TPE and GP need that); a tree's draft-token count
-above steps*topk+1 is clamped to what SGLang can fill (`SearchSpace.config_from_params`), and the
+above what SGLang can fill is clamped to what SGLang can fill (`SearchSpace.config_from_params`), and the
 service de-duplicates launches by the canonical key.
 
 Failures teach the sampler (reference/optuna.md §5): a configuration that cannot run is told as

@@ -30,12 +30,17 @@ def seeded(api: Api) -> Api:
                 num_steps={"low": 1, "high": 3}, topk=[1, 2], num_draft_tokens={"low": 2, "high": 64}
             ),
             "search_space.num_draft_tokens",
-            "at most num_steps*topk+1 = 7",
+            "at most 11 draft tokens (draft tokens - 1 <= topk + (steps - 1) * topk^2)",
         ),
         (
-            lambda s: s.update(warm_start=[{"num_steps": 2, "topk": 2, "num_draft_tokens": 9}]),
+            lambda s: s.update(warm_start=[{"num_steps": 2, "topk": 2, "num_draft_tokens": 8}]),
             "warm_start.0.num_draft_tokens",
-            "at most num_steps*topk+1 = 5",
+            "draft tokens - 1 <= topk + (steps - 1) * topk^2, so at most 7",
+        ),
+        (
+            lambda s: s.update(warm_start=[{"num_steps": 5, "topk": 8, "num_draft_tokens": 3}]),
+            "warm_start.0",
+            "more steps than its draft tokens can use",
         ),
         (lambda s: s["model"].update(target="/etc/passwd"), "model.target", "never a filesystem path"),
         (lambda s: s["model"].update(extra_args={"--load-format": "dummy"}), "model.extra_args", "not allowed"),

@@ -86,16 +86,46 @@ def test_no_speedup_verdict_on_the_landscape_where_speculation_loses(api: Api) -
     assert "run without speculation" in v
 
 
-def test_confirmation_on_a_single_worker_still_pairs_each_with_a_baseline(api: Api) -> None:
+def test_confirmation_on_a_single_worker_shares_one_fresh_baseline(api: Api) -> None:
     spec = small_spec("solo", budget={"max_trials": 3})
     spec["confirmation"] = {"top": 3}
     api.post("/v1/studies", "user", spec)
     handed = drive(api, "solo", ["w1"], "dense-8b-h100")
     kinds = [le["kind"] for le in handed]
-    n = kinds.count("confirm")
-    assert n >= 1
-    for i, k in enumerate(kinds):
-        if k == "confirm":
-            assert kinds[i - 1] == "baseline"
+    first = kinds.index("confirm")
+    assert kinds[first - 1] == "baseline"
+    # The host did not drift: the one fresh baseline serves every confirmation after it.
+    assert kinds[first:].count("baseline") == 0, kinds
     shown = api.get("/v1/studies/solo", "user").json()
     assert shown["state"] == "finished" and shown["winner"]["confirmed"] is True
+
+
+def test_a_host_that_drifted_measures_a_baseline_before_each_confirmation(api: Api) -> None:
+    spec = small_spec("drift", budget={"max_trials": 3})
+    spec["confirmation"] = {"top": 3}
+    api.post("/v1/studies", "user", spec)
+    kinds: list[str] = []
+    first_config: Any = None
+    for _ in range(60):
+        shown = api.get("/v1/studies/drift", "user").json()
+        if shown["state"] != "running":
+            break
+        got = lease(api, "w1")
+        if got is None:
+            continue
+        kinds.append(got["kind"])
+        # Once the confirmation began the host runs 5% slower: its fresh baseline shows the drift.
+        phase = api.get("/v1/studies/drift", "user").json()["phase"]
+        scale = 0.95 if phase == "confirmation" else 1.0
+        # Every trial measures alike, so their intervals overlap and all are confirmed.
+        if got["kind"] == "trial" and first_config is None:
+            first_config = got["config"]
+        config = None if got["kind"] == "baseline" else first_config
+        body = ok(sim_levels("dense-8b-h100", config, [1], scale=scale))
+        assert api.post(f"/v1/leases/{got['lease_id']}/complete", "worker", body).status_code == 200
+    assert api.get("/v1/studies/drift", "user").json()["state"] == "finished"
+    n = kinds.count("confirm")
+    assert n >= 2, kinds
+    for i, k in enumerate(kinds):
+        if k == "confirm":
+            assert kinds[i - 1] == "baseline", kinds

@@ -11,8 +11,9 @@ TINY = {"num_steps": {"low": 1, "high": 3}, "topk": [1, 2], "num_draft_tokens": 
 
 
 def test_no_configuration_is_launched_twice(api: Api) -> None:
-    # Random search over a 6-configuration space with a budget of 20 proposes duplicates; every
-    # one must be answered from the earlier measurement, never launched again.
+    # Random search over a 5-configuration space (2/2/2 is dominated by 1/2/2 and left out) with a
+    # budget of 20 proposes duplicates; every one must be answered from the earlier measurement,
+    # never launched again.
     space = {"num_steps": {"low": 1, "high": 2}, "topk": [1, 2], "num_draft_tokens": {"low": 2, "high": 3}}
     spec = small_spec("nodup", search_space=space, sampler="random", budget={"max_trials": 20})
     spec["confirmation"] = {"top": 0}
@@ -20,10 +21,10 @@ def test_no_configuration_is_launched_twice(api: Api) -> None:
     handed = drive(api, "nodup", ["w1"], "moe-pcie")
 
     launched = [key_of(le["config"]) for le in handed if le["kind"] == "trial"]
-    assert len(launched) == 6 and len(set(launched)) == 6, Counter(launched)
+    assert len(launched) == 5 and len(set(launched)) == 5, Counter(launched)
     shown = api.get("/v1/studies/nodup", "user").json()
-    assert shown["state"] == "finished" and shown["configurations_launched"] == 6
-    assert shown["trials"]["COMPLETE"] > 6  # duplicates were proposed, and answered without a launch
+    assert shown["state"] == "finished" and shown["configurations_launched"] == 5
+    assert shown["trials"]["COMPLETE"] > 5  # duplicates were proposed, and answered without a launch
     assert "every valid configuration" in shown["finish_reason"]
     trials = api.get("/v1/studies/nodup/trials", "user").json()
     for t in trials:
@@ -47,16 +48,9 @@ def test_a_known_oom_region_is_skipped_without_a_launch(api: Api) -> None:
     trials = api.get("/v1/studies/oomgrid/trials", "user").json()
     oom = next(t for t in trials if t["config"] and key_of(t["config"]) == "s1-k2-n2-bsauto")
     inferred = [t for t in trials if t["state"] == "COMPLETE" and t["failure_kind"] == "oom" and t is not oom]
-    # The grid asked for these before its last chain; the two after it were never needed: the
-    # study saw that every configuration left is known to fail and finished.
-    assert {key_of(t["config"]) for t in inferred} >= {"s1-k2-n3-bsauto", "s2-k2-n2-bsauto", "s2-k2-n3-bsauto"}
-    assert {key_of(t["config"]) for t in inferred} <= {
-        "s1-k2-n3-bsauto",
-        "s2-k2-n2-bsauto",
-        "s2-k2-n3-bsauto",
-        "s3-k2-n2-bsauto",
-        "s3-k2-n3-bsauto",
-    }
+    # The grid asked for these before its last chain (2/2/2, 3/2/2 and 3/2/3 are dominated
+    # trees, outside the space).
+    assert {key_of(t["config"]) for t in inferred} == {"s1-k2-n3-bsauto", "s2-k2-n3-bsauto"}
     for t in inferred:
         assert t["feasible"] is False and t["inferred_from"] == oom["number"]
         assert f"trial {oom['number']}" in t["failure_message"]

@@ -19,10 +19,39 @@ def test_topk_one_forces_draft_tokens_to_steps_plus_one() -> None:
 
 
 def test_draft_tokens_over_the_tree_are_rejected() -> None:
-    assert max_draft_tokens(2, 4) == 9
-    SpecConfig(num_steps=2, topk=4, num_draft_tokens=9).check()
-    with pytest.raises(SpecError, match="at most num_steps\\*topk\\+1 = 9"):
-        SpecConfig(num_steps=2, topk=4, num_draft_tokens=10).check()
+    # SGLang's own bound: draft tokens - 1 <= topk + (steps - 1) * topk^2.
+    assert max_draft_tokens(2, 4) == 21
+    assert max_draft_tokens(3, 1) == 4
+    SpecConfig(num_steps=2, topk=4, num_draft_tokens=21).check()
+    with pytest.raises(SpecError, match=r"draft tokens - 1 <= topk \+ \(steps - 1\) \* topk\^2, so at most 21"):
+        SpecConfig(num_steps=2, topk=4, num_draft_tokens=22).check()
+
+
+def test_trees_the_bench_script_leaves_out_are_in_the_default_space() -> None:
+    """3/2/10 and 5/8/49 exceed bench_speculative's steps*topk+1 but SGLang fills them."""
+    space = SearchSpace()
+    keys = {c.key for c in space.iter_configs()}
+    for steps, topk, ndt in ((3, 2, 10), (5, 8, 49), (3, 2, 11), (2, 8, 64)):
+        c = SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=ndt)
+        assert c.check() == c
+        assert space.contains(c)
+        assert c.key in keys
+        assert space.config_from_params(params_of(c)) == c
+    # One over the bound is not: 3/2/12 needs 11 candidates of the 2 + 2*4 = 10 there are.
+    assert not space.contains(SpecConfig(num_steps=3, topk=2, num_draft_tokens=12))
+    assert "s3-k2-n12-bsauto" not in keys
+
+
+def test_dominated_trees_are_left_out_of_the_space() -> None:
+    """With topk > 1 steps beyond draft tokens - 1 only add draft passes (10/8/3 is 2/8/3, slower)."""
+    space = SearchSpace()
+    slow = SpecConfig(num_steps=10, topk=8, num_draft_tokens=3)
+    assert slow.dominated and slow.check() == slow  # SGLang runs it
+    assert not space.contains(slow)
+    assert all(not c.dominated for c in space.iter_configs())
+    assert space.config_from_params({"num_steps": 10, "topk": 8, "num_draft_tokens": 3}) == SpecConfig(
+        num_steps=2, topk=8, num_draft_tokens=3
+    )
 
 
 def test_iter_configs_is_the_valid_canonical_set_once_each() -> None:
@@ -46,7 +75,7 @@ def test_iter_configs_is_the_valid_canonical_set_once_each() -> None:
                     c = SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=ndt).check()
                 except SpecError:
                     continue
-                if topk == 1 or 2 <= c.num_draft_tokens <= 8:
+                if topk == 1 or (2 <= c.num_draft_tokens <= 8 and not c.dominated):
                     brute.add(c.key)
     assert brute == set(keys)
 
@@ -57,7 +86,7 @@ def test_params_round_trip_and_clamp() -> None:
         assert space.config_from_params(params_of(c)) == c
     # A tree asking for more draft tokens than it can fill runs at the limit.
     clamped = space.config_from_params({"num_steps": 2, "topk": 2, "num_draft_tokens": 40})
-    assert clamped.num_draft_tokens == 5
+    assert clamped.num_draft_tokens == 7
     assert "num_draft_tokens" not in params_of(SpecConfig(num_steps=4, topk=1, num_draft_tokens=5))
 
 
@@ -115,3 +144,34 @@ def test_server_settings_is_frozen() -> None:
     s = ServerSettings(target="t", max_running_requests=1)
     with pytest.raises(ValueError):
         s.tp_size = 2  # type: ignore[misc]
+
+
+def test_spec_validator_accepts_the_server_bound_and_refuses_beyond_it() -> None:
+    base = {"name": "bound", "model": {"target": "t", "draft": "d"}}
+    ok = parse_spec(
+        base
+        | {
+            "warm_start": [
+                {"num_steps": 3, "topk": 2, "num_draft_tokens": 10},
+                {"num_steps": 5, "topk": 8, "num_draft_tokens": 49},
+            ]
+        }
+    )
+    assert [c.key for c in ok.warm_start] == ["s3-k2-n10-bsauto", "s5-k8-n49-bsauto"]
+    with pytest.raises(SpecError) as e:
+        parse_spec(base | {"warm_start": [{"num_steps": 3, "topk": 2, "num_draft_tokens": 12}]})
+    assert e.value.field == "warm_start.0.num_draft_tokens"
+    assert "draft tokens - 1 <= topk + (steps - 1) * topk^2, so at most 11" in e.value.message
+    with pytest.raises(SpecError) as e:
+        parse_spec(
+            base
+            | {
+                "search_space": {
+                    "num_steps": {"low": 1, "high": 3},
+                    "topk": [2],
+                    "num_draft_tokens": {"low": 2, "high": 12},
+                }
+            }
+        )
+    assert e.value.field == "search_space.num_draft_tokens"
+    assert "at most 11 draft tokens" in e.value.message

@@ -162,6 +162,7 @@ def build_report(data: StudyData, *, generated_at: datetime | None = None) -> Re
 <p class="sub">{_e(model["target"])} with draft {_e(model["draft"])}, tp {_e(model.get("tp_size", 1))} ·
 state {_e(state)} · trials: {_e(counts)} · generated {when}</p>
 <p class="verdict">{_e(shown["verdict"])}</p>
+<p class="sub">Cost: {_e((shown.get("cost") or {}).get("summary") or "not recorded")}</p>
 <h2>The winner</h2>{_winner(shown)}
 <h2>Why</h2>
 <p>Plots at concurrency {level} unless said otherwise; {len(pts)} configurations measured.</p>

@@ -36,6 +36,9 @@ def study_summary(shown: dict[str, Any]) -> str:
             f"draft tokens {c['num_draft_tokens']} -> {best['speedup']:.3f}x"
         )
         lines.append(f"launch   {best['launch_command']}")
+    cost = shown.get("cost")
+    if cost:
+        lines.append(f"cost     {cost['summary']}")
     return "\n".join(lines)
 
 
@@ -78,7 +81,9 @@ def progress_line(shown: dict[str, Any]) -> str:
     bar = "#" * filled + "." * (20 - filled)
     best = shown.get("best")
     best_text = f"best {best['speedup']:.3f}x (trial {best['trial_number']})" if best else "no result yet"
+    cost = shown.get("cost") or {}
+    spent = f"  {cost['launches']} launches, {cost['gpu_hours']:.2f} GPU-h" if cost else ""
     return (
         f"{shown['state']:<8} [{bar}] {launched}/{budget} launched  complete {counts.get('COMPLETE', 0)}  "
-        f"running {counts.get('RUNNING', 0)}  failed {counts.get('FAIL', 0)}  {best_text}"
+        f"running {counts.get('RUNNING', 0)}  failed {counts.get('FAIL', 0)}  {best_text}{spent}"
     )

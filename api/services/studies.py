@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -18,7 +20,7 @@ from api.errors import ConflictError
 from api.models import BaselineRow, EventRow, LeaseRow, StudyRow, TrialConfigRow, WorkerRow
 from api.services.leasing.records import LEASE_REFUSED, lease_payload, new_lease_row
 from api.services.leasing.states import LeaseKind
-from optimizer import answers
+from optimizer import answers, convergence, costs
 from optimizer import attrs as A
 from optimizer import confirmation as confirm
 from optimizer import study as opt
@@ -72,6 +74,7 @@ def maybe_finish(s: Session, spec: StudySpec, now: datetime, trials: Sequence[Fr
     row = s.get(StudyRow, spec.name, with_for_update=True)
     if row is None or row.state != "running":
         return
+    assessment = assess_convergence(spec, trials) if not confirming(s, spec.name) else None
     pending = s.scalar(
         select(func.count())
         .select_from(LeaseRow)
@@ -91,9 +94,15 @@ def maybe_finish(s: Session, spec: StudySpec, now: datetime, trials: Sequence[Fr
     reason = budget_used(spec.budget, launched_count(s, spec.name), now - row.created_at)
     if reason is None and space_exhausted(s, spec, trials):
         reason = "every valid configuration in the search space was measured or is known to run out of memory"
+    if reason is None and assessment is not None and assessment.settled:
+        reason = assessment.reason
     if reason is None and spec.budget.patience is not None:
         reason = _patience_reason(spec, trials)
     if reason is None:
+        return
+    if assessment is not None and reason == assessment.reason and assessment.pays is False:
+        # Nothing is likely to reach 1.0x: confirming a loser costs restarts and changes nothing.
+        _finish(row, now, reason)
         return
     if start_confirmation(s, spec, now, trials):
         row.finish_reason = f"{reason}{CONFIRMING_SUFFIX}"[:256]
@@ -109,6 +118,120 @@ CONFIRMING_SUFFIX = "; confirming the best candidates against fresh baselines"
 def launched_count(s: Session, study: str) -> int:
     """Configurations launched so far in a study (what the budget counts)."""
     return s.scalar(select(func.count()).select_from(TrialConfigRow).where(TrialConfigRow.study_name == study)) or 0
+
+
+# The last assessment per study, with the number of finished trials it saw: the model is refit
+# only after a new result, not at every lease.  A per-process memo (never the source of truth:
+# any process recomputes it from the trials), bounded.
+_ASSESSED: OrderedDict[str, tuple[int, convergence.Assessment]] = OrderedDict()
+_ASSESSED_MAX = 256
+_ASSESSED_LOCK = threading.Lock()
+
+
+def converges(spec: StudySpec) -> bool:
+    """The convergence stop asks the `auto` sampler's model; other samplers run to their caps."""
+    return spec.budget.converge and spec.sampler == "auto"
+
+
+def assess_convergence(spec: StudySpec, trials: Sequence[FrozenTrial]) -> convergence.Assessment | None:
+    """Is the answer known (optimizer.convergence)?  None when the study does not converge.
+
+    `trials` as for `maybe_finish` (read before any write transaction).
+    """
+    if not converges(spec):
+        return None
+    done = sum(1 for t in trials if t.state.is_finished())
+    with _ASSESSED_LOCK:
+        hit = _ASSESSED.get(spec.name)
+    if hit is not None and hit[0] == done:
+        return hit[1]
+    a = convergence.assess(spec, list(trials))
+    with _ASSESSED_LOCK:
+        _ASSESSED[spec.name] = (done, a)
+        _ASSESSED.move_to_end(spec.name)
+        while len(_ASSESSED) > _ASSESSED_MAX:
+            _ASSESSED.popitem(last=False)
+    return a
+
+
+def converged_reason(spec: StudySpec, trials: Sequence[FrozenTrial]) -> str | None:
+    """The convergence stop's reason when the study is settled, else None.
+
+    The lease service asks it before asking for a new configuration, so a settled study hands
+    out no more search trials (refit only after a new result).
+    """
+    a = assess_convergence(spec, trials)
+    return a.reason if a is not None and a.settled else None
+
+
+# A host's baseline that moved by more than this between two measurements has drifted: its
+# confirmations then each get a baseline right before them (optimizer.confirmation).
+DRIFT_MARGIN = 0.02
+
+
+def confirm_baseline_serves(s: Session, spec: StudySpec, worker_id: str, base: BaselineRow) -> bool:
+    """May this worker's latest baseline pair with its next confirmation?
+
+    One fresh baseline (measured after the confirmation began) serves every confirmation on a
+    host; where the host's baseline drifted (it differs from its last one before the
+    confirmation began by more than DRIFT_MARGIN) each confirmation needs one measured after the previous confirmation ended
+    (`optimizer.confirmation.baseline_serves`).  Called by the lease service.
+    """
+    started = s.scalar(
+        select(func.min(LeaseRow.created_at)).where(LeaseRow.study_name == spec.name, LeaseRow.kind == "confirm")
+    )
+    if started is None:
+        return False
+    last = s.scalar(
+        select(func.max(LeaseRow.finished_at)).where(
+            LeaseRow.study_name == spec.name, LeaseRow.kind == "confirm", LeaseRow.worker_id == worker_id
+        )
+    )
+    prev = s.scalars(
+        select(BaselineRow)
+        .where(
+            BaselineRow.worker_id == worker_id,
+            BaselineRow.baseline_key == base.baseline_key,
+            BaselineRow.measured_at < started,
+        )
+        .order_by(BaselineRow.measured_at.desc())
+        .limit(1)
+    ).first()
+    drift = prev is not None and confirm.drift_seen(_levels_of(base), _levels_of(prev), DRIFT_MARGIN)
+    return confirm.baseline_serves(
+        base.measured_at.timestamp(),
+        started.timestamp(),
+        None if last is None else last.timestamp(),
+        drift,
+    )
+
+
+def study_cost(s: Session, name: str) -> costs.Cost:
+    """Every launch of the study that ran to an end, with its wall time and its host's GPUs."""
+    rows = s.scalars(
+        select(LeaseRow).where(
+            LeaseRow.study_name == name,
+            LeaseRow.state.in_(("completed", "failed")),
+            LeaseRow.leased_at.is_not(None),
+            LeaseRow.finished_at.is_not(None),
+        )
+    ).all()
+    gpus = {w.id: len((w.inventory or {}).get("gpus") or []) for w in s.scalars(select(WorkerRow)).all()}
+    out = []
+    for r in rows:
+        failure = (r.result or {}).get("failure") or {}
+        if failure.get("kind") in ("refused", "lost"):
+            continue  # nothing was launched for the study (a refusal, a worker shutting down)
+        ran = r.state == "completed" and (r.result or {}).get("outcome", "ok") == "ok"
+        kind = {"baseline": "baselines", "trial": "search", "confirm": "confirmation"}.get(r.kind, "search")
+        assert r.leased_at is not None and r.finished_at is not None
+        seconds = (r.finished_at - r.leased_at).total_seconds()
+        out.append(costs.Launch(kind if ran else "failed", seconds, gpus.get(r.worker_id or "", 1) or 1))
+    return costs.tally(out)
+
+
+def _levels_of(row: BaselineRow) -> list[dict[str, Any]]:
+    return [{"concurrency": int(c), "output_tok_s": float(v)} for c, v in (row.tok_s or {}).items()]
 
 
 def _unleased_running(s: Session, spec: StudySpec, trials: Sequence[FrozenTrial]) -> bool:
@@ -151,7 +274,7 @@ def start_confirmation(s: Session, spec: StudySpec, now: datetime, trials: Seque
     """Queue one confirm lease per candidate; False when there is nothing to confirm."""
     if spec.confirmation.top <= 0:
         return False
-    chosen = confirm.candidates(list(trials), spec.confirmation.top)
+    chosen = confirm.candidates(list(trials), spec.confirmation.top, spec)
     if not chosen:
         return False
     capable = set(s.scalars(select(BaselineRow.worker_id).where(BaselineRow.baseline_key == baseline_key(spec))).all())
@@ -327,6 +450,7 @@ class StudyService:
                 .order_by(LeaseRow.created_at)
             ).all()
             confirmations = _confirmations(confirm_rows)
+            cost = study_cost(s, name)
             refusals = [
                 {"worker_id": e.worker_id, "at": e.at, "message": e.detail}
                 for e in s.scalars(
@@ -366,6 +490,8 @@ class StudyService:
             "best_by_level": {str(k): v.as_json() for k, v in answers.best_by_level(spec, trials).items()},
             "adaptive_spec": None if exported is None else exported.as_json(),
             "verdict": _verdict(winner, measured),
+            # Launches and GPU-hours spent, by kind, next to SGLang's grid (optimizer.costs).
+            "cost": cost.as_json(),
             # Workers that refused what this study asks (a study fault: they are not offered it
             # again, and it counts nothing against them).
             "refused_by": refusals,

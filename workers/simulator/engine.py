@@ -18,7 +18,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from optimizer.space import SpecConfig
+from optimizer.space import SpecConfig, max_draft_tokens
 from workers.simulator.landscapes import Landscape
 from workers.simulator.model import (
     AcceptAccumulator,
@@ -312,7 +312,8 @@ class Engine:
         assert spec is not None
         message = (
             f"RuntimeError: selected index k out of range: draft tokens {spec.num_draft_tokens} > "
-            f"num_steps*topk+1 = {spec.num_steps * spec.topk + 1} in eagle_utils.organize_draft_results"
+            f"topk+(num_steps-1)*topk^2+1 = {max_draft_tokens(spec.num_steps, spec.topk)} in "
+            "eagle_utils.organize_draft_results"
         )
         self.failed = message
         self.log.error(

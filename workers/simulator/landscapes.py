@@ -56,6 +56,10 @@ class Landscape:
     draft_topk_slope: float
     overhead_ms: float
     prefill_ms_per_token: float
+    # Steps of verify_tile_jump * decode_ms each time the tokens cross a multiple of verify_tile
+    # (tensor-core tile padding); 0 = a smooth cost.
+    verify_tile: int = 0
+    verify_tile_jump: float = 0.0
     eager_penalty: float = 1.37  # calibration §5: graph off 276.3 vs on 378.6 tok/s (PR #4247)
     no_draft_extend_graph_penalty: float = 1.08  # calibration §5: +5..11% (PR #6606)
 
@@ -293,7 +297,98 @@ MEM_TIGHT = Landscape(
     warmup_s=2.0,
 )
 
-LANDSCAPES: dict[str, Landscape] = {ls.name: ls for ls in (MOE_PCIE, DENSE_8B_H100, NO_GAIN, MEM_TIGHT)}
+# The next two are built so that spectune's own model (optimizer.perf_model) does not describe
+# them: a benchmark on them measures the search against an engine it was not written for.
+
+# A dense 8B-class target whose draft head is trained unevenly: acceptance zig-zags across draft
+# positions (odd positions weak, even ones strong), and the verify GEMMs pad the tokens to
+# tensor-core tiles of 16, so the verify cost jumps at 17, 33, 49 tokens instead of rising
+# smoothly.  Stated assumptions, not a calibration.
+ZIGZAG_TILES = Landscape(
+    name="zigzag-tiles",
+    summary="dense 8B on one H100; acceptance not monotone across positions, verify cost steps at 16-token tiles",
+    modelled_on="assumption: an unevenly trained EAGLE-3 head on an H100 with tile-padded verify GEMMs",
+    architecture="Qwen2ForCausalLM",
+    attention="mha",
+    host="1x H100 80 GB SXM",
+    gpu_memory_gb=80.0,
+    tp_size=1,
+    context_length=32768,
+    accept_by_depth=(0.62, 0.9, 0.5, 0.88, 0.45, 0.85, 0.4),
+    tree_gain=0.22,
+    decode_ms=1000.0 / 150.0,
+    verify_slope=0.002,
+    verify_knee=0,
+    verify_slope_after=0.002,
+    verify_tile=16,
+    verify_tile_jump=0.22,
+    draft_step_frac=0.06,
+    draft_topk_slope=0.03,
+    overhead_ms=1.0,
+    prefill_ms_per_token=0.03,
+    weights_gb=15.2,
+    draft_gb=0.9,
+    mem_fraction_default=0.85,
+    runtime_reserve_gb=1.5,
+    kv_min_gb=2.0,
+    max_running_requests_default=2048,
+    load_s=15.0,
+    init_s=8.0,
+    capture_decode_s=0.08,
+    capture_verify_s=0.1,
+    capture_extend_s=0.08,
+    capture_draft_step_s=0.08,
+    prefill_graph_s=3.0,
+    warmup_s=5.0,
+)
+
+# A 14B-class target on one 32 GB GPU whose draft decode graphs are large (a big draft vocab
+# head captured per step and per topk branch): memory runs out with steps x topk, not with the
+# draft tokens, and wide trees accept well, so the optimum sits near the cliff.  Assumption.
+DRAFT_MEM_CLIFF = Landscape(
+    name="draft-mem-cliff",
+    summary="14B on one 32 GB GPU: draft decode graphs (steps x topk) run out of memory near the optimum",
+    modelled_on="assumption: a large-vocab EAGLE-3 head whose draft graphs dominate graph memory",
+    architecture="Qwen3ForCausalLM",
+    attention="mha",
+    host="1x 32 GB GPU, PCIe",
+    gpu_memory_gb=32.0,
+    tp_size=1,
+    context_length=32768,
+    accept_by_depth=(0.8, 0.78, 0.74, 0.7, 0.66, 0.62, 0.58),
+    tree_gain=0.3,
+    decode_ms=1000.0 / 55.0,
+    verify_slope=1.0 / 200.0,
+    verify_knee=0,
+    verify_slope_after=1.0 / 200.0,
+    draft_step_frac=0.05,
+    draft_topk_slope=0.01,
+    overhead_ms=1.5,
+    prefill_ms_per_token=0.1,
+    weights_gb=24.5,
+    draft_gb=1.2,
+    mem_fraction_default=0.88,
+    runtime_reserve_gb=0.9,
+    kv_min_gb=1.0,
+    graph_base_gb=0.2,
+    graph_per_size_gb=0.01,
+    graph_verify_gb_per_token=0.0015,
+    graph_extend_gb_per_token=0.0005,
+    graph_draft_gb_per_token=0.006,
+    max_running_requests_default=256,
+    load_s=30.0,
+    init_s=8.0,
+    capture_decode_s=0.1,
+    capture_verify_s=0.12,
+    capture_extend_s=0.1,
+    capture_draft_step_s=0.15,
+    prefill_graph_s=3.0,
+    warmup_s=2.0,
+)
+
+LANDSCAPES: dict[str, Landscape] = {
+    ls.name: ls for ls in (MOE_PCIE, DENSE_8B_H100, NO_GAIN, MEM_TIGHT, ZIGZAG_TILES, DRAFT_MEM_CLIFF)
+}
 
 
 class UnknownLandscapeError(KeyError):

@@ -33,7 +33,7 @@ SPEC_DEFAULT_MAX_RUNNING_REQUESTS = 48
 
 
 class InfeasibleConfigError(ValueError):
-    """num_draft_tokens > num_steps*topk + 1: SGLang starts but fails at the first verify."""
+    """num_draft_tokens - 1 > topk + (num_steps - 1)*topk^2: SGLang starts but fails at the first verify."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,8 +184,14 @@ def forward_ms(landscape: Landscape, tokens: int) -> float:
     """Target forward over `tokens` tokens: concave for MoE (experts saturate), linear for dense."""
     extra = max(0, tokens - 1)
     knee = landscape.verify_knee
+    # Tensor-core tiles: the GEMMs pad the token dimension to the tile, so cost steps up each
+    # time the tokens cross a multiple of it (0 = no such steps).
+    tiles = (tokens - 1) // landscape.verify_tile if landscape.verify_tile > 0 else 0
     return landscape.decode_ms * (
-        1.0 + landscape.verify_slope * min(extra, knee) + landscape.verify_slope_after * max(0, extra - knee)
+        1.0
+        + landscape.verify_slope * min(extra, knee)
+        + landscape.verify_slope_after * max(0, extra - knee)
+        + landscape.verify_tile_jump * tiles
     )
 
 
@@ -224,7 +230,7 @@ def predict(
 
     `cuda_graph_max_bs` falls back to `config.cuda_graph_max_bs`, then to SGLang's default.
     `draft_mismatch` models an EAGLE-3 draft run as `--speculative-algorithm EAGLE` (AL = 1).
-    Raises InfeasibleConfigError for draft tokens > steps*topk+1 (SGLang fails at run time).
+    Raises InfeasibleConfigError for draft tokens over `max_draft_tokens` (SGLang fails at run time).
     """
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
@@ -319,7 +325,7 @@ def _canonical(config: SpecConfig | None, *, check: bool = True) -> SpecConfig |
     limit = max_draft_tokens(c.num_steps, c.topk)
     if c.num_draft_tokens > limit:
         raise InfeasibleConfigError(
-            f"num_draft_tokens={c.num_draft_tokens} > num_steps*topk+1={limit}: SGLang cannot fill the tree "
+            f"num_draft_tokens={c.num_draft_tokens} > topk+(num_steps-1)*topk^2+1={limit}: SGLang cannot fill the tree "
             "and fails at the first verify"
         )
     return c

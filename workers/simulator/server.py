@@ -44,7 +44,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from optimizer.space import SpecConfig
+from optimizer.space import SpecConfig, max_draft_tokens
 from workers.lifeline import exit_with_parent
 from workers.simulator.args import ResolvedArgs, build_parser, resolve
 from workers.simulator.engine import Chunk, Engine, EngineOptions, Request, word_of
@@ -197,7 +197,9 @@ class SimServer:
             cuda_graph_bs=resolved.cuda_graph_bs,
             disable_cuda_graph=resolved.disable_cuda_graph,
         )
-        infeasible = self.spec is not None and self.spec.num_draft_tokens > self.spec.num_steps * self.spec.topk + 1
+        infeasible = self.spec is not None and self.spec.num_draft_tokens > max_draft_tokens(
+            self.spec.num_steps, self.spec.topk
+        )
         self.engine = Engine(
             EngineOptions(
                 landscape=landscape,

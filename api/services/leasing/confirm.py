@@ -1,8 +1,10 @@
 """Confirmation leases: the best candidates re-measured, each right after a fresh baseline.
 
 Queued by `studies.start_confirmation` once the search is over.  A confirm lease is handed to a
-worker only when its latest baseline was measured after the confirmation began and after its
-previous confirmation ended, i.e. right before; otherwise the worker gets that baseline first.
+worker only when its latest baseline was measured after the confirmation began (one fresh
+baseline serves all of a host's confirmations), and after its previous confirmation ended where
+that host's baseline drifted (`studies.confirm_baseline_serves`); otherwise the worker gets that
+baseline first.
 A candidate is confirmed on another worker than the one that measured it, when one is alive.
 """
 
@@ -54,7 +56,7 @@ class ConfirmLeases:
             if avoid == worker_id and self._another_capable_worker(s, key, worker_id, now):
                 continue
             base = records.latest_baseline(s, worker_id, key)
-            if base is None or base.measured_at < self._pairing_since(s, spec.name, worker_id):
+            if base is None or not study_svc.confirm_baseline_serves(s, spec, worker_id, base):
                 return self.baselines.new(s, spec, worker_id, now)
             info = dict(lease.payload.get("confirm") or {})
             info["baseline_id"] = base.id

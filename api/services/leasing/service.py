@@ -172,6 +172,9 @@ class LeaseService:
                 spent = None
                 if not confirming:
                     spent = budget_used(spec.budget, study_svc.launched_count(s, spec.name), now - row.created_at)
+            if spent is None and not confirming:
+                # Settled by the convergence stop (read outside the write step, as maybe_finish's trials).
+                spent = study_svc.converged_reason(spec, study_svc.study_trials(self.ctx.storage, spec.name))
             if spent is not None:
                 # Finishing may start the confirmation of the best candidates instead.
                 snapshot = study_svc.study_trials(self.ctx.storage, spec.name)

@@ -1,0 +1,87 @@
+"""What one more launch costs: predicted start-up plus benchmark time, in seconds of the host.
+
+Start-up is mostly weight loading (the same for every configuration of a study) and CUDA-graph
+capture, which grows with the draft steps (one draft decode graph per step), with topk (wider
+draft graphs) and with the draft tokens (verify and draft-extend graphs); reference/sglang.md §3.
+It is fitted to the start-up times the study has measured, by non-negative least squares with a
+small ridge towards "all the same", so one or two measured launches already give a usable answer
+and no configuration is ever predicted cheaper than loading the weights.
+
+The benchmark time is the workload's tokens at the predicted speedup times the baseline's rate.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+from optuna.trial import FrozenTrial, TrialState
+from scipy.optimize import lsq_linear
+
+from optimizer.space import SpecConfig
+from optimizer.spec import StudySpec
+
+FloatArray = NDArray[np.float64]
+
+_RIDGE = 0.05  # weight of the prior, as a share of one measured launch
+
+
+def _features(configs: Sequence[SpecConfig]) -> FloatArray:
+    rows = []
+    for cfg in configs:
+        c = cfg.canonical()
+        rows.append([1.0, float(c.num_steps), float(c.num_steps * (c.topk - 1)), float(c.num_draft_tokens)])
+    return np.array(rows, dtype=float).reshape(len(rows), 4)
+
+
+@dataclass(frozen=True)
+class LaunchCost:
+    weights: FloatArray | None  # None: no start-up measured yet (every launch costs the same)
+    bench_s_at_1x: float  # benchmark seconds of the whole workload at speedup 1.0 (0 if unknown)
+
+    def startup_s(self, configs: Sequence[SpecConfig]) -> FloatArray:
+        if self.weights is None:
+            return np.ones(len(configs))
+        out: FloatArray = np.maximum(_features(configs) @ self.weights, 1.0)
+        return out
+
+    def seconds(self, configs: Sequence[SpecConfig], speedup: FloatArray, p_fail: FloatArray) -> FloatArray:
+        """Expected host seconds of launching each configuration: a failed launch costs its start-up."""
+        bench = self.bench_s_at_1x / np.maximum(speedup, 0.05)
+        out: FloatArray = self.startup_s(configs) + (1.0 - p_fail) * bench
+        return out
+
+
+def fit(spec: StudySpec, trials: Sequence[FrozenTrial]) -> LaunchCost:
+    configs: list[SpecConfig] = []
+    secs: list[float] = []
+    base_tok_s: dict[int, float] = {}
+    for t in trials:
+        ua = t.user_attrs
+        if t.state not in (TrialState.COMPLETE, TrialState.PRUNED) or "config" not in ua:
+            continue
+        for b in ua.get("baseline_levels") or []:
+            if b.get("output_tok_s"):
+                base_tok_s.setdefault(int(b["concurrency"]), float(b["output_tok_s"]))
+        for c, v in (ua.get("baseline_tok_s") or {}).items():
+            base_tok_s.setdefault(int(c), float(v))
+        s = ua.get("startup_s")
+        if isinstance(s, int | float) and s > 0 and "duplicate_of" not in ua:
+            configs.append(SpecConfig.model_validate(ua["config"]))
+            secs.append(float(s))
+    wl = spec.workload
+    tokens = wl.num_prompts * wl.output_len * wl.repeats
+    bench = sum(tokens / base_tok_s[c] for c in wl.concurrency if base_tok_s.get(c))
+    if not secs:
+        return LaunchCost(None, bench)
+    med = statistics.median(secs)
+    # Ridge rows towards (median, 0, 0, 0), each weighted like a fraction of one launch at a
+    # typical size of its feature.
+    r = np.sqrt(_RIDGE) * np.array([1.0, 5.0, 5.0, 10.0])
+    a = np.vstack([_features(configs), np.diag(r)])
+    target = np.concatenate([np.array(secs), r * np.array([med, 0.0, 0.0, 0.0])])
+    res = lsq_linear(a, target, bounds=(np.zeros(4), np.full(4, np.inf)))
+    return LaunchCost(np.asarray(res.x, dtype=float), bench)

@@ -1,0 +1,246 @@
+"""Time to a confirmed answer: the convergence stop, the OOM boundary, parallel diversity (no database)."""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+import optuna
+import pytest
+from optuna.distributions import IntDistribution
+from optuna.trial import FrozenTrial, TrialState, create_trial
+
+from optimizer import convergence, costs
+from optimizer import study as opt
+from optimizer.infeasible import needs_at_least
+from optimizer.memory_boundary import PROBABLE_FAILURE, MemoryBoundary
+from optimizer.model_sampler import NEAR_COPY, coords, open_pool, propose
+from optimizer.objective import CONSTRAINT_KEY
+from optimizer.space import SearchSpace, SpecConfig
+from optimizer.spec import parse_spec
+from tests.conftest import Api, small_spec
+from tests.search_support import drive, sim_levels
+from workers.simulator.landscapes import LANDSCAPES
+from workers.simulator.model import true_optimum
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def spec(**kw: Any) -> Any:
+    base: dict[str, Any] = {"name": "c", "model": {"target": "t", "draft": "d"}, "seed": 3, "sampler": "auto"}
+    base.update(kw)
+    return parse_spec(base)
+
+
+def attrs_for(landscape: str, config: SpecConfig) -> tuple[float, dict[str, Any]]:
+    lv = sim_levels(landscape, config.model_dump(mode="json"), [1])
+    base = sim_levels(landscape, None, [1])
+    value = lv[0]["output_tok_s"] / base[0]["output_tok_s"]
+    return value, {
+        "config": config.model_dump(mode="json"),
+        "config_key": config.key,
+        "levels": lv,
+        "baseline_levels": base,
+        "speedup_by_level": {"1": value},
+        "startup_s": 30.0 + 2.0 * config.num_steps,
+    }
+
+
+def run_until_settled(landscape: str, max_trials: int) -> tuple[list[convergence.Assessment], float]:
+    """The service's loop in memory: ask, measure with the simulator, tell, assess."""
+    sp = spec()
+    storage = optuna.storages.InMemoryStorage()
+    opt.create_study(storage, sp)
+    history = []
+    best = 0.0
+    for _ in range(max_trials):
+        study = opt.load_study(storage, sp)
+        asked = opt.ask(study, sp)
+        value, a = attrs_for(landscape, asked.config)
+        opt.tell_value(study, asked.number, value, 0.0, a)
+        best = max(best, value)
+        history.append(convergence.assess(sp, study.get_trials(deepcopy=False)))
+        if history[-1].settled:
+            break
+    return history, best
+
+
+def test_a_study_stops_on_convergence_and_says_why() -> None:
+    history, best = run_until_settled("moe-pcie", 30)
+    last = history[-1]
+    assert last.settled, last.reason
+    assert len(history) < 30
+    assert last.reason.startswith("converged after"), last.reason
+    assert "by more than 1%" in last.reason and last.pays is True
+    assert last.best_chance < convergence.P_MATTERS
+    _, optimum = true_optimum(LANDSCAPES["moe-pcie"], SearchSpace(), 1)
+    assert best >= 0.98 * optimum
+    # Never before the model has enough to stand on.
+    assert all(not h.settled for h in history[: convergence.MIN_MEASURED - 1])
+
+
+def test_speculation_that_does_not_pay_ends_the_study_early() -> None:
+    history, best = run_until_settled("no-gain", 30)
+    last = history[-1]
+    assert last.settled and last.pays is False, last.reason
+    assert best < 1.0
+    assert last.reason.startswith("speculation does not pay"), last.reason
+    assert len(history) <= 10
+
+
+def test_an_unfamiliar_landscape_does_not_stop_while_the_model_is_unsure() -> None:
+    # zigzag-tiles: acceptance that is not monotone across draft positions and a verify cost that
+    # steps at 16-token tiles, neither of which the model's family can express.
+    sp = spec()
+    trials: list[FrozenTrial] = []
+    for i, c in enumerate(
+        [
+            SpecConfig(num_steps=3, topk=1, num_draft_tokens=4),
+            SpecConfig(num_steps=5, topk=4, num_draft_tokens=8),
+            SpecConfig(num_steps=1, topk=1, num_draft_tokens=2),
+            SpecConfig(num_steps=2, topk=1, num_draft_tokens=3),
+        ]
+    ):
+        value, a = attrs_for("zigzag-tiles", c)
+        trials.append(_frozen(i, value, a))
+    a4 = convergence.assess(sp, trials)
+    assert not a4.settled, a4.reason
+    # Its own uncertainty about what it has not seen (deeper trees) keeps the study going.
+    assert a4.best_chance >= 0.5, a4
+    assert a4.best_chance_config not in {t.user_attrs["config_key"] for t in trials}
+    # And with three it never judges at all.
+    assert "only 3 configurations" in convergence.assess(sp, trials[:3]).reason
+
+
+def test_a_probable_oom_is_skipped_not_only_what_dominates_a_failure() -> None:
+    """The issue's walk down 4/8/33 -> 4/8/32 -> ... -> 3/8/21, one OOM launch each, does not happen."""
+    sp = spec(workload={"concurrency": [16]})
+    trials: list[FrozenTrial] = []
+    for i, c in enumerate(
+        [
+            SpecConfig(num_steps=3, topk=1, num_draft_tokens=4),
+            SpecConfig(num_steps=5, topk=4, num_draft_tokens=8),
+            SpecConfig(num_steps=2, topk=2, num_draft_tokens=3),
+        ]
+    ):
+        value, a = attrs_for("dense-8b-h100", c)
+        trials.append(_frozen(i, value, a))
+    failed = SpecConfig(num_steps=4, topk=8, num_draft_tokens=33)
+    oom_attrs = {"config": failed.model_dump(mode="json"), "config_key": failed.key, "failure_kind": "oom"}
+    trials.append(_frozen(3, 0.5, oom_attrs, violation=10.0))
+    probable = [
+        SpecConfig(num_steps=4, topk=8, num_draft_tokens=32),
+        SpecConfig(num_steps=3, topk=8, num_draft_tokens=25),
+    ]
+    for c in probable:
+        assert not needs_at_least(c, failed)  # the old dominance rule would launch them
+    boundary = MemoryBoundary.fit(trials, 16)
+    assert boundary is not None
+    p = boundary.p_fail([*probable, SpecConfig(num_steps=2, topk=2, num_draft_tokens=3)])
+    assert p[0] >= PROBABLE_FAILURE and p[1] >= PROBABLE_FAILURE, p
+    assert p[2] == 0.0  # inside what started
+    pool = {c.key for c in open_pool(sp, trials).configs}
+    assert not pool & {c.key for c in probable}
+    proposal = propose(sp, trials, random.Random(0))
+    assert proposal is not None and proposal.p_fail < PROBABLE_FAILURE
+
+
+def test_parallel_proposals_differ_and_are_never_near_copies() -> None:
+    sp = spec()
+    trials: list[FrozenTrial] = []
+    for i, c in enumerate(
+        [
+            SpecConfig(num_steps=3, topk=1, num_draft_tokens=4),
+            SpecConfig(num_steps=5, topk=4, num_draft_tokens=8),
+            SpecConfig(num_steps=7, topk=8, num_draft_tokens=50),
+        ]
+    ):
+        value, a = attrs_for("dense-8b-h100", c)
+        trials.append(_frozen(i, value, a))
+    rng = random.Random(0)
+    first = propose(sp, trials, rng)
+    assert first is not None
+    # The first is now in flight on another worker.
+    running = create_trial(
+        state=TrialState.RUNNING,
+        params={},
+        distributions={},
+        user_attrs={"config": first.config.model_dump(mode="json"), "config_key": first.config.key},
+    )
+    running.number = len(trials)
+    second = propose(sp, [*trials, running], rng)
+    assert second is not None
+    assert second.config.key != first.config.key
+    gap = math.dist(coords([first.config])[0], coords([second.config])[0])
+    assert gap >= NEAR_COPY, (first.config.key, second.config.key)
+
+
+def _frozen(number: int, value: float, attrs: dict[str, Any], violation: float = 0.0) -> FrozenTrial:
+    t = create_trial(
+        value=value,
+        params={"num_steps": 1},
+        distributions={"num_steps": IntDistribution(1, 10)},
+        user_attrs=attrs,
+    )
+    t.number = number
+    t.set_constraint(CONSTRAINT_KEY, violation)
+    return t
+
+
+def test_the_service_finishes_a_converged_study_and_says_why(api: Api) -> None:
+    spec = small_spec("conv", sampler="auto", budget={"max_trials": 20})
+    spec["confirmation"] = {"top": 2}
+    assert api.post("/v1/studies", "user", spec).status_code == 201
+    handed = drive(api, "conv", ["w1", "w2"], "moe-pcie")
+    shown = api.get("/v1/studies/conv", "user").json()
+    assert shown["state"] == "finished"
+    launched = [le for le in handed if le["kind"] == "trial"]
+    assert len(launched) < 20 and shown["configurations_launched"] == len(launched)
+    assert shown["finish_reason"].startswith("converged after"), shown["finish_reason"]
+    assert "confirmed" in shown["finish_reason"]
+    # Confirmation followed the stop: the winner is confirmed against a fresh baseline.
+    assert shown["winner"]["confirmed"] is True
+    assert shown["verdict"].startswith("speculation pays")
+    # Cost is part of the answer: every launch counted by kind, next to SGLang's grid.
+    cost = shown["cost"]
+    by_kind = cost["launches_by_kind"]
+    assert by_kind == {
+        "baselines": sum(1 for le in handed if le["kind"] == "baseline"),
+        "search": len(launched),
+        "confirmation": sum(1 for le in handed if le["kind"] == "confirm"),
+        "failed": 0,
+    }
+    assert cost["launches"] == len(handed)
+    assert cost["bench_speculative_grid"]["launches"] == 48
+    assert cost["gpu_hours"] == pytest.approx(sum(cost["gpu_hours_by_kind"].values()))
+    assert f"{len(handed)} launches" in cost["summary"] and "bench_speculative grid: 48 launches" in cost["summary"]
+
+
+def test_a_converging_study_can_be_switched_off(api: Api) -> None:
+    spec = small_spec("noconv", sampler="auto", budget={"max_trials": 6, "converge": False})
+    spec["confirmation"] = {"top": 0}
+    assert api.post("/v1/studies", "user", spec).status_code == 201
+    drive(api, "noconv", ["w1"], "moe-pcie")
+    shown = api.get("/v1/studies/noconv", "user").json()
+    assert shown["configurations_launched"] == 6
+    assert "max_trials=6" in shown["finish_reason"]
+
+
+def test_cost_counts_failed_launches_apart_and_prices_the_grid_at_the_median_launch() -> None:
+    launches = [
+        costs.Launch("baselines", 600.0, 8),
+        costs.Launch("search", 900.0, 8),
+        costs.Launch("search", 1200.0, 8),
+        costs.Launch("failed", 800.0, 8),
+        costs.Launch("confirmation", 900.0, 8),
+    ]
+    c = costs.tally(launches)
+    assert c.launches == {"baselines": 1, "search": 2, "confirmation": 1, "failed": 1}
+    assert c.gpu_hours["failed"] == pytest.approx(800 * 8 / 3600)
+    assert c.total_gpu_hours == pytest.approx(4400 * 8 / 3600)
+    # 47 valid points of bench_speculative's grid, and one baseline.
+    assert len(costs.grid_points()) == 47 and c.grid_launches == 48
+    assert c.median_launch_gpu_hours == pytest.approx(900 * 8 / 3600)
+    assert c.grid_gpu_hours == pytest.approx(48 * 900 * 8 / 3600)
+    assert c.summary().startswith("5 launches, 9.78 GPU-hours (1 baselines, 2 search, 1 confirmation, 1 failed)")
