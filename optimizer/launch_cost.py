@@ -26,15 +26,28 @@ from optimizer.spec import StudySpec
 
 FloatArray = NDArray[np.float64]
 
+N_FEATURES = 5
 _RIDGE = 0.05  # weight of the prior, as a share of one measured launch
 
 
 def _features(configs: Sequence[SpecConfig]) -> FloatArray:
+    """Weights, draft decode graphs (steps, wider with topk), verify/extend graphs (draft
+    tokens), and, where the study tunes the captured batch, the graphs per size that it adds
+    (more sizes, each with a draft graph per step)."""
     rows = []
     for cfg in configs:
         c = cfg.canonical()
-        rows.append([1.0, float(c.num_steps), float(c.num_steps * (c.topk - 1)), float(c.num_draft_tokens)])
-    return np.array(rows, dtype=float).reshape(len(rows), 4)
+        bs = float(c.cuda_graph_max_bs or 0)
+        rows.append(
+            [
+                1.0,
+                float(c.num_steps),
+                float(c.num_steps * (c.topk - 1)),
+                float(c.num_draft_tokens),
+                bs * (1 + c.num_steps),
+            ]
+        )
+    return np.array(rows, dtype=float).reshape(len(rows), N_FEATURES)
 
 
 @dataclass(frozen=True)
@@ -80,8 +93,8 @@ def fit(spec: StudySpec, trials: Sequence[FrozenTrial]) -> LaunchCost:
     med = statistics.median(secs)
     # Ridge rows towards (median, 0, 0, 0), each weighted like a fraction of one launch at a
     # typical size of its feature.
-    r = np.sqrt(_RIDGE) * np.array([1.0, 5.0, 5.0, 10.0])
+    r = np.sqrt(_RIDGE) * np.array([1.0, 5.0, 5.0, 10.0, 100.0])
     a = np.vstack([_features(configs), np.diag(r)])
-    target = np.concatenate([np.array(secs), r * np.array([med, 0.0, 0.0, 0.0])])
-    res = lsq_linear(a, target, bounds=(np.zeros(4), np.full(4, np.inf)))
+    target = np.concatenate([np.array(secs), r * np.array([med, 0.0, 0.0, 0.0, 0.0])])
+    res = lsq_linear(a, target, bounds=(np.zeros(N_FEATURES), np.full(N_FEATURES, np.inf)))
     return LaunchCost(np.asarray(res.x, dtype=float), bench)

@@ -6,12 +6,13 @@ import math
 import random
 from typing import Any
 
+import numpy as np
 import optuna
 import pytest
 from optuna.distributions import IntDistribution
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
-from optimizer import convergence, costs
+from optimizer import convergence, costs, launch_cost
 from optimizer import study as opt
 from optimizer.infeasible import needs_at_least
 from optimizer.memory_boundary import PROBABLE_FAILURE, MemoryBoundary
@@ -244,3 +245,31 @@ def test_cost_counts_failed_launches_apart_and_prices_the_grid_at_the_median_lau
     assert c.median_launch_gpu_hours == pytest.approx(900 * 8 / 3600)
     assert c.grid_gpu_hours == pytest.approx(48 * 900 * 8 / 3600)
     assert c.summary().startswith("5 launches, 9.78 GPU-hours (1 baselines, 2 search, 1 confirmation, 1 failed)")
+
+
+def test_launch_cost_is_fitted_from_measured_start_ups() -> None:
+    """Graph capture grows with the draft steps: the fit sees it in the start-ups measured."""
+    sp = spec()
+    trials = []
+    for i, c in enumerate(
+        [
+            SpecConfig(num_steps=1, topk=1, num_draft_tokens=2),
+            SpecConfig(num_steps=3, topk=1, num_draft_tokens=4),
+            SpecConfig(num_steps=5, topk=4, num_draft_tokens=8),
+            SpecConfig(num_steps=7, topk=2, num_draft_tokens=12),
+        ]
+    ):
+        value, a = attrs_for("dense-8b-h100", c)
+        a["startup_s"] = 300.0 + 40.0 * c.num_steps
+        trials.append(_frozen(i, value, a))
+    cost = launch_cost.fit(sp, trials)
+    shallow, deep = (
+        SpecConfig(num_steps=2, topk=1, num_draft_tokens=3),
+        SpecConfig(num_steps=9, topk=1, num_draft_tokens=10),
+    )
+    s_shallow, s_deep = cost.startup_s([shallow, deep])
+    assert s_shallow == pytest.approx(380.0, rel=0.1) and s_deep == pytest.approx(660.0, rel=0.15)
+    # The benchmark time comes from the baseline's rate and the predicted speedup; a failed
+    # launch costs its start-up only.
+    full, failing = cost.seconds([shallow, shallow], np.array([2.0, 2.0]), np.array([0.0, 1.0]))
+    assert failing == pytest.approx(s_shallow) and full > failing
