@@ -46,7 +46,8 @@ def finished(c: Cluster, name: str) -> dict[str, Any] | None:
 
 def test_two_workers_run_a_ten_trial_study(pg_db_url: str, tmp_path: Path) -> None:
     with cluster(tmp_path, pg_db_url) as c:
-        c.create_study(spec("e2e-ten", 10))
+        # A fixed budget of ten (the convergence stop would end it earlier: tests/test_convergence.py).
+        c.create_study(spec("e2e-ten", 10, budget={"max_trials": 10, "converge": False}))
         c.add_worker("gpu-a", MODELS)
         c.add_worker("gpu-b", MODELS)
         st = wait_for("the study to finish", lambda: finished(c, "e2e-ten"), timeout=240, interval=1.0)
