@@ -365,7 +365,7 @@ class Agent:
         if missing:
             known = ", ".join(sorted(self.settings.models)) or "none"
             return _failed(
-                "invalid_config",
+                "refused",
                 f"model(s) {', '.join(missing)} not in this worker's model registry (known: {known}); "
                 "add them to [models] in the worker config, or place the study on workers that have them",
             )
