@@ -592,6 +592,9 @@ async def _measure_levels(url: str, levels: list[int]) -> list[LevelMetrics]:
     return out
 
 
+RATE_REL = 0.10
+
+
 @pytest.mark.parametrize(
     "config",
     [SpecConfig(num_steps=2, topk=1, num_draft_tokens=3), None],
@@ -620,14 +623,17 @@ def test_measurements_match_the_simulator_model(config: SpecConfig | None, tmp_p
             max_running_requests=SIM_MAX_RUNNING,
         )
         assert m.completion_tokens == 2 * m.concurrency * SIM_OUTPUT_LEN
-        assert m.output_tok_s / SIM_SPEED == pytest.approx(want.output_tok_s, rel=0.03), m
+        # Rates are wall-clock measurements of a paced simulator: a machine busy on every core
+        # slows it by a few per cent, so 10% (an idle machine reads within 1-2%).  The bugs this
+        # guards against are far larger (a lost delayed ACK, a wrong time window).
+        assert m.output_tok_s / SIM_SPEED == pytest.approx(want.output_tok_s, rel=RATE_REL), m
         for run in m.output_tok_s_runs:
-            assert run / SIM_SPEED == pytest.approx(want.output_tok_s, rel=0.03), m
+            assert run / SIM_SPEED == pytest.approx(want.output_tok_s, rel=RATE_REL), m
         # Per-user decode rate (first to last token of a request): a server whose sockets lack
         # TCP_NODELAY holds the first chunks of a request on a reused connection for a delayed ACK
         # (~40 ms), then bursts them, and this rate comes out far too high.
         assert m.per_user_tok_s is not None
-        assert m.per_user_tok_s / SIM_SPEED == pytest.approx(want.per_user_tok_s, rel=0.03), m
+        assert m.per_user_tok_s / SIM_SPEED == pytest.approx(want.per_user_tok_s, rel=RATE_REL), m
         if config is None:
             assert m.accept_length is None and m.spec_verify_ct is None
             assert "spec_verify_ct" not in direct
