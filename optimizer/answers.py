@@ -24,8 +24,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from optuna.trial import FrozenTrial, TrialState
+from optuna.trial import FrozenTrial
 
+from optimizer import attrs as A
 from optimizer.analysis import Interval, level_intervals
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
@@ -58,24 +59,12 @@ class LevelAnswer:
         }
 
 
-def _measured(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
-    out = []
-    for t in trials:
-        if t.state != TrialState.COMPLETE or "duplicate_of" in t.user_attrs or "config" not in t.user_attrs:
-            continue
-        if t.constraints and any(v > 0 for v in t.constraints.values()):
-            continue
-        if t.user_attrs.get("speedup_by_level"):
-            out.append(t)
-    return out
-
-
 def best_by_level(
     spec: StudySpec, trials: Sequence[FrozenTrial], *, chains_only: bool = False
 ) -> dict[int, LevelAnswer]:
     """The best measured configuration at each concurrency level of the workload."""
     out: dict[int, LevelAnswer] = {}
-    for t in _measured(trials):
+    for t in A.measured_feasible(trials, A.CONFIG, A.SPEEDUP_BY_LEVEL):
         config = SpecConfig.model_validate(t.user_attrs["config"]).canonical()
         if chains_only and config.topk != 1:
             continue

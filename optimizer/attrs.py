@@ -5,7 +5,10 @@ Readers: the API's trial list, the report, the samplers and the answer.  Values 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Final
+
+from optuna.trial import FrozenTrial, TrialState
 
 # Where the measurement came from.
 WORKER_ID: Final = "worker_id"
@@ -35,3 +38,19 @@ LOG_TAIL: Final = "log_tail"
 # Answered without a launch: from an earlier trial of the same configuration, or inferred to fail.
 DUPLICATE_OF: Final = "duplicate_of"
 INFERRED_FROM: Final = "inferred_from"
+
+
+def measured_feasible(trials: Iterable[FrozenTrial], *required: str) -> list[FrozenTrial]:
+    """Trials measured by a launch of their own that met every constraint, with a value and
+    each of the `required` attributes set (the one filter the search, pruning, confirmation,
+    convergence and the answer share).  Duplicates answered from an earlier trial are left out:
+    they would count one measurement twice."""
+    out = []
+    for t in trials:
+        if t.state != TrialState.COMPLETE or t.value is None or DUPLICATE_OF in t.user_attrs:
+            continue
+        if t.constraints and any(v > 0 for v in t.constraints.values()):
+            continue
+        if all(t.user_attrs.get(key) for key in required):
+            out.append(t)
+    return out

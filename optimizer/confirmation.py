@@ -19,25 +19,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from optuna.trial import FrozenTrial, TrialState
+from optuna.trial import FrozenTrial
 
+from optimizer import attrs as A
 from optimizer.analysis import Z95, Interval, level_intervals
 from optimizer.objective import LevelResult, score
 from optimizer.spec import StudySpec
 
 CANDIDATE_WINDOW = 0.05
-
-
-def _measured(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
-    out = []
-    for t in trials:
-        if t.state != TrialState.COMPLETE or t.value is None or "duplicate_of" in t.user_attrs:
-            continue
-        if t.constraints and any(v > 0 for v in t.constraints.values()):
-            continue
-        if "config" in t.user_attrs and t.user_attrs.get("levels"):
-            out.append(t)
-    return out
 
 
 def search_interval(spec: StudySpec, t: FrozenTrial) -> Interval | None:
@@ -61,7 +50,7 @@ def candidates(trials: Sequence[FrozenTrial], top: int, spec: StudySpec | None =
     """
     if top <= 0:
         return []
-    ranked = sorted(_measured(trials), key=lambda t: (-float(t.value or 0.0), t.number))
+    ranked = sorted(A.measured_feasible(trials, A.CONFIG, A.LEVELS), key=lambda t: (-float(t.value or 0.0), t.number))
     out: list[FrozenTrial] = []
     seen: set[str] = set()
     lead_iv: Interval | None = None

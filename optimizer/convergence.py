@@ -24,9 +24,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from optuna.trial import FrozenTrial, TrialState
+from optuna.trial import FrozenTrial
 from scipy.stats import norm
 
+from optimizer import attrs as A
 from optimizer.analysis import level_intervals
 from optimizer.confirmation import objective_interval
 from optimizer.model_sampler import gain_over, objective_levels, observations_of, open_pool
@@ -64,20 +65,8 @@ class Assessment:
         }
 
 
-def _measured(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
-    out = []
-    for t in trials:
-        ua = t.user_attrs
-        if t.state != TrialState.COMPLETE or t.value is None or "duplicate_of" in ua or "levels" not in ua:
-            continue
-        if t.constraints and any(v > 0 for v in t.constraints.values()):
-            continue
-        out.append(t)
-    return out
-
-
 def assess(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Assessment:
-    measured = _measured(trials)
+    measured = A.measured_feasible(trials, A.LEVELS)
     n = len({t.user_attrs.get("config_key") for t in measured})
     gain = spec.budget.min_gain
 

@@ -20,8 +20,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from optuna.trial import FrozenTrial, TrialState
+from optuna.trial import FrozenTrial
 
+from optimizer import attrs as A
 from optimizer.spec import StudySpec
 
 Z_PRUNE = 3.0
@@ -58,21 +59,9 @@ def noise_margin(trials: Sequence[FrozenTrial], repeats: int) -> float:
     return max(MIN_MARGIN, Z_PRUNE * cv * math.sqrt(2.0 / max(1, repeats)))
 
 
-def _measured(trials: Sequence[FrozenTrial]) -> list[FrozenTrial]:
-    out = []
-    for t in trials:
-        if t.state != TrialState.COMPLETE or t.value is None or "duplicate_of" in t.user_attrs:
-            continue
-        if t.constraints and any(v > 0 for v in t.constraints.values()):
-            continue
-        if t.user_attrs.get("speedup_by_level"):
-            out.append(t)
-    return out
-
-
 def decide(spec: StudySpec, trials: Sequence[FrozenTrial], partial: Mapping[int, float]) -> PruneDecision:
     """Should a trial with these measured per-level speedups stop now?"""
-    measured = _measured(trials)
+    measured = A.measured_feasible(trials, A.SPEEDUP_BY_LEVEL)
     margin = noise_margin(measured, spec.workload.repeats)
     if not measured:
         return PruneDecision(False, None, None, margin, "nothing measured yet to compare with")

@@ -463,11 +463,7 @@ class StudyService:
         best = opt.best_trial_of(trials)
         best_doc = None if best is None else self._describe_best(spec, best)
         winner = self._winner(spec, trials, best, best_doc, confirmations)
-        measured = sum(
-            1
-            for t in trials
-            if t.state == TrialState.COMPLETE and "duplicate_of" not in t.user_attrs and opt.is_feasible(t)
-        )
+        measured = len(A.measured_feasible(trials))
         if row.state != "running":
             phase = "done" if row.state == "finished" else row.state
         else:
