@@ -299,13 +299,18 @@ def study_watch(
             typer.echo(shown["verdict"])
             if shown.get("cost"):
                 typer.echo(f"cost: {shown['cost']['summary']}")
-            if shown.get("best"):
-                typer.echo(shown["best"]["launch_command"])
+            if shown.get("deployment"):
+                typer.echo(shown["deployment"]["launch_command"])
             return
         if time.monotonic() + interval > deadline:
             typer.secho(f"study {name} is still running after {timeout:.0f} s", err=True, fg=typer.colors.YELLOW)
             raise typer.Exit(1)
         time.sleep(interval)
+
+
+# `spectune study best` exits with this status when the verdict is "speculation does not pay here"
+# (it then prints the command without speculation); 2 stays "an error".
+EXIT_NO_SPECULATION = 3
 
 
 @study_app.command("best")
@@ -314,18 +319,58 @@ def study_best(
     api_url: ApiUrl = "http://127.0.0.1:8000",
     token: Token = None,
     fmt: Annotated[str, typer.Option("--format", help="sglang: the launch command; json: the settings")] = "sglang",
+    worker_config: Annotated[
+        Path | None,
+        typer.Option(help="a worker TOML whose [models] registry gives the local model paths (else placeholders)"),
+    ] = None,
+    host: Annotated[str, typer.Option(help="--host of the printed server (0.0.0.0 answers other machines)")] = (
+        "127.0.0.1"
+    ),
+    port: Annotated[int, typer.Option(help="--port of the printed server")] = 30000,
 ) -> None:
-    """The best configuration so far: the SGLang launch command, or its settings as JSON."""
+    """The answer to deploy: SGLang's launch command sized by the study's `serving` section.
+
+    Exit status 0: speculation pays and the command runs it; 3: speculation does not pay here and
+    the command runs the same server without it; 2: an error (e.g. nothing measured yet).
+    """
+    from optimizer.deploy import Deployment
+
     if fmt not in ("sglang", "json"):
         _fail(f"unknown --format {fmt!r}; choose sglang or json")
+    models: dict[str, str] = {}
+    if worker_config is not None:
+        from workers.config import read_model_registry
+        from workers.errors import ConfigError
+
+        try:
+            models = read_model_registry(worker_config)
+        except ConfigError as e:
+            _fail(str(e))
     shown = _call("GET", f"/v1/studies/{name}", api_url, token)
-    best = shown.get("best")
-    if best is None:
+    doc = shown.get("deployment")
+    if shown.get("best") is None or doc is None:
         _fail(f"study {name} has no measured configuration yet (state {shown['state']}); try again later")
+    deployment = Deployment.from_json(doc)
+    missing = [m for m in (deployment.settings.target, deployment.settings.draft) if m and models and m not in models]
+    if missing:
+        _fail(f"{worker_config} has no [models] entry for {', '.join(missing)}")
+    command = deployment.command(models=models, host=host, port=port)
     if fmt == "sglang":
-        typer.echo(best["launch_command"])
+        typer.echo(command)
+        if not deployment.speculation:
+            typer.echo(f"# {shown['verdict']}", err=True)
     else:
-        typer.echo(json.dumps({"study": name, "state": shown["state"], "verdict": shown["verdict"], **best}, indent=2))
+        out = {
+            "study": name,
+            "state": shown["state"],
+            "verdict": shown["verdict"],
+            "speculation_pays": shown.get("speculation_pays"),
+            "winner": shown.get("winner"),
+            "deployment": doc | {"launch_command": command},
+        }
+        typer.echo(json.dumps(out, indent=2))
+    if not deployment.speculation:
+        raise typer.Exit(EXIT_NO_SPECULATION)
 
 
 @app.command()

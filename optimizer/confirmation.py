@@ -146,6 +146,15 @@ def objective_interval(spec: StudySpec, value: float, ivs: Mapping[int, Interval
     return Interval(value, value * math.exp(-half), value * math.exp(half))
 
 
+def pays(value: float | None, interval: Interval | None) -> bool:
+    """Does speculation beat the baseline: the interval above 1.0, or (without a spread) the value."""
+    if value is None:
+        return False
+    if interval is not None:
+        return interval.low > 1.0
+    return value > 1.0
+
+
 def verdict(
     value: float | None,
     interval: Interval | None,
@@ -164,9 +173,9 @@ def verdict(
         if confirmed
         else "measured once in the search, not yet confirmed against a fresh baseline"
     )
-    if interval is not None and interval.low > 1.0:
+    if pays(value, interval) and interval is not None:
         return f"speculation pays: {label} runs at {value:.3f}x the baseline{band}, {how}"
-    if interval is None and value > 1.0:
+    if pays(value, interval):
         return f"speculation pays: {label} runs at {value:.3f}x the baseline ({how}; no spread to bound it)"
     if value > 1.0:
         evidence = f"its {value:.3f}x{band} does not clear 1.0 beyond noise"

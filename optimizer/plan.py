@@ -10,23 +10,27 @@ from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 
 
-def server_settings(spec: StudySpec, config: SpecConfig | None, *, deployment: bool = False) -> ServerSettings:
-    """The server for a trial (`config`) or for the baseline (`None`).
+def server_settings(spec: StudySpec, config: SpecConfig | None) -> ServerSettings:
+    """The server a worker launches for a trial (`config`) or for the baseline (`None`).
 
-    While tuning, CUDA graphs are captured only for the batch sizes the workload runs (an
-    explicit `cuda_graph_bs` list of its concurrency levels): capture dominates start-up (one
-    graph per size, ~23 sizes up to 48; reference/sglang.md §3), and sizes no level pads to buy
+    CUDA graphs are captured only for the batch sizes the workload runs (an explicit
+    `cuda_graph_bs` list of its concurrency levels): capture dominates start-up (one graph per
+    size, ~23 sizes up to 48; docs/sglang.md "CUDA graphs"), and sizes no level pads to buy
     nothing.  Baseline and trials share that list, so speedups compare like with like.  When the
-    study tunes the graph size, the tuned maximum is used instead.  `deployment=True` gives the
-    server to run in production: graphs up to the largest level, so batches in between run in a
-    graph too.  Max running requests is always set, at least the largest level, because SGLang
-    silently caps it at 48 with speculation otherwise (reference/sglang.md §2 rule 7).
+    study tunes the graph size, the tuned maximum is used instead.  Max running requests is always
+    set, at least the largest level, because SGLang silently caps it at 48 with speculation
+    otherwise (docs/sglang.md "Resolution rules"); with a `serving` section it is the production
+    value, so the KV pool measured is the one deployed.  The production server is
+    `optimizer.deploy.deployment_settings`.
     """
     m = spec.model
     top = max(spec.workload.concurrency)
     tuned = config is not None and config.cuda_graph_max_bs is not None
     graph_bs = config.cuda_graph_max_bs if config is not None and config.cuda_graph_max_bs is not None else top
-    graph_list = None if tuned or deployment else tuple(spec.workload.concurrency)
+    graph_list = None if tuned else tuple(spec.workload.concurrency)
+    running = max(top, graph_bs)
+    if spec.serving is not None:
+        running = max(running, spec.serving.max_running_requests)
     return ServerSettings(
         target=m.target,
         draft=m.draft if config is not None else None,
@@ -36,7 +40,7 @@ def server_settings(spec: StudySpec, config: SpecConfig | None, *, deployment: b
         page_size=m.page_size,
         mem_fraction_static=m.mem_fraction_static,
         context_length=m.context_length,
-        max_running_requests=max(top, graph_bs),
+        max_running_requests=running,
         cuda_graph_max_bs=graph_bs,
         cuda_graph_bs=graph_list,
         speculative=None if config is None else config.canonical(),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Sequence
 from enum import StrEnum
 from typing import Literal
 
@@ -145,9 +146,16 @@ def launch_command(
     model_path: str | None = None,
     draft_model_path: str | None = None,
     port: int = 30000,
-    host: str = "0.0.0.0",
+    host: str = "127.0.0.1",
+    pin_max_running_requests: bool = True,
+    extra: Sequence[str] = (),
 ) -> str:
-    """A copy-pasteable shell line for humans (never executed by spectune)."""
+    """A copy-pasteable shell line for humans (never executed by spectune).
+
+    `host` defaults to loopback: a server that should answer other machines is a deliberate choice
+    (`spectune study best --host`).  `pin_max_running_requests=False` leaves the cap to SGLang
+    (a server without speculation has no 48 cap; docs/sglang.md "Resolution rules").
+    """
     args = build_server_args(
         settings,
         version=version,
@@ -156,4 +164,7 @@ def launch_command(
         host=host,
         port=port,
     )
-    return shlex.join(["python", "-m", "sglang.launch_server", *args])
+    if not pin_max_running_requests:
+        i = args.index("--max-running-requests")
+        del args[i : i + 2]
+    return shlex.join(["python", "-m", "sglang.launch_server", *args, *extra])

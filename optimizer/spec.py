@@ -170,6 +170,22 @@ class Confirmation(BaseModel):
     top: int = Field(default=3, ge=0, le=10)
 
 
+class Serving(BaseModel):
+    """The load the tuned server will serve in production: the exported launch command is sized by it.
+
+    Without this section the exported command caps nothing below SGLang's own defaults (with
+    speculation SGLang serves at most 48 requests and captures graphs up to that; docs/sglang.md).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    # `--max-running-requests` of the deployed server; the trials run with it too, so the KV pool
+    # (and any out-of-memory) is the one production sees.
+    max_running_requests: int = Field(ge=1, le=100_000)
+    # Largest batch captured in CUDA graphs (`--cuda-graph-max-bs[-decode]`); default: max_running_requests.
+    max_batch: int | None = Field(default=None, ge=1, le=4096)
+
+
 class StudySpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -188,6 +204,8 @@ class StudySpec(BaseModel):
     # Configurations to try first, in addition to SGLang's defaults when they fit the space.
     warm_start: list[SpecConfig] = Field(default_factory=list)
     confirmation: Confirmation = Field(default_factory=Confirmation)
+    # The production envelope of the exported launch command (None: SGLang's own defaults).
+    serving: Serving | None = None
 
     @field_validator("name")
     @classmethod
@@ -221,6 +239,21 @@ def validate_spec(spec: StudySpec) -> StudySpec:
     if spec.search_space.cuda_graph_max_bs is not None:
         if max(spec.search_space.cuda_graph_max_bs) < 1:
             raise SpecError("search_space.cuda_graph_max_bs", "must be positive")
+    if spec.serving is not None:
+        top = max(levels)
+        if spec.serving.max_running_requests < top:
+            raise SpecError(
+                "serving.max_running_requests",
+                f"{spec.serving.max_running_requests} is below the workload's largest concurrency {top}: "
+                f"the server could not run the benchmark; raise it to at least {top} or drop that level",
+            )
+        mb = spec.serving.max_batch
+        if mb is not None and mb > spec.serving.max_running_requests:
+            raise SpecError(
+                "serving.max_batch",
+                f"{mb} is above max_running_requests {spec.serving.max_running_requests}: SGLang never runs a "
+                "larger batch, so those graphs would never be used; leave max_batch out or lower it",
+            )
     for i, cfg in enumerate(spec.warm_start):
         field = f"warm_start.{i}"
         try:

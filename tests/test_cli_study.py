@@ -71,7 +71,7 @@ def test_study_commands_end_to_end(server: tuple[str, dict[str, str]], tmp_path:
 
     r = cli(base, user, "study", "show", "done")
     assert r.returncode == 0, r.stderr
-    assert shown["verdict"] in r.stdout and shown["best"]["launch_command"] in r.stdout
+    assert shown["verdict"] in r.stdout and shown["deployment"]["launch_command"].splitlines()[-1] in r.stdout
     header = next(line for line in r.stdout.splitlines() if line.startswith("#"))
     assert header.split()[:6] == ["#", "state", "steps/topk/tok", "speedup", "tok/s@1", "AL"]
     assert "oom" in r.stdout  # the failed configuration is in the table
@@ -81,14 +81,16 @@ def test_study_commands_end_to_end(server: tuple[str, dict[str, str]], tmp_path:
     assert raw["best"]["trial_number"] == shown["best"]["trial_number"]
 
     r = cli(base, user, "study", "watch", "done", "--timeout", "30")
-    assert r.returncode == 0 and "finished" in r.stdout and shown["best"]["launch_command"] in r.stdout
+    assert r.returncode == 0 and "finished" in r.stdout and shown["deployment"]["launch_command"] in r.stdout
 
+    # 0 when the command speculates, 3 when it is the server without speculation.
     r = cli(base, user, "study", "best", "done", "--format", "sglang")
-    assert r.returncode == 0 and r.stdout.strip() == shown["best"]["launch_command"]
-    assert r.stdout.startswith("python -m sglang.launch_server ")
+    assert r.returncode == (0 if shown["speculation_pays"] else 3)
+    assert r.stdout.strip() == shown["deployment"]["launch_command"]
+    assert "python -m sglang.launch_server " in r.stdout
     best = json.loads(cli(base, user, "study", "best", "done", "--format", "json").stdout)
-    assert best["config"] == shown["best"]["config"] and best["state"] == "finished"
-    assert set(best["speedup_interval_by_level"]) == {"1", "4"}
+    assert best["winner"]["config"] == shown["winner"]["config"] and best["state"] == "finished"
+    assert set(best["winner"]["speedup_interval_by_level"]) == {"1", "4"}
     r = cli(base, user, "study", "best", "done", "--format", "yaml")
     assert r.returncode == 2 and "unknown --format 'yaml'" in r.stderr
 

@@ -27,8 +27,10 @@ def test_per_level_answers_and_a_later_study_starts_from_them(api: Api) -> None:
     if exported["config"] is not None:
         assert set(exported["config"]) == {"1", "16"}
         assert "--speculative-adaptive" in exported["server_args"]
-    # The single best static configuration stays the answer to deploy.
-    assert "--cuda-graph-max-bs-decode 16" in shown["winner"]["launch_command"]
+    # Deployed without a serving section: nothing capped below SGLang's speculative default of 48.
+    assert "--cuda-graph-max-bs-decode 48" in shown["winner"]["launch_command"]
+    assert "--max-running-requests 48" in shown["winner"]["launch_command"]
+    assert shown["deployment"]["mode"] in ("static", "adaptive", "no_speculation")
 
     # Same model, same hardware: the next study tries the previous answers first.
     second = small_spec("levels-b", workload=workload, budget={"max_trials": 3})

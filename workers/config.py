@@ -350,3 +350,22 @@ def read_token(cfg: WorkerConfig) -> str:
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         log.warning("token file %s is readable by other users; run: chmod 600 %s", cfg.token_file, cfg.token_file)
     return token
+
+
+def read_model_registry(path: Path) -> dict[str, str]:
+    """Only the `[models]` registry of a worker config (registry name -> absolute local path).
+
+    For printing a launch command on a worker host (`spectune study best --worker-config`): it
+    reads nothing else and creates nothing, so any user who can read the file may call it.
+    """
+    try:
+        data = tomllib.loads(path.read_bytes().decode("utf-8"))
+    except OSError as e:
+        raise ConfigError(f"cannot read worker config {path}: {e.strerror}") from e
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid TOML: {e}") from e
+    models = data.get("models") or {}
+    if not isinstance(models, dict) or not all(isinstance(v, str) for v in models.values()):
+        raise ConfigError(f"{path}: [models] must map registry names to paths")
+    base = path.resolve().parent
+    return {str(name): str(_resolve(base, Path(p))) for name, p in models.items()}

@@ -35,7 +35,10 @@ def study_summary(shown: dict[str, Any]) -> str:
             f"best     trial {best['trial_number']}: steps {c['num_steps']}, topk {c['topk']}, "
             f"draft tokens {c['num_draft_tokens']} -> {best['speedup']:.3f}x"
         )
-        lines.append(f"launch   {best['launch_command']}")
+    dep = shown.get("deployment")
+    if dep:
+        lines.append(f"deploy   ({dep['mode'].replace('_', ' ')}: {dep['reason']})")
+        lines += [f"         {line}" for line in dep["launch_command"].splitlines()]
     cost = shown.get("cost")
     if cost:
         lines.append(f"cost     {cost['summary']}")

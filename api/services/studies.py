@@ -20,7 +20,7 @@ from api.errors import ConflictError
 from api.models import BaselineRow, EventRow, LeaseRow, StudyRow, TrialConfigRow, WorkerRow
 from api.services.leasing.records import LEASE_REFUSED, lease_payload, new_lease_row
 from api.services.leasing.states import LeaseKind
-from optimizer import answers, convergence, costs
+from optimizer import answers, convergence, costs, deploy
 from optimizer import attrs as A
 from optimizer import confirmation as confirm
 from optimizer import study as opt
@@ -29,12 +29,14 @@ from optimizer.budget import budget_used
 from optimizer.errors import StudyNotFoundError
 from optimizer.infeasible import known_to_fail, oom_points
 from optimizer.model_sampler import space_configs
-from optimizer.plan import baseline_key, server_settings
-from optimizer.sglang import launch_command
+from optimizer.plan import baseline_key
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec, validate_spec
 
 log = logging.getLogger("spectune.api.studies")
+
+# The SGLang version a command is written for when a trial did not record the one it ran on.
+DEFAULT_SGLANG_VERSION = "0.5.23"
 
 
 def spec_of(s: Session, name: str) -> StudySpec:
@@ -469,11 +471,22 @@ class StudyService:
         else:
             phase = "confirmation" if confirmations else "search"
         exported = answers.adaptive_export(spec, trials)
+        pays = _winner_pays(winner)
+        deployment = deploy.plan_deployment(
+            spec,
+            None if winner is None else SpecConfig.model_validate(winner["config"]),
+            pays=pays,
+            exported=exported,
+            version=(winner or {}).get("sglang_version") or DEFAULT_SGLANG_VERSION,
+        )
         return {
             "name": name,
             "state": row.state,
             "phase": phase,
-            "finish_reason": row.finish_reason,
+            # A study finished by older code may still carry the "confirming..." note of its last phase.
+            "finish_reason": row.finish_reason
+            if row.state == "running" or row.finish_reason is None
+            else row.finish_reason.replace(CONFIRMING_SUFFIX, ""),
             "created_at": row.created_at,
             "finished_at": row.finished_at,
             "spec": row.spec,
@@ -491,6 +504,9 @@ class StudyService:
             # Workers that refused what this study asks (a study fault: they are not offered it
             # again, and it counts nothing against them).
             "refused_by": refusals,
+            # None until something was measured; then whether the deployed command speculates.
+            "speculation_pays": None if winner is None else pays,
+            "deployment": None if deployment is None else deployment.as_json(),
         }
 
     def _winner(
@@ -533,8 +549,9 @@ class StudyService:
     @staticmethod
     def _describe_best(spec: StudySpec, t: FrozenTrial) -> dict[str, Any]:
         config = SpecConfig.model_validate(t.user_attrs["config"])
-        settings = server_settings(spec, config, deployment=True)
-        version = t.user_attrs.get("sglang_version") or "0.5.23"
+        version = t.user_attrs.get("sglang_version") or DEFAULT_SGLANG_VERSION
+        static = deploy.plan_deployment(spec, config, pays=True, exported=None, version=version)
+        assert static is not None
         return {
             "trial_number": t.number,
             "params": t.params,
@@ -550,7 +567,8 @@ class StudyService:
             "levels": t.user_attrs.get("levels"),
             "worker_id": t.user_attrs.get("worker_id"),
             "sglang_version": version,
-            "launch_command": launch_command(settings, version=version),
+            # This configuration deployed for the study's serving envelope (model paths are placeholders).
+            "launch_command": static.command(),
         }
 
     def trials(self, name: str) -> list[dict[str, Any]]:
@@ -625,6 +643,14 @@ def _confirmations(rows: Sequence[LeaseRow]) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def _winner_pays(winner: dict[str, Any] | None) -> bool:
+    if winner is None or winner.get("speedup") is None:
+        return False
+    iv = winner.get("speedup_interval")
+    value = float(winner["speedup"])
+    return confirm.pays(value, None if iv is None else Interval(value, float(iv["low"]), float(iv["high"])))
 
 
 def _verdict(winner: dict[str, Any] | None, measured: int) -> str:
