@@ -201,8 +201,10 @@ def _print_result(study: dict[str, Any], trials: list[dict[str, Any]], db_url: s
         al = f", accept length {lv['accept_length']:.2f}" if lv and lv.get("accept_length") else ""
         echo(f"  concurrency {level}: {lv_speedup:.3f}x the speed without speculation{spread}{al}")
     echo("")
-    echo("Launch it (replace the model names with your paths):")
-    echo(f"  {answer['launch_command']}")
+    dep = study.get("deployment") or {}
+    echo(f"Launch it ({dep.get('reason') or 'the answer'}; replace the <local path of ...> placeholders):")
+    for line in (dep.get("launch_command") or answer["launch_command"]).splitlines():
+        echo(f"  {line}")
     echo("")
     echo("Look at it again in the dashboard (behind spectune's login):")
     echo(f"  spectune server --database-url {db_url}   # then open http://127.0.0.1:8000/login")

@@ -79,7 +79,37 @@ class DatabaseCollector(Collector):
             quarantined.add_metric([], s.scalar(select(func.count()).where(WorkerRow.quarantined.is_(True))) or 0)
             workers.add_metric([], s.scalar(select(func.count()).select_from(WorkerRow)) or 0)
         yield from (issued, expired, leases, failures, studies, quarantined, workers)
+        yield from self._eligibility(ctx)
         yield self._trials(ctx)
+
+    @staticmethod
+    def _eligibility(ctx: ServiceContext) -> Iterator[GaugeMetricFamily]:
+        """Per running study: workers that can take it, and 1 per requirement no worker meets."""
+        from api.services.eligibility import WorkerView, eligibility
+        from optimizer.spec import StudySpec
+
+        eligible = GaugeMetricFamily(
+            "spectune_study_eligible_workers", "Workers that can take a running study now", labels=["study"]
+        )
+        stuck = GaugeMetricFamily(
+            "spectune_study_no_eligible_worker",
+            "1 while no registered worker can take a running study, by the requirement none meets",
+            labels=["study", "requirement"],
+        )
+        with ctx.sessions() as s:
+            views = [
+                WorkerView(w.id, w.inventory or {}, w.quarantined, w.quarantine_reason)
+                for w in s.scalars(select(WorkerRow)).all()
+            ]
+            specs = [
+                StudySpec.model_validate(r.spec) for r in s.scalars(select(StudyRow).where(StudyRow.state == "running"))
+            ]
+        for spec in specs:
+            e = eligibility(spec, views)
+            eligible.add_metric([spec.name], len(e.eligible_workers))
+            for requirement in e.unmet:
+                stuck.add_metric([spec.name, requirement], 1)
+        yield from (eligible, stuck)
 
     @staticmethod
     def _trials(ctx: ServiceContext) -> GaugeMetricFamily:

@@ -28,6 +28,9 @@ def study_summary(shown: dict[str, Any]) -> str:
         f"study    {shown['name']}: {spec['model']['target']} + {spec['model']['draft']}, {state}",
         f"verdict  {shown['verdict']}",
     ]
+    warning = (shown.get("eligibility") or {}).get("warning")
+    if warning:
+        lines.append(f"WARNING  {warning}")
     best = shown.get("best")
     if best:
         c = best["config"]
@@ -86,7 +89,9 @@ def progress_line(shown: dict[str, Any]) -> str:
     best_text = f"best {best['speedup']:.3f}x (trial {best['trial_number']})" if best else "no result yet"
     cost = shown.get("cost") or {}
     spent = f"  {cost['launches']} launches, {cost['gpu_hours']:.2f} GPU-h" if cost else ""
-    return (
+    line = (
         f"{shown['state']:<8} [{bar}] {launched}/{budget} launched  complete {counts.get('COMPLETE', 0)}  "
         f"running {counts.get('RUNNING', 0)}  failed {counts.get('FAIL', 0)}  {best_text}{spent}"
     )
+    warning = (shown.get("eligibility") or {}).get("warning")
+    return line if not warning else f"{line}\n          WARNING: {warning}"

@@ -18,6 +18,7 @@ from api.context import ServiceContext
 from api.db import db_now
 from api.errors import ConflictError
 from api.models import BaselineRow, EventRow, LeaseRow, StudyRow, TrialConfigRow, WorkerRow
+from api.services import eligibility as elig
 from api.services.leasing.records import LEASE_REFUSED, lease_payload, new_lease_row
 from api.services.leasing.states import LeaseKind
 from optimizer import answers, convergence, costs, deploy
@@ -461,6 +462,8 @@ class StudyService:
                     .order_by(EventRow.at)
                 )
             ]
+            refused_ids = {str(r["worker_id"]) for r in refusals if r["worker_id"]}
+            waiting = None if row.state != "running" else study_eligibility(s, spec, refused_ids).as_json()
         counts, trials = self._trial_counts(name)
         best = opt.best_trial_of(trials)
         best_doc = None if best is None else self._describe_best(spec, best)
@@ -504,6 +507,8 @@ class StudyService:
             # Workers that refused what this study asks (a study fault: they are not offered it
             # again, and it counts nothing against them).
             "refused_by": refusals,
+            # Running studies: which workers can take it, and a warning naming the requirement none meets.
+            "eligibility": waiting,
             # None until something was measured; then whether the deployed command speculates.
             "speculation_pays": None if winner is None else pays,
             "deployment": None if deployment is None else deployment.as_json(),
@@ -643,6 +648,18 @@ def _confirmations(rows: Sequence[LeaseRow]) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def study_eligibility(s: Session, spec: StudySpec, refused: set[str] | None = None) -> elig.Eligibility:
+    """Whether any registered worker can take this study, from the workers' last inventories.
+
+    `refused`: workers that refused what the study asks; they are not offered it again.
+    """
+    workers = [
+        elig.WorkerView(w.id, w.inventory or {}, w.quarantined, w.quarantine_reason, w.id in (refused or set()))
+        for w in s.scalars(select(WorkerRow)).all()
+    ]
+    return elig.eligibility(spec, workers)
 
 
 def _winner_pays(winner: dict[str, Any] | None) -> bool:

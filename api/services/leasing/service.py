@@ -27,6 +27,7 @@ from api.errors import BusyError, ConflictError, ForbiddenError, InvalidInputErr
 from api.models import EventRow, LeaseRow, StudyRow, WorkerRow
 from api.protocol import CompleteIn, CompleteOut, HeartbeatOut, Inventory, LeaseOut, ProgressIn, ProgressOut
 from api.services import studies as study_svc
+from api.services.eligibility import requirements_unmet
 from api.services.leasing import records
 from api.services.leasing.baseline import BaselineLeases
 from api.services.leasing.confirm import ConfirmLeases
@@ -142,14 +143,13 @@ class LeaseService:
                 )
             )
         out = []
-        models = set(inv.models)
+        inventory = inv.model_dump(mode="json")
         for row in rows:
             if row.name in refused:
                 continue
             spec = StudySpec.model_validate(row.spec)
-            if any(inv.labels.get(k) != v for k, v in spec.placement.items()):
-                continue
-            if spec.model.target not in models or spec.model.draft not in models:
+            # Models, placement labels, GPU count: the same test `GET /v1/studies/{name}` warns with.
+            if requirements_unmet(spec, inventory):
                 continue
             out.append(spec)
         return out
