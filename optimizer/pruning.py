@@ -63,6 +63,8 @@ def decide(spec: StudySpec, trials: Sequence[FrozenTrial], partial: Mapping[int,
     """Should a trial with these measured per-level speedups stop now?"""
     measured = A.measured_feasible(trials, A.SPEEDUP_BY_LEVEL)
     margin = noise_margin(measured, spec.workload.repeats)
+    if spec.sampler == "list":
+        return PruneDecision(False, None, None, margin, "a benchmark of given configurations measures every level")
     if not measured:
         return PruneDecision(False, None, None, margin, "nothing measured yet to compare with")
     best = max(float(t.value) for t in measured if t.value is not None)

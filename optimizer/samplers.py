@@ -27,6 +27,6 @@ def make_sampler(spec: StudySpec, seed: int | None) -> optuna.samplers.BaseSampl
         return optuna.samplers.TPESampler(seed=seed, n_startup_trials=5)
     if name == "gp":
         return optuna.samplers.GPSampler(seed=seed, n_startup_trials=5)
-    if name in ("random", "grid"):
+    if name in ("random", "grid", "list"):
         return optuna.samplers.RandomSampler(seed=seed)
     raise ValueError(f"unknown sampler {name!r}")

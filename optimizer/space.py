@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from optimizer.errors import SpecError
 
@@ -115,6 +115,18 @@ class SearchSpace(BaseModel):
     num_draft_tokens: IntRange = Field(default_factory=lambda: IntRange(low=2, high=64))
     cuda_graph_max_bs: list[int] | None = None
 
+    @field_validator("num_steps", "num_draft_tokens", mode="before")
+    @classmethod
+    def _range_hint(cls, v: Any, info: ValidationInfo) -> Any:
+        # A bare number or a list is the commonest slip; say what to write instead.
+        if isinstance(v, int) and not isinstance(v, bool):
+            raise ValueError(f"{info.field_name} is a range: write {{low: {v}, high: {v}}} for the single value {v}")
+        if isinstance(v, list) and v and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            raise ValueError(
+                f"{info.field_name} is a range, not a list of choices: write {{low: {min(v)}, high: {max(v)}}}"
+            )
+        return v
+
     def validate_rules(self) -> None:
         """Raise SpecError naming the offending field when the space is empty or impossible."""
         s, n = self.num_steps, self.num_draft_tokens
@@ -124,6 +136,12 @@ class SearchSpace(BaseModel):
             raise SpecError("search_space.topk", "give at least one choice, e.g. [1, 2, 4, 8]")
         if len(set(self.topk)) != len(self.topk) or any(t < 1 or t > 64 for t in self.topk):
             raise SpecError("search_space.topk", f"choices must be distinct integers in 1..64, got {self.topk}")
+        if "num_draft_tokens" in self.model_fields_set and all(t == 1 for t in self.topk):
+            raise SpecError(
+                "search_space.num_draft_tokens",
+                "with topk [1] SGLang sets the draft tokens to num_steps + 1 and ignores any other value "
+                "(docs/sglang.md); remove num_draft_tokens, or add tree widths to topk (e.g. [1, 2, 4])",
+            )
         if n.low < MIN_DRAFT_TOKENS or n.low > n.high:
             raise SpecError(
                 "search_space.num_draft_tokens",

@@ -158,7 +158,8 @@ class Budget(BaseModel):
     min_gain: float = Field(default=0.01, ge=0.0, le=1.0)
 
 
-SamplerName = Literal["auto", "tpe", "gp", "random", "grid"]
+# `list`: a benchmark of the `warm_start` configurations only (bench_speculative's standalone use).
+SamplerName = Literal["auto", "tpe", "gp", "random", "grid", "list"]
 
 
 class Confirmation(BaseModel):
@@ -253,6 +254,15 @@ def validate_spec(spec: StudySpec) -> StudySpec:
                 "serving.max_batch",
                 f"{mb} is above max_running_requests {spec.serving.max_running_requests}: SGLang never runs a "
                 "larger batch, so those graphs would never be used; leave max_batch out or lower it",
+            )
+    if spec.sampler == "list":
+        n = len({c.canonical().key for c in spec.warm_start})
+        if n == 0:
+            raise SpecError("warm_start", "sampler 'list' measures the warm_start configurations: list at least one")
+        if spec.budget.max_trials != n:
+            raise SpecError(
+                "budget.max_trials",
+                f"sampler 'list' measures exactly the {n} distinct warm_start configurations: set max_trials to {n}",
             )
     for i, cfg in enumerate(spec.warm_start):
         field = f"warm_start.{i}"

@@ -77,11 +77,20 @@ def create_study(storage: BaseStorage, spec: StudySpec, prior: Sequence[SpecConf
         # The grid is the valid, canonical set in a stable order; the sampler behind it is never
         # consulted while enqueued trials remain.
         configs: Iterable[SpecConfig] = spec.search_space.iter_configs()
+    elif spec.sampler == "list":
+        # A benchmark of given configurations: exactly the warm_start list, in its order.
+        configs = [c.canonical() for c in spec.warm_start]
     else:
         configs = warm_start_configs(spec, prior)
     prior_keys = {c.canonical().key for c in prior}
     for cfg in configs:
-        source = "grid" if spec.sampler == "grid" else "prior_study" if cfg.key in prior_keys else "warm_start"
+        source = (
+            spec.sampler
+            if spec.sampler in ("grid", "list")
+            else "prior_study"
+            if cfg.key in prior_keys
+            else "warm_start"
+        )
         study.enqueue_trial(params_of(cfg), user_attrs={"source": source})
     return study
 

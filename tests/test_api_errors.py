@@ -49,7 +49,7 @@ def seeded(api: Api) -> Api:
             "model.attention_backend",
             "unknown attention backend",
         ),
-        (lambda s: s.update(sampler="cmaes"), "sampler", "'auto', 'tpe', 'gp', 'random' or 'grid'"),
+        (lambda s: s.update(sampler="cmaes"), "sampler", "'auto', 'tpe', 'gp', 'random', 'grid' or 'list'"),
         (lambda s: s.update(surprise=1), "surprise", "Extra inputs are not permitted"),
         (lambda s: s.update(placement={f"k{i}": "v" for i in range(65)}), "placement", "at most 64 items"),
         (lambda s: s.update(objective={"concurrency": 8}), "objective.concurrency", "not one of the workload's"),

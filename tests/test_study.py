@@ -44,7 +44,7 @@ def test_warm_start_puts_sglang_defaults_first(storage: Any) -> None:
 
 
 def test_defaults_outside_the_space_are_not_enqueued(storage: Any) -> None:
-    sp = spec(search_space={"num_steps": {"low": 1, "high": 2}, "topk": [1], "num_draft_tokens": {"low": 2, "high": 3}})
+    sp = spec(search_space={"num_steps": {"low": 1, "high": 2}, "topk": [1]})
     opt.create_study(storage, sp)
     study = optuna.load_study(study_name="st", storage=storage)
     assert study.get_trials(states=(TrialState.WAITING,)) == []
