@@ -15,7 +15,12 @@ import typer
 
 from workers.lifeline import exit_with_parent
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="Tune SGLang EAGLE-3 speculative decoding.")
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    help="Tune SGLang EAGLE-3 speculative decoding by Bayesian optimisation over real measurements.",
+)
 db_app = typer.Typer(no_args_is_help=True, help="Database schema.")
 token_app = typer.Typer(no_args_is_help=True, help="API tokens (talks to the database directly).")
 study_app = typer.Typer(no_args_is_help=True, help="Studies (talks to the API).")
@@ -38,6 +43,31 @@ class CliError(Exception):
 def _fail(message: str) -> NoReturn:
     typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
     raise typer.Exit(2)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("spectune")
+    except PackageNotFoundError:  # run from a source tree without an install
+        return "unknown (not installed)"
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        typer.echo(f"spectune {_version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_show_version, is_eager=True, help="print the version and exit"),
+    ] = False,
+) -> None:
+    """Tune SGLang EAGLE-3 speculative decoding by Bayesian optimisation over real measurements."""
 
 
 def _settings(database_url: str | None) -> Any:
@@ -169,6 +199,7 @@ def token_create(
 def token_revoke(
     token_id: Annotated[int, typer.Argument(help="id from `spectune token list`")], database_url: DbUrl = None
 ) -> None:
+    """Revoke a token: it (and any dashboard session made with it) stops working at once."""
     from api.auth import revoke_token
     from api.db import make_engine, make_sessionmaker
     from api.errors import ApiError
@@ -185,6 +216,7 @@ def token_revoke(
 
 @token_app.command("list")
 def token_list(database_url: DbUrl = None) -> None:
+    """Every token: id, role, state, name and bound worker (never the token itself)."""
     from api.auth import list_tokens
     from api.db import make_engine, make_sessionmaker
 
@@ -262,7 +294,7 @@ def study_show(
     as_json: Annotated[bool, typer.Option("--json", help="the raw study document instead of tables")] = False,
 ) -> None:
     """The study, its best configuration, and a table of its trials with the key metrics."""
-    from api.report.tables import study_summary, trials_table
+    from api.report.tables import failures_table, levels_table, study_summary, trials_table
 
     shown = _call("GET", f"/v1/studies/{name}", api_url, token)
     if as_json:
@@ -271,7 +303,13 @@ def study_show(
     trials = _call("GET", f"/v1/studies/{name}/trials", api_url, token)
     typer.echo(study_summary(shown))
     typer.echo("")
+    typer.echo(levels_table(shown))
+    typer.echo("")
     typer.echo(trials_table(shown, trials))
+    failures = failures_table(trials)
+    if failures:
+        typer.echo("")
+        typer.echo(failures)
 
 
 @study_app.command("watch")
@@ -306,6 +344,145 @@ def study_watch(
             typer.secho(f"study {name} is still running after {timeout:.0f} s", err=True, fg=typer.colors.YELLOW)
             raise typer.Exit(1)
         time.sleep(interval)
+
+
+@study_app.command("stop")
+def study_stop(name: str, api_url: ApiUrl = "http://127.0.0.1:8000", token: Token = None) -> None:
+    """Hand out no more trials (leases in flight may still report); `resume` undoes it."""
+    out = _call("POST", f"/v1/studies/{name}/stop", api_url, token)
+    typer.echo(f"study {name} is {out['state']}")
+
+
+@study_app.command("resume")
+def study_resume(name: str, api_url: ApiUrl = "http://127.0.0.1:8000", token: Token = None) -> None:
+    """Hand out trials again to a stopped study, with the budget it has left."""
+    out = _call("POST", f"/v1/studies/{name}/resume", api_url, token)
+    typer.echo(f"study {name} is {out['state']}")
+
+
+@study_app.command("export")
+def study_export(
+    name: str,
+    api_url: ApiUrl = "http://127.0.0.1:8000",
+    token: Token = None,
+    fmt: Annotated[str, typer.Option("--format", help="csv: a row per trial and level; json: every document")] = "csv",
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="write here instead of stdout")] = None,
+) -> None:
+    """Every trial at every concurrency level, with its baseline, as CSV or JSON."""
+    from api.report.export import to_csv, to_json
+
+    if fmt not in ("csv", "json"):
+        _fail(f"unknown --format {fmt!r}; choose csv or json")
+    shown = _call("GET", f"/v1/studies/{name}", api_url, token)
+    trials = _call("GET", f"/v1/studies/{name}/trials", api_url, token)
+    text = to_csv(name, trials) if fmt == "csv" else to_json(shown, trials) + "\n"
+    if output is None:
+        typer.echo(text, nl=False)
+        return
+    try:
+        output.write_text(text, encoding="utf-8")
+    except OSError as e:
+        _fail(f"cannot write {output}: {e.strerror}")
+    typer.echo(f"wrote {output} ({len(trials)} trials)", err=True)
+
+
+def _parse_config(text: str) -> dict[str, int]:
+    parts = text.split("/")
+    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+        _fail(f"--config {text!r}: write steps/topk/draft_tokens, e.g. 3/1/4 or 5/4/8")
+    steps, topk, tokens = (int(p) for p in parts)
+    return {"num_steps": steps, "topk": topk, "num_draft_tokens": tokens}
+
+
+def bench_spec(base: dict[str, Any], configs: list[dict[str, int]]) -> dict[str, Any]:
+    """A study that measures exactly `configs` (sampler `list`): no search, no pruning, no confirmation."""
+    from optimizer.space import SpecConfig
+
+    canon = [SpecConfig.model_validate(c).canonical() for c in configs]
+    trees = [c for c in canon if c.topk > 1]
+    space: dict[str, Any] = {
+        "num_steps": {"low": min(c.num_steps for c in canon), "high": max(c.num_steps for c in canon)},
+        "topk": sorted({c.topk for c in canon}),
+    }
+    if trees:
+        space["num_draft_tokens"] = {
+            "low": min(c.num_draft_tokens for c in trees),
+            "high": max(c.num_draft_tokens for c in trees),
+        }
+    unique = list({c.key: c.model_dump(mode="json", exclude_none=True) for c in canon}.values())
+    return base | {
+        "search_space": space,
+        "warm_start": unique,
+        "sampler": "list",
+        "budget": {"max_trials": len(unique)},
+        "confirmation": {"top": 0},
+    }
+
+
+@app.command()
+def bench(
+    config: Annotated[
+        list[str], typer.Option("--config", "-c", help="steps/topk/draft_tokens to measure; repeat the option")
+    ],
+    file: Annotated[
+        Path | None, typer.Option("-f", "--file", help="a spec (YAML/JSON) for model, workload, placement, serving")
+    ] = None,
+    name: Annotated[str | None, typer.Option(help="study name [default: the spec's, else bench-<time>]")] = None,
+    target: Annotated[str | None, typer.Option(help="target model's registry name (without -f)")] = None,
+    draft: Annotated[str | None, typer.Option(help="draft model's registry name (without -f)")] = None,
+    concurrency: Annotated[str | None, typer.Option(help="levels to measure, e.g. 1,4,16")] = None,
+    wait: Annotated[bool, typer.Option(help="follow it until done, then print the per-level table")] = False,
+    api_url: ApiUrl = "http://127.0.0.1:8000",
+    token: Token = None,
+) -> None:
+    """Benchmark given configurations against the baseline, without a search (bench_speculative's use).
+
+    Creates a study with sampler `list`: the workers measure the baseline and each configuration
+    once at every level (no pruning, no confirmation).  Read it with `study show` / `study export`.
+    """
+    import time
+
+    import yaml
+
+    base: dict[str, Any] = {}
+    if file is not None:
+        try:
+            base = yaml.safe_load(file.read_text()) or {}
+        except OSError as e:
+            _fail(f"cannot read {file}: {e.strerror}")
+        except yaml.YAMLError as e:
+            _fail(f"{file} is not valid YAML/JSON: {e}")
+        if not isinstance(base, dict):
+            _fail(f"{file} does not hold a spec (a mapping)")
+    elif not (target and draft):
+        _fail("give -f SPEC, or --target and --draft (registry names)")
+    if target or draft:
+        base["model"] = {**(base.get("model") or {}), **({"target": target} if target else {})}
+        if draft:
+            base["model"]["draft"] = draft
+    if concurrency:
+        try:
+            levels = [int(x) for x in concurrency.split(",") if x.strip()]
+        except ValueError:
+            _fail(f"--concurrency {concurrency!r}: write integers separated by commas, e.g. 1,4,16")
+        base["workload"] = {**(base.get("workload") or {}), "concurrency": levels}
+    base["name"] = name or base.get("name") or time.strftime("bench-%Y%m%d-%H%M%S", time.gmtime())
+    try:
+        spec = bench_spec(base, [_parse_config(c) for c in config])
+    except ValueError as e:  # pydantic's ValidationError is a ValueError
+        _fail(f"--config: {e}")
+    out = _call("POST", "/v1/studies", api_url, token, spec)
+    typer.echo(f"created study {out['name']}: {len(spec['warm_start'])} configurations and the baseline")
+    if not wait:
+        typer.echo(f"follow it with: spectune study watch {out['name']}; then spectune study show {out['name']}")
+        return
+    study_watch(out["name"], api_url=api_url, token=token)
+    from api.report.tables import levels_table, trials_table
+
+    shown = _call("GET", f"/v1/studies/{out['name']}", api_url, token)
+    trials = _call("GET", f"/v1/studies/{out['name']}/trials", api_url, token)
+    typer.echo(levels_table(shown))
+    typer.echo(trials_table(shown, trials))
 
 
 # `spectune study best` exits with this status when the verdict is "speculation does not pay here"
@@ -422,6 +599,13 @@ def main() -> None:
         app()
     except CliError as e:
         typer.secho(f"error: {e}", err=True, fg=typer.colors.RED)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as e:  # noqa: BLE001 - a bug still gets one line; the traceback on request
+        if os.environ.get("SPECTUNE_DEBUG"):
+            raise
+        typer.secho(f"error: {type(e).__name__}: {e} (set SPECTUNE_DEBUG=1 for the traceback)", err=True, fg="red")
         sys.exit(2)
 
 

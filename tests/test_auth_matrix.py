@@ -51,6 +51,7 @@ ROLE_OF: dict[tuple[str, str], str] = {
     ("GET", "/v1/studies"): "user",
     ("GET", "/v1/studies/{name}"): "user",
     ("POST", "/v1/studies/{name}/stop"): "user",
+    ("POST", "/v1/studies/{name}/resume"): "user",
     ("GET", "/v1/studies/{name}/trials"): "user",
     ("GET", "/v1/workers"): "user",
     ("POST", "/v1/workers/{worker_id}/release"): "admin",

@@ -31,6 +31,9 @@ def study_summary(shown: dict[str, Any]) -> str:
     warning = (shown.get("eligibility") or {}).get("warning")
     if warning:
         lines.append(f"WARNING  {warning}")
+    base = baselines_line(shown)
+    if base:
+        lines.append(base)
     best = shown.get("best")
     if best:
         c = best["config"]
@@ -95,3 +98,51 @@ def progress_line(shown: dict[str, Any]) -> str:
     )
     warning = (shown.get("eligibility") or {}).get("warning")
     return line if not warning else f"{line}\n          WARNING: {warning}"
+
+
+def levels_table(shown: dict[str, Any]) -> str:
+    """One row per concurrency level: baseline tok/s per host, the best configuration there, the winner's speedup."""
+    levels = [int(c) for c in shown["spec"]["workload"]["concurrency"]]
+    best = shown.get("best_by_level") or {}
+    winner = shown.get("winner") or {}
+    w_by_level = winner.get("speedup_by_level") or {}
+    baselines = shown.get("baselines") or []
+    rows = []
+    for level in levels:
+        base = [b["tok_s"].get(str(level)) for b in baselines if b["tok_s"].get(str(level)) is not None]
+        a = best.get(str(level))
+        c = (a or {}).get("config") or {}
+        iv = (a or {}).get("speedup_interval")
+        rows.append(
+            [
+                level,
+                " / ".join(f"{v:.1f}" for v in base) or None,
+                f"{c['num_steps']}/{c['topk']}/{c['num_draft_tokens']} (#{a['trial_number']})" if a else None,
+                _f((a or {}).get("speedup"), 3),
+                f"{iv['low']:.3f}-{iv['high']:.3f}" if iv else None,
+                _f(w_by_level.get(str(level)), 3),
+            ]
+        )
+    headers = ["level", "baseline tok/s", "best here", "speedup", "95% interval", "winner"]
+    return table(headers, rows)
+
+
+def baselines_line(shown: dict[str, Any]) -> str | None:
+    """Each host's latest baseline (no speculation), the denominator of every speedup."""
+    parts = []
+    for b in shown.get("baselines") or []:
+        per = ", ".join(f"{v:.1f} tok/s @{k}" for k, v in sorted(b["tok_s"].items(), key=lambda kv: int(kv[0])))
+        parts.append(f"{b['worker_id']}: {per}")
+    return "baseline " + "; ".join(parts) if parts else None
+
+
+def failures_table(trials: list[dict[str, Any]], width: int = 100) -> str | None:
+    """Why each failed or pruned trial ended, one line each."""
+    rows = []
+    for t in sorted(trials, key=lambda t: t["number"]):
+        if t.get("failure_kind"):
+            msg = " ".join(str(t.get("failure_message") or "").split())
+            rows.append([t["number"], t["failure_kind"], msg[:width] + ("…" if len(msg) > width else "")])
+        elif t.get("pruned"):
+            rows.append([t["number"], "pruned", str(t["pruned"].get("reason") or "")[:width]])
+    return table(["#", "why", "message"], rows) if rows else None

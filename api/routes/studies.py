@@ -1,4 +1,4 @@
-"""/v1/studies: create, list, show, stop, trials."""
+"""/v1/studies: create, list, show, stop, resume, trials."""
 
 from __future__ import annotations
 
@@ -33,6 +33,12 @@ def show_study(name: str, _: UserDep, studies: StudiesDep) -> dict[str, Any]:
 def stop_study(name: str, _: UserDep, studies: StudiesDep) -> dict[str, Any]:
     """No new trials are handed out; leases in flight may still report."""
     return studies.stop(name)
+
+
+@router.post("/{name}/resume")
+def resume_study(name: str, _: UserDep, studies: StudiesDep) -> dict[str, Any]:
+    """A stopped study hands out trials again, with the budget it has left."""
+    return studies.resume(name)
 
 
 @router.get("/{name}/trials")

@@ -433,6 +433,23 @@ class StudyService:
                 raise ConflictError(f"study {name!r} is already {row.state}")
         return self.show(name)
 
+    def resume(self, name: str) -> dict[str, Any]:
+        """Stopped -> running; the budget rules then apply as before (max_hours counts from creation)."""
+        with self.ctx.unit() as u, u.step() as s:
+            row = s.get(StudyRow, name)
+            if row is None:
+                raise StudyNotFoundError(name)
+            if row.state == "stopped":
+                row.state = "running"
+                row.finished_at = None
+                row.finish_reason = None
+            elif row.state == "finished":
+                raise ConflictError(
+                    f"study {name!r} is finished (its budget is used); create a new study of the same model: "
+                    "it starts from this one's answers"
+                )
+        return self.show(name)
+
     def show(self, name: str) -> dict[str, Any]:
         with self.ctx.sessions() as s:
             row = s.get(StudyRow, name)
@@ -442,7 +459,7 @@ class StudyService:
             launched = s.scalar(
                 select(func.count()).select_from(TrialConfigRow).where(TrialConfigRow.study_name == name)
             )
-            baselines = s.scalar(
+            baselines_measured = s.scalar(
                 select(func.count())
                 .select_from(LeaseRow)
                 .where(LeaseRow.study_name == name, LeaseRow.kind == "baseline", LeaseRow.state == "completed")
@@ -464,6 +481,16 @@ class StudyService:
             ]
             refused_ids = {str(r["worker_id"]) for r in refusals if r["worker_id"]}
             waiting = None if row.state != "running" else study_eligibility(s, spec, refused_ids).as_json()
+            baseline_rows = s.scalars(
+                select(BaselineRow)
+                .where(BaselineRow.baseline_key == row.baseline_key)
+                .order_by(BaselineRow.worker_id, BaselineRow.measured_at)
+            ).all()
+            # The latest baseline per host of this study's server and workload.
+            latest = {b.worker_id: b for b in baseline_rows}
+            baselines = [
+                {"worker_id": w, "measured_at": b.measured_at, "tok_s": b.tok_s} for w, b in sorted(latest.items())
+            ]
         counts, trials = self._trial_counts(name)
         best = opt.best_trial_of(trials)
         best_doc = None if best is None else self._describe_best(spec, best)
@@ -495,7 +522,9 @@ class StudyService:
             "spec": row.spec,
             "trials": counts,
             "configurations_launched": launched,
-            "baselines_measured": baselines,
+            "baselines_measured": baselines_measured,
+            # Output tok/s without speculation per host and level: what every speedup divides by.
+            "baselines": baselines,
             "best": best_doc,
             "winner": winner,
             "confirmation": confirmations,
@@ -595,6 +624,8 @@ class StudyService:
                     "constraints": t.constraints,
                     "speedup_by_level": ua.get("speedup_by_level"),
                     "levels": ua.get("levels"),
+                    # The baseline each level's speedup divides by (same host, measured before it).
+                    "baseline_levels": ua.get("baseline_levels"),
                     "effective": ua.get("effective"),
                     "startup_s": ua.get("startup_s"),
                     "worker_id": ua.get("worker_id"),
