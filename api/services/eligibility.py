@@ -20,12 +20,17 @@ from optimizer.spec import StudySpec
 
 
 def gpu_count(inventory: Mapping[str, Any]) -> int | None:
-    """GPUs the worker may use: the GPUs it reported, else its `gpu_count` label; None when unknown."""
+    """GPUs the worker may use: the GPUs it reported, else a positive `gpu_count` label; None when unknown.
+
+    A worker without NVML (the simulated engine, a container without the driver) reports no GPUs
+    and derives `gpu_count = "0"`: that is "cannot see", not "has none".
+    """
     gpus = inventory.get("gpus") or []
     if gpus:
         return len(gpus)
     label = (inventory.get("labels") or {}).get("gpu_count")
-    return int(label) if isinstance(label, str) and label.isdigit() else None
+    n = int(label) if isinstance(label, str) and label.isdigit() else 0
+    return n if n > 0 else None
 
 
 def requirements_unmet(spec: StudySpec, inventory: Mapping[str, Any]) -> list[str]:
