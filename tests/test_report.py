@@ -149,8 +149,8 @@ def test_report_from_the_database_embeds_every_plot(tmp_path: Path, sqlite_templ
     assert r.returncode == 0, r.stderr
     text = out.read_text()
     images = _images(text)
-    # speedup, acceptance, cycle split, history, concurrency (two levels), start-up, failures (OOM)
-    assert len(images) == 7, len(images)
+    # speedup at 1 and at 4, acceptance, cycle split, history, concurrency (two levels), start-up, failures (OOM)
+    assert len(images) == 8, len(images)
     for img in images:
         assert img.startswith(PNG_MAGIC) and len(img) > 10_000
     for anchor in (
@@ -177,8 +177,14 @@ def test_report_from_the_database_embeds_every_plot(tmp_path: Path, sqlite_templ
     fit = analysis.fit_cycle(analysis.points(data.trials, 1))
     assert fit is not None and fit.draft_step_ms > 0 and fit.r2 > 0.8
     assert sorted(p.name for p in plots_dir.iterdir()) == sorted(
-        f"{n}.png" for n in ("speedup", "acceptance", "cycle", "history", "concurrency", "startup", "failures")
+        f"{n}.png"
+        for n in ("speedup", "speedup-c4", "acceptance", "cycle", "history", "concurrency", "startup", "failures")
     )
+    # Every plot says which level it draws; the caption about levels comes from the study's own data.
+    assert "Speedup at concurrency 1 against steps" in text and "Speedup at concurrency 4 against steps" in text
+    assert "the lowest level; the objective is the geometric mean over 1, 4" in text
+    assert "shrinks as concurrency grows" not in text
+    assert "The best configuration" in text
 
 
 def test_report_through_the_api_and_clear_errors(api: Any, tmp_path: Path) -> None:

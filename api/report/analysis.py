@@ -27,7 +27,13 @@ MIN_FIT_TRIALS = 4
 
 @dataclass(frozen=True)
 class Point:
-    """One measured configuration at the level of interest."""
+    """One measured configuration at one concurrency level (`level`).
+
+    `speedup` is the speedup measured at that level (a failed configuration's is the placeholder
+    value Optuna was told); `objective` is the study's objective value (that level, or the
+    geometric mean over levels), which is what the search ranks by.  A pruned trial was stopped
+    after some levels: its point exists where it measured the level.
+    """
 
     number: int
     steps: int
@@ -39,6 +45,9 @@ class Point:
     per_user_tok_s: float | None
     startup_s: float | None
     speedup_by_level: dict[int, float]
+    level: int = 0
+    objective: float | None = None
+    pruned: bool = False
 
     @property
     def label(self) -> str:
@@ -82,11 +91,30 @@ def level_of_interest(shown: dict[str, Any]) -> int:
 
 
 def points(trials: list[dict[str, Any]], level: int) -> list[Point]:
-    """Every configuration launched and measured (duplicates answered from another trial skipped)."""
+    """Every configuration launched and measured at `level` (duplicates answered from another trial skipped).
+
+    Completed trials (measured, or failed with a placeholder value) and pruned trials that measured
+    this level before they were stopped.
+    """
     out = []
     for t in trials:
         config = t.get("config")
-        if t["state"] != "COMPLETE" or config is None or t.get("duplicate_of") is not None or t["speedup"] is None:
+        if config is None or t.get("duplicate_of") is not None:
+            continue
+        pruned = t["state"] == "PRUNED"
+        if pruned:
+            by_level = t.get("partial_speedup_by_level") or {}
+        elif t["state"] == "COMPLETE" and t["speedup"] is not None:
+            by_level = t.get("speedup_by_level") or {}
+        else:
+            continue
+        by_level_f = {int(k): float(v) for k, v in by_level.items()}
+        failed = bool(t.get("failure_kind")) or not bool(t.get("feasible", True))
+        if level in by_level_f:
+            value = by_level_f[level]
+        elif failed and not pruned and t["speedup"] is not None:
+            value = float(t["speedup"])  # the placeholder told to Optuna: no level was measured
+        else:
             continue
         at = next((lv for lv in t.get("levels") or [] if lv.get("concurrency") == level), None)
         out.append(
@@ -95,15 +123,49 @@ def points(trials: list[dict[str, Any]], level: int) -> list[Point]:
                 steps=int(config["num_steps"]),
                 topk=int(config["topk"]),
                 draft_tokens=int(config["num_draft_tokens"]),
-                speedup=float(t["speedup"]),
-                feasible=bool(t.get("feasible", True)) and not t.get("failure_kind"),
+                speedup=value,
+                feasible=not failed,
                 accept_length=None if at is None else at.get("accept_length"),
                 per_user_tok_s=None if at is None else at.get("per_user_tok_s"),
                 startup_s=t.get("startup_s"),
-                speedup_by_level={int(k): float(v) for k, v in (t.get("speedup_by_level") or {}).items()},
+                speedup_by_level=by_level_f,
+                level=level,
+                objective=None if pruned or t.get("speedup") is None else float(t["speedup"]),
+                pruned=pruned,
             )
         )
     return out
+
+
+def pruned_before(trials: list[dict[str, Any]], level: int) -> int:
+    """Pruned trials stopped before they measured `level` (not drawn at that level)."""
+    return sum(
+        1
+        for t in trials
+        if t["state"] == "PRUNED"
+        and t.get("duplicate_of") is None
+        and str(level) not in (t.get("partial_speedup_by_level") or {})
+    )
+
+
+def best_by_level_text(shown: dict[str, Any]) -> str | None:
+    """What the study's own data say about the best configuration per level, in one sentence."""
+    best = shown.get("best_by_level") or {}
+    if len(best) < 2:
+        return None
+    parts = []
+    for level, a in sorted(best.items(), key=lambda kv: int(kv[0])):
+        c = a["config"]
+        parts.append(
+            f"at concurrency {level}: {c['num_steps']}/{c['topk']}/{c['num_draft_tokens']} ({a['speedup']:.3f}x)"
+        )
+    configs = {(a["config"]["num_steps"], a["config"]["topk"], a["config"]["num_draft_tokens"]) for a in best.values()}
+    lead = (
+        "The best configuration is the same at every level"
+        if len(configs) == 1
+        else "The best configuration differs by level"
+    )
+    return f"{lead}: " + "; ".join(parts) + "."
 
 
 def fit_cycle(pts: list[Point]) -> CycleFit | None:

@@ -10,11 +10,12 @@ import io
 from collections import Counter
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from api.report.analysis import CycleFit, Point
 
 DPI = 110
-FEASIBLE, INFEASIBLE, BEST, GRID = "#1f77b4", "#d62728", "#ff7f0e", "#dddddd"
+FEASIBLE, INFEASIBLE, BEST, GRID, PRUNED = "#1f77b4", "#d62728", "#ff7f0e", "#dddddd", "#7f7f7f"
 TOPK_COLORS = {1: "#1f77b4", 2: "#2ca02c", 4: "#9467bd", 8: "#8c564b"}
 
 
@@ -25,11 +26,12 @@ def png(fig: Figure) -> bytes:
 
 
 def _best(pts: list[Point]) -> Point | None:
-    feasible = [p for p in pts if p.feasible]
+    feasible = [p for p in pts if p.feasible and not p.pruned]
     return max(feasible, key=lambda p: p.speedup) if feasible else None
 
 
 def speedup_vs_params(pts: list[Point], level: int) -> Figure:
+    """Speedup measured at concurrency `level` (not the objective) against each parameter."""
     fig = Figure(figsize=(12, 3.8))
     best = _best(pts)
     for ax, attr, name in zip(
@@ -38,26 +40,33 @@ def speedup_vs_params(pts: list[Point], level: int) -> Figure:
         ("num_steps", "topk", "num_draft_tokens"),
         strict=True,
     ):
-        ok = [p for p in pts if p.feasible]
+        ok = [p for p in pts if p.feasible and not p.pruned]
         bad = [p for p in pts if not p.feasible]
+        cut = [p for p in pts if p.pruned and p.feasible]
         ax.scatter([getattr(p, attr) for p in ok], [p.speedup for p in ok], c=FEASIBLE, label="measured", zorder=3)
+        if cut:
+            ax.scatter([getattr(p, attr) for p in cut], [p.speedup for p in cut], facecolors="none",
+                       edgecolors=PRUNED, label="pruned (stopped after this level)", zorder=3)  # fmt: skip
         if bad:
             ax.scatter([getattr(p, attr) for p in bad], [p.speedup for p in bad], c=INFEASIBLE, marker="x",
                        label="failed (placeholder value)", zorder=3)  # fmt: skip
         if best is not None:
-            ax.scatter([getattr(best, attr)], [best.speedup], c=BEST, marker="*", s=260, label="best", zorder=4)
+            ax.scatter([getattr(best, attr)], [best.speedup], c=BEST, marker="*", s=260,
+                       label=f"best at concurrency {level}", zorder=4)  # fmt: skip
         ax.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="baseline")
         ax.set_xlabel(name)
         if attr == "topk":
             ax.set_xscale("log", base=2)
+        else:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(color=GRID)
     fig.axes[0].set_ylabel(f"speedup at concurrency {level}")
     fig.axes[0].legend(fontsize=8, loc="lower left")
-    fig.suptitle("Speedup over the baseline against each parameter")
+    fig.suptitle(f"Speedup over the baseline at concurrency {level}, against each parameter")
     return fig
 
 
-def acceptance(pts: list[Point]) -> Figure:
+def acceptance(pts: list[Point], level: int) -> Figure:
     fig = Figure(figsize=(12, 3.8))
     ax_al, ax_rate = fig.subplots(1, 2)
     with_al = [p for p in pts if p.accept_length is not None]
@@ -66,7 +75,7 @@ def acceptance(pts: list[Point]) -> Figure:
         color = TOPK_COLORS.get(topk, "black")
         ax_al.plot([p.steps for p in group], [p.accept_length for p in group], "o", color=color, label=f"topk {topk}")
         ax_rate.plot([p.steps for p in group], [p.accept_rate for p in group], "o", color=color, label=f"topk {topk}")
-    ax_al.set_title("Accept length (tokens per verify cycle)")
+    ax_al.set_title(f"Accept length (tokens per verify cycle) at concurrency {level}")
     ax_al.set_xlabel("num_steps")
     ax_al.set_ylabel("accept length")
     ax_rate.set_title("Per-token accept rate (AL − 1) / (draft tokens − 1)")
@@ -74,13 +83,14 @@ def acceptance(pts: list[Point]) -> Figure:
     ax_rate.set_ylabel("accept rate")
     ax_rate.set_ylim(0, 1.05)
     for ax in (ax_al, ax_rate):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(color=GRID)
         if with_al:
             ax.legend(fontsize=8)
     return fig
 
 
-def cycle_split(pts: list[Point], fit: CycleFit | None) -> Figure:
+def cycle_split(pts: list[Point], fit: CycleFit | None, level: int) -> Figure:
     measured = sorted(
         (p for p in pts if p.feasible and p.cycle_ms is not None), key=lambda p: (p.steps, p.draft_tokens)
     )
@@ -98,10 +108,12 @@ def cycle_split(pts: list[Point], fit: CycleFit | None) -> Figure:
             label=f"verify + overhead ≈ {fit.overhead_ms:.1f} + {fit.verify_token_ms:.2f}·tokens ms",
         )
         ax.bar(x, draft, bottom=verify, color="#fdae6b", label=f"draft ≈ {fit.draft_step_ms:.2f} ms × steps")
-        ax.set_title(f"Cycle time split (least-squares fit over {fit.n} trials, R² = {fit.r2:.2f})")
+        ax.set_title(
+            f"Cycle time split at concurrency {level} (least-squares fit over {fit.n} trials, R² = {fit.r2:.2f})"
+        )
     else:
         ax.bar(x, cycles, color="#bdbdbd", label="measured cycle (too few trials to split)")
-        ax.set_title("Cycle time per configuration")
+        ax.set_title(f"Cycle time per configuration at concurrency {level}")
     ax.plot(x, cycles, "k.", label="measured cycle = AL / per-user tok/s")
     ax.set_xticks(x, [p.label for p in measured], rotation=60, fontsize=8)
     ax.set_xlabel("configuration (steps/topk/draft tokens)")
@@ -114,7 +126,10 @@ def cycle_split(pts: list[Point], fit: CycleFit | None) -> Figure:
 def speedup_vs_concurrency(pts: list[Point], top: int = 6) -> Figure:
     fig = Figure(figsize=(8, 4.2))
     ax = fig.subplots()
-    ranked = sorted((p for p in pts if p.feasible and len(p.speedup_by_level) > 1), key=lambda p: -p.speedup)[:top]
+    ranked = sorted(
+        (p for p in pts if p.feasible and not p.pruned and len(p.speedup_by_level) > 1),
+        key=lambda p: -(p.objective or 0.0),
+    )[:top]
     for p in ranked:
         levels = sorted(p.speedup_by_level)
         ax.plot(levels, [p.speedup_by_level[c] for c in levels], "o-", label=f"#{p.number} {p.label}")
@@ -122,7 +137,7 @@ def speedup_vs_concurrency(pts: list[Point], top: int = 6) -> Figure:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrency")
     ax.set_ylabel("speedup")
-    ax.set_title("Speedup against concurrency (best configurations)")
+    ax.set_title(f"Speedup against concurrency (the {len(ranked)} best by the objective)")
     ax.legend(fontsize=8)
     ax.grid(color=GRID)
     return fig
@@ -151,21 +166,28 @@ def failures(kinds: Counter[str]) -> Figure:
     return fig
 
 
-def history(pts: list[Point]) -> Figure:
-    ordered = sorted(pts, key=lambda p: p.number)
+def history(pts: list[Point], objective: str) -> Figure:
+    """The objective value of each trial in order (pruned trials, which have none, as ticks at the bottom)."""
+    ordered = sorted((p for p in pts if p.objective is not None), key=lambda p: p.number)
     fig = Figure(figsize=(8, 3.6))
     ax = fig.subplots()
-    ax.scatter([p.number for p in ordered], [p.speedup for p in ordered],
+    ax.scatter([p.number for p in ordered], [p.objective or 0.0 for p in ordered],
                c=[FEASIBLE if p.feasible else INFEASIBLE for p in ordered], zorder=3)  # fmt: skip
     best_so_far, running = [], float("-inf")
     for p in ordered:
-        if p.feasible:
-            running = max(running, p.speedup)
+        if p.feasible and p.objective is not None:
+            running = max(running, p.objective)
         best_so_far.append(running if running > float("-inf") else float("nan"))
     ax.step([p.number for p in ordered], best_so_far, where="post", color=BEST, label="best so far")
+    cut = sorted({p.number for p in pts if p.pruned})
+    if cut:
+        ax.plot(
+            cut, [0.0] * len(cut), "|", color=PRUNED, markersize=14, label="pruned", transform=ax.get_xaxis_transform()
+        )
     ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("trial")
-    ax.set_ylabel("speedup")
+    ax.set_ylabel(objective)
     ax.set_title("Search progress")
     ax.legend(fontsize=8)
     ax.grid(color=GRID)

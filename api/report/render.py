@@ -41,31 +41,56 @@ def _num(value: float | None, digits: int = 3) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
 
 
+def _objective_text(shown: dict[str, Any]) -> str:
+    spec = shown["spec"]
+    level = (spec.get("objective") or {}).get("concurrency")
+    levels = spec["workload"]["concurrency"]
+    if level or len(levels) == 1:
+        return f"speedup at concurrency {level or levels[0]}"
+    return f"geometric-mean speedup over concurrency {', '.join(map(str, levels))}"
+
+
 def _plots(data: StudyData, pts: list[an.Point], level: int) -> list[Plot]:
     fit = an.fit_cycle(pts)
+    objective = _objective_text(data.shown)
     wanted: list[tuple[str, str, str, Figure]] = []
+    # The speedup plot at the level of interest first, then one per other level measured.
+    others = [c for c in data.shown["spec"]["workload"]["concurrency"] if int(c) != level]
+    for c in [level, *others]:
+        at = pts if c == level else an.points(data.trials, int(c))
+        if not at:
+            continue
+        hidden = an.pruned_before(data.trials, int(c))
+        wanted.append(
+            ("speedup" if c == level else f"speedup-c{c}",
+             f"Speedup at concurrency {c} against steps, topk and draft tokens",
+             f"Each dot is one configuration's speedup measured at concurrency {c} (not the objective); "
+             "hollow circles are pruned trials, stopped after measuring this level; crosses are failed "
+             "configurations (their value is the worst seen, a placeholder); the dashed line is the baseline."
+             + (f" {hidden} trial(s) pruned before reaching this level are not drawn." if hidden else ""),
+             plots.speedup_vs_params(at, int(c)))
+        )  # fmt: skip
     if pts:
         wanted += [
-            ("speedup", "Speedup against steps, topk and draft tokens",
-             "Each dot is one configuration launched and measured; crosses are failed configurations "
-             "(their value is the worst seen, a placeholder); the dashed line is the baseline.",
-             plots.speedup_vs_params(pts, level)),
-            ("acceptance", "Accept length and per-token accept rate against steps",
+            ("acceptance", f"Accept length and per-token accept rate against steps, at concurrency {level}",
              "Accept length alone misleads: each extra step adds less, while the per-token rate "
              "(AL − 1) / (draft tokens − 1) shows how much of the drafting is wasted.",
-             plots.acceptance(pts)),
-            ("cycle", "Where the cycle time goes",
+             plots.acceptance(pts, level)),
+            ("cycle", f"Where the cycle time goes, at concurrency {level}",
              "Cycle = accept length / per-user tok/s.  The split is an estimate from the least-squares fit "
              "cycle = a + b·steps + c·draft tokens over the trials: b·steps is drafting, a + c·tokens is "
              "verification and overhead."
              + ("" if fit else " Too few trials (or only topk 1) to fit it: measured cycles only."),
-             plots.cycle_split(pts, fit)),
-            ("history", "Search progress", "Speedup of each trial in order, with the best so far.", plots.history(pts)),
+             plots.cycle_split(pts, fit, level)),
+            ("history", "Search progress",
+             f"The objective ({objective}) of each trial in order, with the best so far; pruned trials "
+             "have no objective value and are marked at the bottom.",
+             plots.history(pts, objective)),
         ]  # fmt: skip
     if len(an.levels_measured(pts)) > 1:
         wanted.append(
             ("concurrency", "Speedup against concurrency",
-             "Verification cost grows with batch size, so the best configuration shrinks as concurrency grows.",
+             an.best_by_level_text(data.shown) or "The speedup of the best configurations at each level measured.",
              plots.speedup_vs_concurrency(pts))
         )  # fmt: skip
     if any(p.startup_s is not None for p in pts):
@@ -138,6 +163,18 @@ figcaption { color: #444; font-size: .9rem; }
 """
 
 
+def _levels_note(shown: dict[str, Any], level: int) -> str:
+    spec = shown["spec"]
+    levels = spec["workload"]["concurrency"]
+    if (spec.get("objective") or {}).get("concurrency"):
+        why = "the objective's level"
+    elif len(levels) == 1:
+        why = "the only level"
+    else:
+        why = f"the lowest level; the objective is the geometric mean over {', '.join(map(str, levels))}"
+    return f"Plots are drawn at concurrency {level} ({why}) unless their title names another level."
+
+
 def build_report(data: StudyData, *, generated_at: datetime | None = None) -> Report:
     """Render the study into one HTML document and the plots it embeds."""
     shown = data.shown
@@ -165,7 +202,7 @@ state {_e(state)} · trials: {_e(counts)} · generated {when}</p>
 <p class="sub">Cost: {_e((shown.get("cost") or {}).get("summary") or "not recorded")}</p>
 <h2>The winner</h2>{_winner(shown)}
 <h2>Why</h2>
-<p>Plots at concurrency {level} unless said otherwise; {len(pts)} configurations measured.</p>
+<p>{_e(_levels_note(shown, level))} {len(pts)} configurations measured at concurrency {level}.</p>
 {figure_html or "<p>No measured trials yet.</p>"}
 <h2>Every trial</h2>{_trial_table(data.trials, level)}
 </body></html>
