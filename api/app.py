@@ -2,7 +2,7 @@
 
 Routes, in the order they match: `/healthz`, `/v1/...` (the API), `/docs` and `/openapi.json`,
 `/login` and `/logout`, `/metrics`, then optuna-dashboard mounted at `/` behind `DashboardGate`
-(it must sit at the root: reference/optuna.md §7).
+(it must sit at the root: docs/optuna.md §7).
 """
 
 from __future__ import annotations

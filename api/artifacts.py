@@ -1,7 +1,7 @@
 """Per-trial artifacts (benchmark report JSON, server-log tail) in the store the dashboard reads.
 
 Optuna keeps an artifact's metadata as a system attr of its trial, and a finished trial is
-immutable: the files must be uploaded *before* the trial is told (reference/optuna.md §8).  So
+immutable: the files must be uploaded *before* the trial is told (docs/optuna.md §8).  So
 the lease service calls `store_trial_artifacts` on `complete`, just before it tells Optuna.
 
 The store is a folder (`SPECTUNE_ARTIFACT_DIR`).  With several API processes on several hosts it

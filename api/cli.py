@@ -77,7 +77,7 @@ def _settings(database_url: str | None) -> Any:
 
 
 def _ensure_utc() -> None:
-    # Optuna stores naive UTC timestamps; run everything in UTC (reference/optuna.md §1).
+    # Optuna stores naive UTC timestamps; run everything in UTC (docs/optuna.md §1).
     os.environ["TZ"] = "UTC"
     if hasattr(__import__("time"), "tzset"):
         __import__("time").tzset()

@@ -52,7 +52,7 @@ class ServiceContext:
     def open(cls, settings: Settings) -> ServiceContext:
         url = settings.database_url
         engine = make_engine(url)
-        # One RDBStorage per process (reference/optuna.md §2: many leak connections).  Tables are
+        # One RDBStorage per process (docs/optuna.md §2: many leak connections).  Tables are
         # created by `spectune db upgrade`, never here, so concurrent first starts cannot race.
         rdb = optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs(url), skip_table_creation=True)
         sqlite = is_sqlite(url)

@@ -1,6 +1,6 @@
 """Database engines and sessions for spectune's own tables, and the database clock.
 
-Cross-process coordination lives in the database (design.md "Storage"): timestamps come from
+Cross-process coordination lives in the database (docs/design.md "Storage"): timestamps come from
 the database server, never from the API process, so several API processes agree on deadlines.
 """
 

@@ -13,7 +13,7 @@ Two kinds, so that several API processes serving one database give consistent nu
 The registry belongs to the app (never the global one), so several apps in one test process do
 not collide.  A scrape needs a `user` or `admin` token: the numbers reveal study names and fleet
 size, which a network neighbour need not learn, and a worker token may only lease and report
-(design.md "Security").  Give Prometheus its own revocable token (`spectune token create --role
+(docs/design.md "Security").  Give Prometheus its own revocable token (`spectune token create --role
 user --name prometheus`, read through `authorization: {credentials_file: ...}` in its scrape config).
 """
 

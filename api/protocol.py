@@ -1,4 +1,4 @@
-"""The wire contract between workers and the API (lease protocol, design.md "Leases").
+"""The wire contract between workers and the API (lease protocol, docs/design.md "Leases").
 
 Pure pydantic: the worker imports this module without pulling in the web framework.
 """

@@ -6,7 +6,7 @@ With several concurrency levels the best configuration usually shrinks as the ba
 keys are batch sizes, each with `candidate_steps` (non-negative integers, 0 = no drafting); a
 running batch is padded to its CUDA-graph size and served by the largest key not above it (the
 smallest key below all of them).  Its rules, from `speculative/adaptive_spec_params.py` and
-`arg_groups/speculative_hook.py` (reference/sglang.md §2 rule 10):
+`arg_groups/speculative_hook.py` (docs/sglang.md §2 rule 10):
 
 * chains only: adaptive mode needs topk = 1 and sets draft tokens to steps + 1;
 * every key's `candidate_steps` is a non-empty list of integers >= 0;

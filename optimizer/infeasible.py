@@ -2,7 +2,7 @@
 
 GPU memory at start-up grows monotonically with each of draft tokens, topk, steps and the largest
 captured batch (the graphs' buffers are sized by draft tokens x batch, the draft decode graph by
-topk x steps x batch; reference/sglang.md §13, calibration.md §6.5).  So when a point ran out of
+topk x steps x batch; docs/sglang.md §13, docs/calibration.md §6.5).  So when a point ran out of
 memory, every point at least as large in all four needs at least as much and will fail too: it
 is told as infeasible without a launch, with `inferred_from` naming the trial that failed.
 """

@@ -2,7 +2,7 @@
 
 Start-up is mostly weight loading (the same for every configuration of a study) and CUDA-graph
 capture, which grows with the draft steps (one draft decode graph per step), with topk (wider
-draft graphs) and with the draft tokens (verify and draft-extend graphs); reference/sglang.md §3.
+draft graphs) and with the draft tokens (verify and draft-extend graphs); docs/sglang.md §3.
 It is fitted to the start-up times the study has measured, by non-negative least squares with a
 small ridge towards "all the same", so one or two measured launches already give a usable answer
 and no configuration is ever predicted cheaper than loading the weights.

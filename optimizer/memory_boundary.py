@@ -3,7 +3,7 @@
 `optimizer.infeasible` only skips configurations at least as large as one that failed in every
 flag.  That misses the common case: after 4/8/33 ran out of memory, 3/8/25 is smaller in every
 flag but still needs most of the memory that killed 4/8/33, when that memory went to topk 8's
-draft graphs.  The server sizes its graph buffers by (reference/sglang.md §3, §13):
+draft graphs.  The server sizes its graph buffers by (docs/sglang.md §3, §13):
 
 * x_v = draft tokens x captured batch (target verify and draft extend graphs);
 * x_d = steps x topk x captured batch (draft decode graph; none with one step).

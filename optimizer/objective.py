@@ -16,7 +16,7 @@ from optimizer.errors import SpecError
 from optimizer.spec import Objective
 
 # The single constraint key every COMPLETE trial carries (GP needs the same keys on all trials;
-# reference/optuna.md §5).  <= 0 is feasible; failures and latency overruns make it positive.
+# docs/optuna.md §5).  <= 0 is feasible; failures and latency overruns make it positive.
 CONSTRAINT_KEY = "spectune_violation"
 # Magnitude told for a configuration that could not run at all (OOM, invalid, launch timeout):
 # larger than any plausible latency overrun so TPE ranks it last among infeasible trials.

@@ -1,4 +1,4 @@
-"""A fitted model of why a configuration wins or loses (design.md), used to choose the next trial.
+"""A fitted model of why a configuration wins or loses (docs/design.md), used to choose the next trial.
 
 Every measured trial yields, per concurrency level b, the accept length AL (tokens per verify
 cycle, bonus included: completion_tokens / spec_verify_ct) and the per-request cycle time
@@ -14,7 +14,7 @@ cycle, bonus included: completion_tokens / spec_verify_ct) and the per-request c
   (steep up to a knee x on MoE and slow interconnects, linear on dense models).
 * speedup at level b = AL / r_b.
 
-These are the relations of reference/calibration.md §6 written as a regression.  Both halves are
+These are the relations of docs/calibration.md §6 written as a regression.  Both halves are
 fitted by regularised least squares (priors from the published ranges, so two or three trials
 already give a usable answer), and a Laplace approximation gives each prediction a standard
 deviation for the acquisition function.  The fit is milliseconds for tens of trials.
@@ -35,7 +35,7 @@ from optimizer.space import SpecConfig
 
 FloatArray = NDArray[np.float64]
 
-# Priors (mean, sd) in the units above; ranges from reference/calibration.md §4-6.
+# Priors (mean, sd) in the units above; ranges from docs/calibration.md §4-6.
 _ACCEPT_FIRST = (math.log(0.7 / 0.3), 1.2)  # logit of a_1: 0.55-0.85 in public data
 _ACCEPT_STEP_SD = 0.35  # logit change from one position to the next
 _TREE_GAIN = (0.15, 0.1)
@@ -51,7 +51,7 @@ AL_NOISE = 0.01
 COST_NOISE = 0.01
 # Floor on a prediction's sd: the model is a simplification of a real server.
 MODEL_FLOOR = 0.01
-# Graphs missing at a level make that level run eagerly (calibration.md §5).
+# Graphs missing at a level make that level run eagerly (docs/calibration.md §5).
 EAGER_PENALTY = 1.37
 
 

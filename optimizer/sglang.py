@@ -1,6 +1,6 @@
 """SGLang's command line, per version: typed server settings in, an argv list out.
 
-Facts from reference/sglang.md §1-3 (checked against the 0.5.x wheels):
+Facts from docs/sglang.md §1-3 (checked against the 0.5.x wheels):
 
 | version        | max captured batch            | explicit capture list    |
 |----------------|-------------------------------|--------------------------|

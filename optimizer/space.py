@@ -1,6 +1,6 @@
 """EAGLE-3 configurations as typed values, with SGLang's resolution rules.
 
-The rules (reference/sglang.md §2, `speculative_hook.py::_handle_eagle_family` in SGLang 0.5.23):
+The rules (docs/sglang.md §2, `speculative_hook.py::_handle_eagle_family` in SGLang 0.5.23):
 
 * topk = 1 forces num_draft_tokens = num_steps + 1 (SGLang only warns and adjusts), so with a
   chain the draft-token count is derived, never searched;
@@ -232,7 +232,7 @@ def params_of(config: SpecConfig) -> dict[str, int]:
     return params
 
 
-# SGLang's own defaults (reference/sglang.md §2 rule 1): (3,1,4) for most models, (5,4,8) for Llama.
+# SGLang's own defaults (docs/sglang.md §2 rule 1): (3,1,4) for most models, (5,4,8) for Llama.
 SGLANG_DEFAULTS: tuple[SpecConfig, ...] = (
     SpecConfig(num_steps=3, topk=1, num_draft_tokens=4),
     SpecConfig(num_steps=5, topk=4, num_draft_tokens=8),

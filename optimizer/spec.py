@@ -1,4 +1,4 @@
-"""The study spec: the JSON/YAML contract a user writes to start a study (design.md, "The study").
+"""The study spec: the JSON/YAML contract a user writes to start a study (docs/design.md, "The study").
 
 Field names here are the public contract.  `StudySpec.model_validate(...)` checks types and
 ranges; `validate_spec()` adds SGLang's cross-field rules and raises `SpecError` naming the field.
@@ -19,7 +19,7 @@ MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
 
 # Attention backends SGLang 0.5.23 accepts for `--attention-backend` that matter on GPU hosts.
 ATTENTION_BACKENDS = ("fa3", "flashinfer", "triton", "trtllm_mha", "flashmla", "cutlass_mla", "fa4", "torch_native")
-# Backends that accept topk > 1 with page size > 1 (reference/sglang.md §2 rule 5).
+# Backends that accept topk > 1 with page size > 1 (docs/sglang.md §2 rule 5).
 TREE_PAGED_BACKENDS = ("flashinfer", "fa3", "triton")
 
 # Extra server flags a study may set: they shape the server but cannot run code or read files
@@ -108,7 +108,7 @@ class Workload(BaseModel):
     warmup_requests: int = Field(default=4, ge=0, le=10_000)
     repeats: int = Field(default=3, ge=1, le=100)
     # Fixed: greedy decoding and ignore_eos make every request exactly output_len tokens long and
-    # acceptance reproducible (reference/sglang.md §9).
+    # acceptance reproducible (docs/sglang.md §9).
     temperature: Literal[0] = 0
     ignore_eos: Literal[True] = True
 

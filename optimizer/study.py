@@ -12,7 +12,7 @@ Distributions never change between trials (TPE and GP need that); a tree's draft
 above what SGLang can fill is clamped to what SGLang can fill (`SearchSpace.config_from_params`), and the
 service de-duplicates launches by the canonical key.
 
-Failures teach the sampler (reference/optuna.md §5): a configuration that cannot run is told as
+Failures teach the sampler (docs/optuna.md §5): a configuration that cannot run is told as
 COMPLETE with a violated constraint and a pessimistic but plausible value; infrastructure
 faults are told FAIL (invisible to the samplers) after their retries.
 """

@@ -5,7 +5,7 @@ touching this file, and `test_every_endpoint_is_classified` fails until someone 
 it needs (`ROLE_OF`) or that it is open (`OPEN`).  Requests go through the whole app (middleware,
 dependencies, services, the database) on SQLite and Postgres.
 
-Roles (design.md "Security"): `user` endpoints admit user and admin; `admin` only admin; `worker`
+Roles (docs/design.md "Security"): `user` endpoints admit user and admin; `admin` only admin; `worker`
 only worker tokens (an admin token cannot lease: least privilege, and a mistake by an operator
 cannot pose as a GPU host); a worker token can lease and report, nothing else.
 """

@@ -14,7 +14,7 @@ from workers.errors import ConfigError
 from workers.launcher import EngineConfig, build_argv, detect_sglang_version, server_env
 
 VERSIONS = ("0.5.13", "0.5.16", "0.5.20", "0.5.23")
-# The max-captured-batch flag each line understands (reference/sglang.md §1).
+# The max-captured-batch flag each line understands (docs/sglang.md §1).
 MAX_BS_FLAG = {
     "0.5.13": "--cuda-graph-max-bs",
     "0.5.16": "--cuda-graph-max-bs-decode",

@@ -438,7 +438,7 @@ def test_stop_waits_for_the_probe_to_show_the_memory_released(tmp_path: Path, la
 
 
 def test_startup_value_error_is_invalid_config(tmp_path: Path, launchers: list[Launcher]) -> None:
-    # topk > 1 with page size > 1 needs flashinfer, fa3 or triton (sglang.md §2 rule 5).
+    # topk > 1 with page size > 1 needs flashinfer, fa3 or triton (docs/sglang.md §2 rule 5).
     launcher = Launcher(sim_engine(tmp_path))
     launchers.append(launcher)
     with pytest.raises(LaunchError) as info:

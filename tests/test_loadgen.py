@@ -37,7 +37,7 @@ from workers.simulator.landscapes import get_landscape
 from workers.simulator.model import predict
 
 # ---------------------------------------------------------------------------------------------
-# A minimal server speaking SGLang's native /generate streaming format (reference/sglang.md §7).
+# A minimal server speaking SGLang's native /generate streaming format (docs/sglang.md §7).
 # Prompt words select behaviour:
 #   "burst=K"     K tokens per chunk (a verify cycle); reports spec_verify_ct on the final chunk
 #   "baseline"    1 token per chunk and no spec_verify_ct (a non-speculative server)

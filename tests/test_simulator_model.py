@@ -38,7 +38,7 @@ def test_moe_pcie_reproduces_the_reference_case_at_batch_size_1():
         assert predict(ls, chain(steps), 1).output_tok_s == pytest.approx(published, rel=0.05), steps
     by_steps = {k: predict(ls, chain(k), 1).output_tok_s for k in range(1, 11)}
     assert max(by_steps, key=by_steps.__getitem__) == 2
-    # The steps-10 row: AL 2.0-2.95 with a per-token accept rate of 0.16-0.27 (calibration.md §1).
+    # The steps-10 row: AL 2.0-2.95 with a per-token accept rate of 0.16-0.27 (docs/calibration.md §1).
     p10 = predict(ls, chain(10), 1)
     assert 2.6 <= p10.accept_length <= 2.95
     assert 0.16 <= p10.accept_rate <= 0.27

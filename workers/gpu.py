@@ -2,7 +2,7 @@
 
 The launcher needs two things from it: the inventory (name, memory, driver) the worker reports,
 and the per-GPU list of compute processes with the memory each holds, to wait after a stop until
-the driver has really freed the old server's memory (it does so asynchronously; reference/sglang.md
+the driver has really freed the old server's memory (it does so asynchronously; docs/sglang.md
 §10).  `open_probe()` returns None where there is no driver or no pynvml, and callers then skip
 those checks.
 

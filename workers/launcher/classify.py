@@ -1,4 +1,4 @@
-"""Why a server died, from its exit status and the tail of its log (reference/sglang.md §1, §2, §13).
+"""Why a server died, from its exit status and the tail of its log (docs/sglang.md §1, §2, §13).
 
 Order matters: an argparse rejection (exit 2) is checked first, then out-of-memory (an OOM often
 surfaces inside a later ValueError/RuntimeError traceback), then SGLang's start-up checks.

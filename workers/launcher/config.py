@@ -53,7 +53,7 @@ class EngineConfig:
     port: int = 30000
     env: Mapping[str, str] = field(default_factory=dict)  # extra env for the server
     log_dir: Path = Path("/var/log/spectune")
-    startup_timeout_s: float = 1200.0  # large MoE servers take 10-15 min (sglang.md §13)
+    startup_timeout_s: float = 1200.0  # large MoE servers take 10-15 min (docs/sglang.md §13)
     stop_timeout_s: float = 60.0
     gpu_release_timeout_s: float = 120.0
     gpu_indices: tuple[int, ...] | None = None  # CUDA_VISIBLE_DEVICES for the server

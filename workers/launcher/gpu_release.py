@@ -1,4 +1,4 @@
-"""Waiting until the driver has freed the GPU memory of stopped processes (reference/sglang.md §10).
+"""Waiting until the driver has freed the GPU memory of stopped processes (docs/sglang.md §10).
 
 Reaped processes do not mean free memory: the driver releases it asynchronously.  We poll NVML's
 per-GPU compute-process list until none of the old PIDs is listed, as SGLang's own test helpers do

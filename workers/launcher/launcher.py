@@ -1,4 +1,4 @@
-"""Start, watch and stop one SGLang server at a time (design.md "The worker"; issue 3).
+"""Start, watch and stop one SGLang server at a time (docs/design.md "The worker"; issue 3).
 
 One `Launcher` per engine slot.  `launch()` stops the previous server (waiting for its GPU memory),
 starts the new one in its own session with its output in a per-launch log file, waits for

@@ -1,4 +1,4 @@
-"""The server's process group: who is in it, and stopping all of it (reference/sglang.md §10).
+"""The server's process group: who is in it, and stopping all of it (docs/sglang.md §10).
 
 SGLang runs its scheduler(s) and detokenizer as children of the launch process, so a server is a
 process group (the launcher starts it with `start_new_session=True`, pgid = pid of the leader).

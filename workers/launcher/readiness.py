@@ -1,4 +1,4 @@
-"""Waiting for a starting server to be ready (reference/sglang.md §4).
+"""Waiting for a starting server to be ready (docs/sglang.md §4).
 
 Most of SGLang's start-up (weights, CUDA-graph capture) happens before the port opens, so the
 wait first polls the TCP port, checking every time that the process is still alive.  Once the port

@@ -1,4 +1,4 @@
-"""What the server really runs: `/server_info` read back and compared with what was asked (sglang.md §5).
+"""What the server really runs: `/server_info` read back and compared with what was asked (docs/sglang.md §5).
 
 SGLang may resolve flags differently from what was asked (topk 1 forces draft tokens to steps+1;
 a missing --max-running-requests becomes 48 with speculation), so a trial records the effective

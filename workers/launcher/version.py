@@ -1,4 +1,4 @@
-"""Which SGLang the engine interpreter has: its flag names depend on it (reference/sglang.md §1)."""
+"""Which SGLang the engine interpreter has: its flag names depend on it (docs/sglang.md §1)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """One streamed request to SGLang's native ``POST /generate``, timed chunk by chunk.
 
-Timing model (reference/sglang.md §7): every chunk's ``meta_info.completion_tokens`` is the
+Timing model (docs/sglang.md §7): every chunk's ``meta_info.completion_tokens`` is the
 running total, so a chunk carries ``k = total - previous total`` new tokens.  Under speculative
 decoding one chunk is one verify cycle and usually carries several tokens.
 

@@ -1,7 +1,7 @@
 """Incremental server-sent-events decoding, tuned for SGLang's ``/generate`` stream.
 
 SGLang sends one ``data: {json}`` line per event followed by a blank line, and ends the stream
-with ``data: [DONE]`` (reference/sglang.md §7).  The decoder works on raw bytes as they arrive
+with ``data: [DONE]`` (docs/sglang.md §7).  The decoder works on raw bytes as they arrive
 from the socket, splits on newlines with ``bytes.split`` (C speed) and keeps only the unfinished
 tail between reads, so its cost per event is a few hundred nanoseconds plus the JSON parse done
 by the caller.  It accepts ``\\n`` and ``\\r\\n`` line ends, ignores comments and non-``data``

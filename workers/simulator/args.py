@@ -3,9 +3,9 @@
 The parser is a plain `argparse.ArgumentParser` with abbreviations allowed, like SGLang's
 (`srt/server_args.py::prepare_server_args`), so a wrong CUDA-graph flag name fails exactly as it
 does there: on >= 0.5.20 `--cuda-graph-max-bs` is an ambiguous prefix of `-decode`/`-prefill` and
-argparse exits with status 2 (sglang.md §1).
+argparse exits with status 2 (docs/sglang.md §1).
 
-`resolve()` applies `_handle_eagle_family` and the attention-backend checks of sglang.md §2 and
+`resolve()` applies `_handle_eagle_family` and the attention-backend checks of docs/sglang.md §2 and
 raises the same kinds of exceptions SGLang raises (AssertionError, TypeError, ValueError), which
 the server lets surface as a traceback and exit status 1.
 """
@@ -148,7 +148,7 @@ class ResolvedArgs:
 
 
 def resolve(ns: argparse.Namespace, landscape: Landscape, version: str) -> ResolvedArgs:
-    """Apply SGLang's resolution rules (sglang.md §2-3); raise what SGLang raises."""
+    """Apply SGLang's resolution rules (docs/sglang.md §2-3); raise what SGLang raises."""
     v = dict(vars(ns))
     warnings: list[str] = []
     algo = v["speculative_algorithm"]

@@ -102,7 +102,7 @@ class Counters:
     prompt_tokens: int = 0
     requests_finished: int = 0
     forward_iterations: int = 0
-    # Folded only when a decode log line is written, as SGLang does (sglang.md §5: it lags).
+    # Folded only when a decode log line is written, as SGLang does (docs/sglang.md §5: it lags).
     published_spec_tokens: int = 0
     published_verify_calls: int = 0
     last_gen_throughput: float = 0.0

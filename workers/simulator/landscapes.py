@@ -1,6 +1,6 @@
 """Named landscapes: one host + target model + EAGLE-3 draft each, as the simulator's parameters.
 
-Every number is either fitted to a published measurement (reference/calibration.md, cited per
+Every number is either fitted to a published measurement (docs/calibration.md, cited per
 field) or a stated assumption.  `workers/simulator/README.md` explains the equations; this module
 only holds values.  Run `python -m workers.simulator.landscapes` for the per-landscape table of
 baselines and true optima.
@@ -98,7 +98,7 @@ class Landscape:
         return self.architecture in ("LlamaForCausalLM", "Grok1ForCausalLM")
 
 
-# Large MoE over PCIe (calibration.md §1, the reference case).  Fitted on the four measured rows:
+# Large MoE over PCIe (docs/calibration.md §1, the reference case).  Fitted on the four measured rows:
 # baseline 90 tok/s, steps 2/5/10 at 94/71.3/60 (topk 1).  Acceptance: the steps-10 row pins
 # AL ~2.6-2.95 (accept rate 0.16-0.27); position 2 above position 1 and a decay after it (as for
 # MTP-like heads, §4) is what makes steps 2 the best chain *and* steps 5 fall to ~71: with a flat
@@ -108,7 +108,7 @@ class Landscape:
 MOE_PCIE = Landscape(
     name="moe-pcie",
     summary="large MLA MoE (Kimi-K2.5 class) at TP8 over PCIe; only a short chain helps",
-    modelled_on="Kimi-K2.5 + EAGLE-3 draft, TP8 over PCIe (calibration.md §1)",
+    modelled_on="Kimi-K2.5 + EAGLE-3 draft, TP8 over PCIe (docs/calibration.md §1)",
     architecture="DeepseekV3ForCausalLM",
     attention="mla",
     host="8x 96 GB PCIe GPUs, no NVLink",
@@ -148,10 +148,10 @@ MOE_PCIE = Landscape(
     prefill_graph_s=15.0,
     warmup_s=10.0,
     calibration=(
-        CalibrationPoint("no speculation", None, 1, 1, 90.0, "calibration.md §1 (M)"),
-        CalibrationPoint("steps 2 / ndt 3", 2, 1, 3, 94.0, "calibration.md §1 (M)"),
-        CalibrationPoint("steps 5 / ndt 6", 5, 1, 6, 71.3, "calibration.md §1 (M)"),
-        CalibrationPoint("steps 10 / ndt 11", 10, 1, 11, 60.0, "calibration.md §1 (M)"),
+        CalibrationPoint("no speculation", None, 1, 1, 90.0, "docs/calibration.md §1 (M)"),
+        CalibrationPoint("steps 2 / ndt 3", 2, 1, 3, 94.0, "docs/calibration.md §1 (M)"),
+        CalibrationPoint("steps 5 / ndt 6", 5, 1, 6, 71.3, "docs/calibration.md §1 (M)"),
+        CalibrationPoint("steps 10 / ndt 11", 10, 1, 11, 60.0, "docs/calibration.md §1 (M)"),
     ),
 )
 
@@ -163,7 +163,7 @@ MOE_PCIE = Landscape(
 DENSE_8B_H100 = Landscape(
     name="dense-8b-h100",
     summary="Llama-3.1-8B on one H100; deep chains and wide trees pay off",
-    modelled_on="Llama-3.1-8B-Instruct + EAGLE-3, 1x H100 80 GB (calibration.md §2a, §3)",
+    modelled_on="Llama-3.1-8B-Instruct + EAGLE-3, 1x H100 80 GB (docs/calibration.md §2a, §3)",
     architecture="LlamaForCausalLM",
     attention="mha",
     host="1x H100 80 GB SXM",
@@ -212,7 +212,7 @@ DENSE_8B_H100 = Landscape(
 NO_GAIN = Landscape(
     name="no-gain",
     summary="Qwen3-30B-A3B at TP4 on H100: no speculative configuration beats the baseline",
-    modelled_on="Qwen3-30B-A3B + EAGLE-3, 4x H100 TP4 (calibration.md §2b)",
+    modelled_on="Qwen3-30B-A3B + EAGLE-3, 4x H100 TP4 (docs/calibration.md §2b)",
     architecture="Qwen3MoeForCausalLM",
     attention="mha",
     host="4x H100 80 GB, NVLink",

@@ -28,7 +28,7 @@ from typing import Literal
 from optimizer.space import SearchSpace, SpecConfig, max_draft_tokens
 from workers.simulator.landscapes import Landscape
 
-# SGLang's default max running requests with speculation on and the flag absent (sglang.md §2.7).
+# SGLang's default max running requests with speculation on and the flag absent (docs/sglang.md §2.7).
 SPEC_DEFAULT_MAX_RUNNING_REQUESTS = 48
 
 
@@ -37,7 +37,7 @@ class InfeasibleConfigError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------
-# CUDA-graph capture lists (sglang.md §3, `cuda_graph_hook.py::generate_decode_cuda_graph_batch_sizes`)
+# CUDA-graph capture lists (docs/sglang.md §3, `cuda_graph_hook.py::generate_decode_cuda_graph_batch_sizes`)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -56,7 +56,7 @@ def capture_sizes(max_bs: int, *, speculative: bool) -> tuple[int, ...]:
 
 
 def default_cuda_graph_max_bs(gpu_memory_gb: float, tp_size: int) -> int:
-    """SGLang's default max captured batch by GPU memory (`memory_hook.py`, sglang.md §3)."""
+    """SGLang's default max captured batch by GPU memory (`memory_hook.py`, docs/sglang.md §3)."""
     big_tp = tp_size >= 4
     if gpu_memory_gb < 20:
         return 8
@@ -383,7 +383,7 @@ def check_memory(
 
     Graph memory per phase ~ base + sizes x fixed + largest captured batch x tokens per request
     x bytes per token, so draft tokens dominate, as SGLang's "lower draft tokens first" OOM
-    advice implies (sglang.md §13).  An infeasible tree is checked too: SGLang starts it.
+    advice implies (docs/sglang.md §13).  An infeasible tree is checked too: SGLang starts it.
     """
     spec = _canonical(config, check=False)
     if cuda_graph_max_bs is None and spec is not None:

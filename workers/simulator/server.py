@@ -2,7 +2,7 @@
 
 `python -m workers.simulator <SGLang launch flags>` behaves like `python -m sglang.launch_server`
 as far as a tuning worker can tell: same flags and resolution, start-up mostly before the port
-opens, 503 while warming up, the same log lines, endpoints and streaming format (sglang.md §4-10),
+opens, 503 while warming up, the same log lines, endpoints and streaming format (docs/sglang.md §4-10),
 a child process, CUDA OOM at start-up.  Rates come from `workers.simulator.model`.
 
 Environment knobs (all optional):
