@@ -22,7 +22,9 @@ COPY api ./api
 COPY optimizer ./optimizer
 COPY workers ./workers
 COPY migrations ./migrations
-RUN pip install . && rm -rf /opt/spectune/src
+COPY spectune ./spectune
+COPY spectune_protocol ./spectune_protocol
+RUN pip install '.[server,sim]' && rm -rf /opt/spectune/src
 
 # An unprivileged user; /var/lib/spectune holds artifacts (API) or the outbox (worker), and
 # /run/spectune the simulated worker's token (shared volumes are initialised from these dirs).

@@ -12,7 +12,7 @@ $(BIN)/spectune: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU build of torch first (for GPSampler), so pip never pulls a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0 || $(BIN)/pip install -q --index-url https://download.pytorch.org/whl/cpu torch
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[server,sim,dev]'
 	touch $@
 
 test: setup
@@ -24,14 +24,14 @@ test-fast: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy optimizer api workers
+	$(BIN)/mypy optimizer api workers spectune spectune_protocol
 
 format: setup
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
 typecheck: setup
-	$(BIN)/mypy optimizer api workers
+	$(BIN)/mypy optimizer api workers spectune spectune_protocol
 
 demo: setup
 	TZ=UTC $(BIN)/spectune demo

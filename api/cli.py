@@ -115,13 +115,10 @@ def server(
 @app.command()
 def worker(config: Annotated[Path, typer.Option("--config", "-c", help="worker TOML file")]) -> None:
     """Run the GPU-host agent: lease, launch SGLang, benchmark, report."""
-    _ensure_utc()
-    try:
-        from workers.agent import main as worker_main
-    except ImportError as e:  # pragma: no cover - packaging problem
-        _fail(f"the worker is not available in this installation: {e}")
-    exit_with_parent()
-    raise typer.Exit(worker_main(config))
+    # The worker's own CLI (workers/cli.py): it also runs from a worker-only install, without api/.
+    from workers.cli import main as worker_main
+
+    raise typer.Exit(worker_main(["--config", str(config)]))
 
 
 @app.command()

@@ -200,7 +200,7 @@ class StudySpec(BaseModel):
     # needs far fewer restarts than TPE, random search or SGLang's grid.
     sampler: SamplerName = "auto"
     seed: int | None = None
-    # Labels a worker must carry; a worker reports at most 64 (api.protocol.Inventory).
+    # Labels a worker must carry; a worker reports at most 64 (spectune_protocol.Inventory).
     placement: dict[str, str] = Field(default_factory=dict, max_length=64)
     # Configurations to try first, in addition to SGLang's defaults when they fit the space.
     warm_start: list[SpecConfig] = Field(default_factory=list)

@@ -19,9 +19,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import create_app
-from api.protocol import CompleteIn
 from optimizer import study as opt
 from optimizer.spec import StudySpec
+from spectune_protocol import CompleteIn
 from tests.conftest import INVENTORY, Api, make_settings, make_tokens, small_spec
 
 OK = CompleteIn.model_validate({"outcome": "ok", "metrics": {"levels": [{"concurrency": 1, "output_tok_s": 90.0}]}})

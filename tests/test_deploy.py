@@ -70,10 +70,10 @@ def test_compose_services_are_wired_in_order() -> None:
 def test_dockerfile_installs_cpu_torch_before_the_package() -> None:
     text = DOCKERFILE.read_text()
     torch_at = text.index("whl/cpu")
-    package_at = text.index("RUN pip install .")
+    package_at = text.index("RUN pip install '.[server,sim]'")
     assert torch_at < package_at
     assert re.search(r"^USER spectune$", text, re.M), "the image must not run as root"
-    for path in ("api", "optimizer", "workers", "migrations"):
+    for path in ("api", "optimizer", "workers", "migrations", "spectune", "spectune_protocol"):
         assert f"COPY {path} ./{path}" in text
 
 

@@ -238,7 +238,7 @@ def test_oversized_specs_are_refused_with_422_never_a_crash(target: Target, over
 
 
 def test_a_placement_no_worker_can_match_is_accepted_without_harm(target: Target) -> None:
-    # Workers send at most 64 labels (api.protocol.Inventory), so this study can never run; the
+    # Workers send at most 64 labels (spectune_protocol.Inventory), so this study can never run; the
     # spec does not bound placement (optimizer/spec.py, reported).  It must at least not crash.
     body = _spec_with(name="wide-placement", placement={f"k{i}": "v" * 100 for i in range(500)})
     r = httpx.post(f"{target.url}/v1/studies", json=body, headers=target.headers("user"), timeout=60)

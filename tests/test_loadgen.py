@@ -24,9 +24,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api.protocol import LevelMetrics
 from optimizer.space import SpecConfig
 from optimizer.spec import Workload
+from spectune_protocol import LevelMetrics
 from tests.servers import free_port, stop_process_group
 from workers.lifeline import child_env
 from workers.loadgen import LoadgenCancelled, LoadgenError, load_prompts, make_client, run_level, run_workload

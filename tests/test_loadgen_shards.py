@@ -20,9 +20,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api.protocol import LevelMetrics
 from optimizer.space import SpecConfig
 from optimizer.spec import Workload
+from spectune_protocol import LevelMetrics
 from tests.test_loadgen import SIM_LANDSCAPE, SIM_MAX_RUNNING, SIM_SPEED, FakeSGLang, fake, simulator
 from workers.loadgen import LoadgenCancelled, LoadgenError, load_prompts, make_client, run_level, run_workload
 from workers.loadgen.runner import default_processes

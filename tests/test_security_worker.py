@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from api.protocol import CompleteIn
 from optimizer.sglang import ServerSettings
+from spectune_protocol import CompleteIn
 from tests.test_worker_agent import TOKEN, ApiServer, FakeApi, lease_body, running_agent, wait_for, write_config
 from workers.agent import server_settings_refusal
 from workers.config import DEFAULT_ALLOWED_EXTRA_ARGS, RESERVED_FLAGS, load_config

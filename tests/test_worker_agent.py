@@ -1,6 +1,6 @@
 """The worker agent's loop against a fake lease API served by uvicorn on 127.0.0.1.
 
-The fake API speaks api/protocol.py (leases handed out from a script, the same lease returned
+The fake API speaks spectune_protocol/ (leases handed out from a script, the same lease returned
 while it is live, idempotent complete) and records every call, so the tests assert what the
 worker said to the API and in which order.  Tests that launch a server use the real launcher and
 the simulated engine (`python -m workers.simulator`) and are skipped until it is installed.
@@ -28,7 +28,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request, Response
 
-from api.protocol import CompleteIn, Failure
+from spectune_protocol import CompleteIn, Failure
 from workers.agent import EXIT_CONFIG, Agent, build_agent
 from workers.client import make_http_client
 from workers.config import load_config

@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 import httpx
 import pytest
 
-from api.protocol import CompleteIn, Failure, Inventory, ProgressIn
+from spectune_protocol import CompleteIn, Failure, Inventory, ProgressIn
 from workers.client import (
     ApiClient,
     ApiProtocolError,

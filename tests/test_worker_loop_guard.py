@@ -12,7 +12,7 @@ import logging
 import threading
 from pathlib import Path
 
-from api.protocol import LevelMetrics
+from spectune_protocol import LevelMetrics
 from tests.test_worker_agent import (  # noqa: F401 - `api` is a fixture
     api,
     lease_body,

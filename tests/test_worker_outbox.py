@@ -8,7 +8,7 @@ import sys
 
 import httpx
 
-from api.protocol import CompleteIn, Failure, LevelMetrics, Metrics
+from spectune_protocol import CompleteIn, Failure, LevelMetrics, Metrics
 from workers.client import ApiClient, Backoff, make_http_client
 from workers.outbox import Outbox, deliver_pending
 
@@ -50,7 +50,7 @@ def test_reports_survive_a_process_that_dies_right_after_put(tmp_path):
     code = (
         "import os, sys\n"
         "from pathlib import Path\n"
-        "from api.protocol import CompleteIn, Failure\n"
+        "from spectune_protocol import CompleteIn, Failure\n"
         "from workers.outbox import Outbox\n"
         "Outbox(Path(sys.argv[1])).put('L-9', CompleteIn(outcome='failed', failure=Failure(kind='crash', message='m')))\n"
         "os._exit(9)\n"  # no clean-up, no flush at exit

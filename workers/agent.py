@@ -37,8 +37,8 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any, Protocol
 
-from api.protocol import CompleteIn, Failure, FailureKind, Inventory, LeaseOut, LevelMetrics, Metrics, ProgressIn
 from optimizer.sglang import ServerSettings
+from spectune_protocol import CompleteIn, Failure, FailureKind, Inventory, LeaseOut, LevelMetrics, Metrics, ProgressIn
 from workers.client import (
     ApiClient,
     ApiError,
@@ -64,7 +64,7 @@ log = logging.getLogger("spectune.worker.agent")
 EXIT_OK = 0
 EXIT_CONFIG = 2  # bad config or token: systemd must not restart-loop on it (RestartPreventExitStatus)
 
-_MAX_MESSAGE = 4000  # api.protocol.Failure.message
+_MAX_MESSAGE = 4000  # spectune_protocol.Failure.message
 _MAX_LOG_TAIL = 20_000
 # A word-valued server flag: never empty, never an option itself, no spaces, quotes or paths.
 _SAFE_WORD_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:+-]{0,63}$")

@@ -6,7 +6,7 @@ Errors, by what the caller should do about them:
     ├── AuthError        401/403: the token is wrong or revoked; retrying cannot help, exit
     ├── LeaseLost        409/410: the lease is no longer ours; stop its work, report nothing
     ├── ApiRejected      any other 4xx: the API refused this request as malformed; log it loudly
-    ├── ApiProtocolError a 2xx whose body does not match api/protocol.py (version skew)
+    ├── ApiProtocolError a 2xx whose body does not match spectune_protocol/ (version skew)
     └── ApiUnavailable   connection errors, time-outs, 408/429/5xx still failing after the
                          retry window (or a stop was requested while waiting to retry)
 
@@ -29,7 +29,7 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from api.protocol import CompleteIn, CompleteOut, HeartbeatOut, Inventory, LeaseOut, ProgressIn, ProgressOut
+from spectune_protocol import CompleteIn, CompleteOut, HeartbeatOut, Inventory, LeaseOut, ProgressIn, ProgressOut
 from workers.errors import WorkerError
 
 log = logging.getLogger("spectune.worker.client")

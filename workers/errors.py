@@ -2,7 +2,7 @@
 
     WorkerError
     ├── ConfigError          the worker's own configuration is wrong (config file, engine interpreter)
-    ├── LaunchError          an SGLang server did not come up (kind: api.protocol.FailureKind)
+    ├── LaunchError          an SGLang server did not come up (kind: spectune_protocol.FailureKind)
     ├── LaunchCancelled      a launch was aborted on request; the server was stopped
     ├── GpuReleaseTimeout    stopped processes still hold GPU memory after the deadline
     └── ProcessSurvivedError processes of a stopped server outlived SIGKILL
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from api.protocol import Failure, FailureKind
+from spectune_protocol import Failure, FailureKind
 
-# Limits of api.protocol.Failure; the report must never be refused for being too long.
+# Limits of spectune_protocol.Failure; the report must never be refused for being too long.
 _MAX_MESSAGE = 4000
 _MAX_LOG_TAIL = 20_000
 

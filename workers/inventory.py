@@ -1,4 +1,4 @@
-"""What this host tells the API each time it asks for work (api.protocol.Inventory).
+"""What this host tells the API each time it asks for work (spectune_protocol.Inventory).
 
 GPUs come from NVML when a driver is present (the `gpus` list in the config narrows them to the
 ones this worker may use); without a driver (a CPU box driving the simulated engine) the list is
@@ -13,7 +13,7 @@ import socket
 from collections.abc import Sequence
 from importlib import metadata
 
-from api.protocol import GpuInfo, Inventory
+from spectune_protocol import GpuInfo, Inventory
 from workers.gpu import GpuProbe
 
 log = logging.getLogger("spectune.worker.inventory")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from api.protocol import CompleteIn
+from spectune_protocol import CompleteIn
 from workers.client import ApiClient, ApiError, ApiRejected, ApiUnavailable, AuthError, LeaseLost
 
 log = logging.getLogger("spectune.worker.outbox")

@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Response, status
 
 from api.deps import LeasesDep, PrincipalDep
-from api.protocol import CompleteIn, CompleteOut, HeartbeatOut, Inventory, LeaseOut, ProgressIn, ProgressOut
+from spectune_protocol import CompleteIn, CompleteOut, HeartbeatOut, Inventory, LeaseOut, ProgressIn, ProgressOut
 
 router = APIRouter(prefix="/v1", tags=["leases"])
 

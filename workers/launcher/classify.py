@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import signal
 
-from api.protocol import FailureKind
+from spectune_protocol import FailureKind
 
 # argparse prints "prog: error: <what>" and exits 2.  A flag this SGLang does not know (or an
 # abbreviation that became ambiguous, as --cuda-graph-max-bs did in 0.5.20) is the host's version

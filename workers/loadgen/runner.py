@@ -20,8 +20,8 @@ from time import perf_counter
 
 import httpx
 
-from api.protocol import LevelMetrics
 from optimizer.spec import Workload
+from spectune_protocol import LevelMetrics
 from workers.loadgen.http1 import CONNECT_TIMEOUT_S, make_client
 from workers.loadgen.passes import CANCEL_POLL_S, in_request_order, raise_if_cancelled, run_workers
 from workers.loadgen.shards import ShardPool, available_cpus

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from api.protocol import LevelMetrics
+from spectune_protocol import LevelMetrics
 from workers.loadgen.request import RequestResult
 
 

@@ -16,13 +16,13 @@ from sqlalchemy.orm import Session
 from api.context import Unit
 from api.db import db_now
 from api.models import BaselineRow, LeaseRow
-from api.protocol import CompleteIn, CompleteOut
 from api.services import studies as study_svc
 from api.services.leasing import records
 from api.services.leasing.records import HostHealth, counts_against_host, event
 from api.services.leasing.states import LeaseKind, LeaseState, end
 from api.settings import Settings
 from optimizer.spec import StudySpec
+from spectune_protocol import CompleteIn, CompleteOut
 
 
 class BaselineLeases:

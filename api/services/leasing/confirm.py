@@ -20,7 +20,6 @@ from sqlalchemy.orm import Session
 from api.context import ServiceContext, Unit
 from api.db import db_now
 from api.models import BaselineRow, LeaseRow, WorkerRow
-from api.protocol import CompleteIn, CompleteOut
 from api.services import studies as study_svc
 from api.services.leasing import records
 from api.services.leasing.baseline import BaselineLeases
@@ -28,6 +27,7 @@ from api.services.leasing.records import CONFIG_FAILURES, HostHealth, event
 from api.services.leasing.states import LeaseKind, LeaseState, claim, end
 from optimizer import confirmation as confirm
 from optimizer.spec import StudySpec
+from spectune_protocol import CompleteIn, CompleteOut
 
 log = logging.getLogger("spectune.api.leasing")
 

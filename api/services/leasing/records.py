@@ -16,12 +16,12 @@ from sqlalchemy.orm import Session
 
 from api.db import db_now
 from api.models import BaselineRow, EventRow, LeaseRow, TrialConfigRow, WorkerRow
-from api.protocol import LeaseOut
 from api.services.leasing.states import ConfigState, LeaseKind, LeaseState
 from api.settings import Settings
 from optimizer.plan import server_settings
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
+from spectune_protocol import LeaseOut
 
 log = logging.getLogger("spectune.api.leasing")
 

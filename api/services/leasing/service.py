@@ -25,7 +25,6 @@ from api.context import ServiceContext
 from api.db import db_now
 from api.errors import BusyError, ConflictError, ForbiddenError, InvalidInputError, LeaseGoneError, NotFoundError
 from api.models import EventRow, LeaseRow, StudyRow, WorkerRow
-from api.protocol import CompleteIn, CompleteOut, HeartbeatOut, Inventory, LeaseOut, ProgressIn, ProgressOut
 from api.services import studies as study_svc
 from api.services.eligibility import requirements_unmet
 from api.services.leasing import records
@@ -38,6 +37,7 @@ from api.services.leasing.trial import TrialLeases
 from optimizer import study as opt
 from optimizer.budget import budget_used
 from optimizer.spec import StudySpec
+from spectune_protocol import CompleteIn, CompleteOut, HeartbeatOut, Inventory, LeaseOut, ProgressIn, ProgressOut
 
 log = logging.getLogger("spectune.api.leasing")
 

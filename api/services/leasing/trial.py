@@ -22,7 +22,6 @@ from api.context import ServiceContext, Unit
 from api.db import db_now
 from api.errors import ConflictError
 from api.models import LeaseRow, StudyRow, TrialConfigRow
-from api.protocol import CompleteIn, CompleteOut, LeaseOut, ProgressIn, ProgressOut
 from api.services import studies as study_svc
 from api.services.leasing import records
 from api.services.leasing.records import CONFIG_FAILURES, HostHealth, event, lease_out
@@ -43,6 +42,7 @@ from optimizer.infeasible import known_to_fail, oom_points
 from optimizer.objective import CONSTRAINT_KEY, LevelResult, score
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
+from spectune_protocol import CompleteIn, CompleteOut, LeaseOut, ProgressIn, ProgressOut
 
 log = logging.getLogger("spectune.api.leasing")
 

@@ -1,0 +1,1 @@
+"""The `spectune` console script's front door (`spectune.cli`)."""
