@@ -45,8 +45,8 @@ def ok(levels: list[Any]) -> dict[str, Any]:
 OOM = {"outcome": "failed", "failure": {"kind": "oom", "message": "CUDA out of memory during graph capture"}}
 
 
-def lease(api: Api, worker: str) -> dict[str, Any] | None:
-    r = api.post(f"/v1/workers/{worker}/lease", "worker", INVENTORY)
+def lease(api: Api, worker: str, inventory: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    r = api.post(f"/v1/workers/{worker}/lease", "worker", inventory or INVENTORY)
     assert r.status_code in (200, 204), r.text
     return r.json() if r.status_code == 200 else None
 
@@ -59,6 +59,7 @@ def drive(
     *,
     oom_keys: Collection[str] = (),
     max_rounds: int = 120,
+    inventory: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Lease and complete round-robin until the study leaves `running`; returns every lease handed out."""
     handed: list[dict[str, Any]] = []
@@ -66,7 +67,7 @@ def drive(
         if api.get(f"/v1/studies/{study}", "user").json()["state"] != "running":
             return handed
         for w in workers:
-            got = lease(api, w)
+            got = lease(api, w, inventory)
             if got is None:
                 continue
             handed.append(got)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.conftest import Api, small_spec
+from tests.conftest import INVENTORY, Api, small_spec
 from tests.search_support import drive, key_of, lease
 
 
@@ -51,7 +51,9 @@ def test_a_different_model_gets_no_warm_start_from_another_study(api: Api) -> No
     b = small_spec("model-b", budget={"max_trials": 3})
     b["model"] = {"target": "moe-pcie", "draft": "moe-pcie-eagle3", "tp_size": 8}
     api.post("/v1/studies", "user", b)
-    handed = drive(api, "model-b", ["w1"], "moe-pcie")
+    # A host with the 8 GPUs tp_size 8 needs (a worker with fewer is not offered the study).
+    eight = INVENTORY | {"gpus": [{"index": i, "name": "NVIDIA H200", "memory_mib": 143771} for i in range(8)]}
+    handed = drive(api, "model-b", ["w1"], "moe-pcie", inventory=eight)
     first_trial = next(le for le in handed if le["kind"] == "trial")
     # SGLang's default comes first: the other study's answer was for another tp size.
     assert key_of(first_trial["config"]) == "s3-k1-n4-bsauto"
