@@ -98,8 +98,9 @@ class SpecConfig(BaseModel):
 class IntRange(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    low: int
-    high: int
+    # Bounded only so that no arithmetic meets a huge integer; validate_rules() names the real limits.
+    low: int = Field(ge=-1_000_000, le=1_000_000)
+    high: int = Field(ge=-1_000_000, le=1_000_000)
 
     def values(self) -> range:
         return range(self.low, self.high + 1)
@@ -111,9 +112,9 @@ class SearchSpace(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     num_steps: IntRange = Field(default_factory=lambda: IntRange(low=1, high=10))
-    topk: list[int] = Field(default_factory=lambda: [1, 2, 4, 8])
+    topk: list[int] = Field(default_factory=lambda: [1, 2, 4, 8], max_length=64)
     num_draft_tokens: IntRange = Field(default_factory=lambda: IntRange(low=2, high=64))
-    cuda_graph_max_bs: list[int] | None = None
+    cuda_graph_max_bs: list[int] | None = Field(default=None, max_length=64)
 
     @field_validator("num_steps", "num_draft_tokens", mode="before")
     @classmethod

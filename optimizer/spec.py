@@ -6,6 +6,7 @@ ranges; `validate_spec()` adds SGLang's cross-field rules and raises `SpecError`
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Literal
 
@@ -14,8 +15,21 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from optimizer.errors import SpecError
 from optimizer.space import SearchSpace, SpecConfig
 
-NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
-MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
+# `\Z`, not `$`: `$` also matches before a trailing newline, so "abc\n" would pass.
+NAME_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}\Z")
+MODEL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}\Z")
+
+# Seeds Optuna's samplers (numpy) accept; optimizer.study derives per-ask seeds from it modulo 2**32.
+MAX_SEED = 2**32 - 1
+# Budgets must stay within what datetime arithmetic handles (timedelta overflows near 2.7e10 h);
+# 100,000 hours is about 11 years, longer than any study.
+MAX_HOURS = 100_000.0
+# A trial reports at most this many levels (api.protocol.Metrics), so a spec may ask for no more.
+MAX_CONCURRENCY_LEVELS = 64
+MAX_PATIENCE = 10_000
+# Numeric extra_args values: within what SGLang's int/float flags can hold.
+MAX_INT_ARG = 2**31 - 1
+MAX_FLOAT_ARG = 1e9
 
 # Attention backends SGLang 0.5.23 accepts for `--attention-backend` that matter on GPU hosts.
 ATTENTION_BACKENDS = ("fa3", "flashinfer", "triton", "trtllm_mha", "flashmla", "cutlass_mla", "fa4", "torch_native")
@@ -39,11 +53,17 @@ EXTRA_ARG_ALLOWLIST: dict[str, type | None] = {
     "--trust-remote-code": None,
     "--disable-overlap-schedule": None,
 }
-_SAFE_VALUE_RE = re.compile(r"^[A-Za-z0-9._:+-]{1,64}$")
+_SAFE_VALUE_RE = re.compile(r"[A-Za-z0-9._:+-]{1,64}\Z")
+_BUILTIN_PROMPTS_RE = re.compile(r"builtin:[a-z0-9_-]{1,32}\Z")
+_PROMPT_FILE_RE = re.compile(r"[A-Za-z0-9._-]{1,128}\Z")
+
+# Every spec model refuses NaN and +-Infinity (JSON `NaN`, `Infinity`, and `1e309`, which Python
+# reads as infinity): they would be stored, then sent to workers as null, or break arithmetic.
+_STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class ModelSection(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
     target: str
     draft: str
@@ -86,25 +106,30 @@ class ModelSection(BaseModel):
                 if value is not True and value is not False:
                     raise ValueError(f"{flag} is a switch: give true or false")
             elif kind is int:
-                if isinstance(value, bool) or not isinstance(value, int):
-                    raise ValueError(f"{flag} takes an integer")
+                if isinstance(value, bool) or not isinstance(value, int) or abs(value) > MAX_INT_ARG:
+                    raise ValueError(f"{flag} takes an integer between -{MAX_INT_ARG} and {MAX_INT_ARG}")
             elif kind is float:
-                if isinstance(value, bool) or not isinstance(value, int | float):
-                    raise ValueError(f"{flag} takes a number")
+                if (
+                    isinstance(value, bool)
+                    or not isinstance(value, int | float)
+                    or not math.isfinite(value)
+                    or abs(value) > MAX_FLOAT_ARG
+                ):
+                    raise ValueError(f"{flag} takes a finite number between -{MAX_FLOAT_ARG:g} and {MAX_FLOAT_ARG:g}")
             elif not isinstance(value, str) or not _SAFE_VALUE_RE.match(value):
                 raise ValueError(f"{flag} takes a short word (letters, digits, . _ : + -)")
         return v
 
 
 class Workload(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
     # "builtin:<name>" for a prompt set shipped with spectune, or a file name inside the worker's
     # configured prompt folder (never a path chosen here).
     prompts: str = "builtin:chat"
     output_len: int = Field(default=256, ge=1, le=32768)
     num_prompts: int = Field(default=64, ge=1, le=100_000)
-    concurrency: list[int] = Field(default_factory=lambda: [1])
+    concurrency: list[int] = Field(default_factory=lambda: [1], max_length=MAX_CONCURRENCY_LEVELS)
     warmup_requests: int = Field(default=4, ge=0, le=10_000)
     repeats: int = Field(default=3, ge=1, le=100)
     # Fixed: greedy decoding and ignore_eos make every request exactly output_len tokens long and
@@ -125,10 +150,10 @@ class Workload(BaseModel):
     @classmethod
     def _prompts(cls, v: str) -> str:
         if v.startswith("builtin:"):
-            if not re.match(r"^builtin:[a-z0-9_-]{1,32}$", v):
+            if not _BUILTIN_PROMPTS_RE.match(v):
                 raise ValueError("builtin prompt sets are named like 'builtin:chat'")
             return v
-        if "/" in v or "\\" in v or v.startswith(".") or not re.match(r"^[A-Za-z0-9._-]{1,128}$", v):
+        if "/" in v or "\\" in v or v.startswith(".") or not _PROMPT_FILE_RE.match(v):
             raise ValueError(
                 "prompts is 'builtin:<set>' or a plain file name inside the worker's prompt folder (no path)"
             )
@@ -136,22 +161,23 @@ class Workload(BaseModel):
 
 
 class Objective(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
     metric: Literal["speedup"] = "speedup"
     # One level, or None: geometric mean of the speedups over all levels.
     concurrency: int | None = None
-    # Optional limits; a trial over one is told to Optuna as a violated constraint.
-    max_p99_itl_ms: float | None = Field(default=None, gt=0)
-    max_p99_ttft_ms: float | None = Field(default=None, gt=0)
+    # Optional limits; a trial over one is told to Optuna as a violated constraint.  Finite, and
+    # at most a day: a violation is computed from them.
+    max_p99_itl_ms: float | None = Field(default=None, gt=0, le=86_400_000)
+    max_p99_ttft_ms: float | None = Field(default=None, gt=0, le=86_400_000)
 
 
 class Budget(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
     max_trials: int = Field(default=30, ge=1, le=10_000)
-    max_hours: float | None = Field(default=None, gt=0)
-    patience: int | None = Field(default=None, ge=1)
+    max_hours: float | None = Field(default=None, gt=0, le=MAX_HOURS)
+    patience: int | None = Field(default=None, ge=1, le=MAX_PATIENCE)
     # Convergence stop (optimizer.convergence): finish once no configuration left is likely to
     # beat the incumbent by more than this share; max_trials / max_hours stay caps.
     converge: bool = True
@@ -165,7 +191,7 @@ SamplerName = Literal["auto", "tpe", "gp", "random", "grid", "list"]
 class Confirmation(BaseModel):
     """Re-measure the best candidates next to a fresh baseline before the study finishes."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
     # How many of the best distinct configurations to re-measure; 0 skips confirmation.
     top: int = Field(default=3, ge=0, le=10)
@@ -178,7 +204,7 @@ class Serving(BaseModel):
     speculation SGLang serves at most 48 requests and captures graphs up to that; docs/sglang.md).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
     # `--max-running-requests` of the deployed server; the trials run with it too, so the KV pool
     # (and any out-of-memory) is the one production sees.
@@ -188,7 +214,7 @@ class Serving(BaseModel):
 
 
 class StudySpec(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
     name: str
     model: ModelSection
@@ -199,7 +225,7 @@ class StudySpec(BaseModel):
     # `auto`: the model-based sampler (optimizer.model_sampler); benchmarks/README.md shows it
     # needs far fewer restarts than TPE, random search or SGLang's grid.
     sampler: SamplerName = "auto"
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     # Labels a worker must carry; a worker reports at most 64 (spectune_protocol.Inventory).
     placement: dict[str, str] = Field(default_factory=dict, max_length=64)
     # Configurations to try first, in addition to SGLang's defaults when they fit the space.

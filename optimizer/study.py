@@ -99,7 +99,9 @@ def load_study(storage: BaseStorage, spec: StudySpec) -> optuna.Study:
     n_trials = _count_trials(storage, spec.name)
     # A fresh sampler per ask: derive its seed from the study's seed and its size, so asks are
     # reproducible for a seeded study without repeating the same proposal every time.
-    seed = None if spec.seed is None else spec.seed * 1_000_003 + n_trials
+    # Modulo 2**32: numpy (under Optuna's samplers) refuses seeds outside 0..2**32-1, and a large
+    # spec seed times the multiplier would leave that range (every ask of the study would fail).
+    seed = None if spec.seed is None else (spec.seed * 1_000_003 + n_trials) % 2**32
     try:
         # No Optuna pruner: spectune decides pruning itself, from the noise seen (optimizer.pruning).
         return optuna.load_study(

@@ -6,8 +6,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from pydantic import ValidationError
 
 from spectune_protocol import LevelMetrics
+from workers.loadgen.errors import LoadgenError
 from workers.loadgen.request import RequestResult
 
 
@@ -45,6 +47,27 @@ def summarize_level(concurrency: int, passes: Sequence[PassResult]) -> LevelMetr
     spec = [r for r in requests if r.spec_verify_ct]
     verify_ct = sum(r.spec_verify_ct or 0 for r in spec)
     spec_tokens = sum(r.completion_tokens for r in spec)
+    try:
+        return _level_metrics(
+            concurrency, runs, requests, ttft_ms, itl_ms, decode, tokens, spec, verify_ct, spec_tokens
+        )
+    except ValidationError as e:
+        # The API refuses such a report (e.g. no output at all: 0 tok/s); say so as a benchmark error.
+        raise LoadgenError(f"concurrency {concurrency}: the measurement is out of range: {e.errors()[0]['msg']}") from e
+
+
+def _level_metrics(
+    concurrency: int,
+    runs: list[float],
+    requests: list[RequestResult],
+    ttft_ms: np.ndarray,
+    itl_ms: np.ndarray,
+    decode: list[float],
+    tokens: int,
+    spec: list[RequestResult],
+    verify_ct: int,
+    spec_tokens: int,
+) -> LevelMetrics:
     return LevelMetrics(
         concurrency=concurrency,
         output_tok_s=float(np.mean(runs)),
