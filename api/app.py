@@ -23,6 +23,7 @@ from api.errors import ERROR_RESPONSES, MethodNotAllowedError, NotFoundError, in
 from api.limits import BodyLimitMiddleware
 from api.metrics import ApiMetrics, metrics_router
 from api.routes import fleet, leases, studies
+from api.sessions import SessionKeeper, load_secret
 from api.settings import Settings, get_settings
 
 API_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
@@ -74,8 +75,14 @@ def create_app(settings: Settings | None = None, *, check_schema: bool = True) -
             except Exception:
                 ctx.close()
                 raise
+        try:
+            keeper = SessionKeeper(load_secret(settings))
+        except (OSError, ValueError):
+            ctx.close()
+            raise
         app.state.ctx = ctx
-        dashboard.open(ctx)
+        app.state.sessions = keeper
+        dashboard.open(ctx, keeper)
         try:
             yield
         finally:
@@ -90,8 +97,8 @@ def create_app(settings: Settings | None = None, *, check_schema: bool = True) -
         # Every error body is ours ({"error": {...}, "detail": ...}); say so in the schema.
         responses=ERROR_RESPONSES,
     )
-    install_error_handlers(app)
     metrics = ApiMetrics(lambda: getattr(app.state, "ctx", None))
+    install_error_handlers(app, on_unhandled=metrics.count_unhandled)
 
     @app.get("/healthz", tags=["health"])
     def healthz() -> dict[str, str]:

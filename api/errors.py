@@ -13,6 +13,10 @@
     ├── BusyError                  503  a lock could not be had in time; retry
     └── StorageUnavailableError    503  the database cannot be reached
 
+Anything else that escapes a handler (a bug) is answered with the same shape and status 500
+(`code: internal`), never a traceback; the traceback goes to the log, and the app counts it in
+`spectune_http_unhandled_errors_total` (api.metrics).
+
 Errors from `optimizer` (its own hierarchy) are mapped here too.  A response never carries a
 database error's text: those (ours, and Optuna's StorageInternalError around them) are logged and
 answered with a generic 503.  Every 503 carries `Retry-After`, which the worker honours.
@@ -21,7 +25,7 @@ answered with a generic 503.  Every 503 carries `Retry-After`, which the worker 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -30,6 +34,7 @@ from fastapi.responses import JSONResponse
 from optuna.exceptions import StorageInternalError
 from pydantic import BaseModel
 from sqlalchemy.exc import SQLAlchemyError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from optimizer.errors import OptimizerError, SpecError, StudyExistsError, StudyNotFoundError, TrialStateError
 
@@ -123,9 +128,14 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (410, "the lease expired and was reclaimed"),
         (413, "request body too large"),
         (422, "a field is invalid; `error.field` names it"),
+        (500, "a bug in spectune; the server log holds the details"),
         (503, "the database is unavailable or its schema is not at head"),
     )
 }
+
+INTERNAL_MESSAGE = "internal error: the server log has the details; please report it"
+# Framework errors (no route for the method, a body that cannot be parsed) answered in our shape.
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
 
 
 def _body(code: str, message: str, field: str | None = None, **extra: Any) -> dict[str, Any]:
@@ -157,6 +167,11 @@ def _loc(loc: Sequence[Any]) -> str:
 RETRY_AFTER_S = 2
 
 
+def internal_error_body() -> dict[str, Any]:
+    """The body of every 500: the documented shape, no exception text."""
+    return _body("internal", INTERNAL_MESSAGE)
+
+
 def _headers(exc: ApiError) -> dict[str, str] | None:
     if isinstance(exc, AuthError):
         return {"WWW-Authenticate": "Bearer"}
@@ -167,7 +182,9 @@ def _headers(exc: ApiError) -> dict[str, str] | None:
     return None
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, on_unhandled: Callable[[Request, Exception], None] | None = None) -> None:
+    """Map every error to the documented shape; `on_unhandled` is told of each unexpected one."""
+
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse(_body(exc.code, exc.message, exc.field), status_code=exc.status, headers=_headers(exc))
@@ -201,3 +218,27 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(SQLAlchemyError, _db_error)
     # Optuna wraps the database errors of its own storage in this.
     app.add_exception_handler(StorageInternalError, _db_error)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400:
+            # FastAPI answers 400 when the body cannot be read as JSON at all, e.g. nested so
+            # deeply that the parser gives up: to the client that is one more invalid body.
+            message = "the request body could not be parsed: send a plain JSON object (not nested too deeply)"
+            return JSONResponse(_body("invalid", message, "body"), status_code=422)
+        code = _HTTP_CODES.get(exc.status_code, "internal" if exc.status_code >= 500 else "bad_request")
+        return JSONResponse(
+            _body(code, str(exc.detail)), status_code=exc.status_code, headers=getattr(exc, "headers", None)
+        )
+
+    @app.exception_handler(Exception)
+    async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
+        # Starlette's ServerErrorMiddleware calls this and then re-raises, so the server logs the
+        # traceback; the client gets the documented shape only.
+        log.error("unhandled error in %s %s: %r", request.method, request.url.path, exc)
+        if on_unhandled is not None:
+            try:
+                on_unhandled(request, exc)
+            except Exception:  # noqa: BLE001 - counting must never hide the answer
+                log.exception("could not count an unhandled error")
+        return JSONResponse(internal_error_body(), status_code=500)

@@ -20,11 +20,11 @@ user --name prometheus`, read through `authorization: {credentials_file: ...}` i
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter as Tally
 from collections.abc import Awaitable, Callable, Iterator
 
 from fastapi import APIRouter, FastAPI, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select, text
@@ -66,7 +66,7 @@ class DatabaseCollector(Collector):
                 select(LeaseRow.kind, LeaseRow.state, func.count()).group_by(LeaseRow.kind, LeaseRow.state)
             ):
                 leases.add_metric([kind, state], n)
-            kinds: Counter[tuple[str, str]] = Counter()
+            kinds: Tally[tuple[str, str]] = Tally()
             for study, result in s.execute(
                 select(LeaseRow.study_name, LeaseRow.result).where(LeaseRow.state == "failed")
             ):
@@ -139,6 +139,17 @@ class ApiMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+
+        self.unhandled = Counter(
+            "spectune_http_unhandled_errors",
+            "Requests answered 500 because an unexpected exception escaped (a bug; see the server log)",
+            labelnames=("method", "route", "exception"),
+            registry=self.registry,
+        )
+
+    def count_unhandled(self, request: Request, exc: Exception) -> None:
+        template = getattr(request.scope.get("route"), "path", None) or "unmatched"
+        self.unhandled.labels(request.method, template, type(exc).__name__).inc()
 
     def install(self, app: FastAPI) -> None:
         """Time every request; label it by the route template, never by the raw path."""
