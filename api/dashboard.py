@@ -13,19 +13,18 @@ every request to it passes `DashboardGate`:
   behind the lease service's back would leave leases and spectune's tables inconsistent; the
   API and the CLI are the way to change things.  Anything else is answered 403.
 
-The session cookie is `<token id>.<expiry>.<mac>`, an HMAC-SHA256 keyed by the token's stored
-hash: it expires (`SESSION_TTL_S`), dies with the token's revocation, never holds the token, and
-needs no server-side table.  Forging one needs the token hash, i.e. read access to the database.
+Sessions are server-side records (api.sessions): the cookie is a random id with an HMAC under a
+secret the database never holds; `/logout` and token revocation end a session for good.
+
+optuna-dashboard reads `Accept-Encoding` without a default and fails (500) on a request without
+one (a proxy or a plain client); the gate supplies `identity` in that case.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import html
 import logging
 import re
-import time
 from collections.abc import Callable, Iterable
 from typing import cast
 from urllib.parse import parse_qs, quote
@@ -39,58 +38,31 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.artifacts import make_artifact_store
-from api.auth import Principal, authenticate, hash_token
+from api.auth import Principal, authenticate
 from api.context import ServiceContext
 from api.errors import AuthError, ForbiddenError
-from api.models import ApiToken
 from api.notes import refresh_study_note
+from api.sessions import SESSION_TTL_S, SessionKeeper
 
 log = logging.getLogger("spectune.api.dashboard")
 
 SESSION_COOKIE = "spectune_session"
-SESSION_TTL_S = 12 * 3600
 VIEW_ROLES = ("user", "admin")
 SAFE_METHODS = ("GET", "HEAD")
 DEFAULT_NEXT = "/dashboard"
-_STUDY_API = re.compile(r"^/api/studies/(\d+)$")
+_STUDY_API = re.compile(r"/api/studies/([0-9]{1,18})\Z")
 
 
 # ---------------------------------------------------------------------------------------- sessions
 
 
-def _mac(token_hash: str, message: str) -> str:
-    return hmac.new(token_hash.encode(), message.encode(), hashlib.sha256).hexdigest()
-
-
-def issue_session(token_id: int, token_hash: str, now: float, ttl_s: int = SESSION_TTL_S) -> str:
-    message = f"{token_id}.{int(now) + ttl_s}"
-    return f"{message}.{_mac(token_hash, message)}"
-
-
-def session_principal(ctx: ServiceContext, cookie: str, now: float) -> Principal:
-    """The principal behind a session cookie; AuthError when it is malformed, expired or revoked."""
-    parts = cookie.split(".")
-    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit():
-        raise AuthError("malformed session cookie: sign in again at /login")
-    token_id, expires, mac = int(parts[0]), int(parts[1]), parts[2]
-    if expires < now:
-        raise AuthError("the session expired: sign in again at /login")
-    with ctx.sessions() as s:
-        row = s.get(ApiToken, token_id)
-        if row is None or not hmac.compare_digest(_mac(row.token_hash, f"{parts[0]}.{parts[1]}"), mac):
-            raise AuthError("invalid session: sign in again at /login")
-        if row.revoked_at is not None:
-            raise AuthError("the token behind this session was revoked; ask an admin for a new one")
-        return Principal(token_id=row.id, name=row.name, role=row.role, worker_id=row.worker_id)  # type: ignore[arg-type]
-
-
-def viewer(ctx: ServiceContext, authorization: str | None, cookie: str | None) -> Principal:
+def viewer(ctx: ServiceContext, keeper: SessionKeeper, authorization: str | None, cookie: str | None) -> Principal:
     """Who is asking, from the bearer header (preferred) or the session cookie; must may view."""
     if authorization:
         with ctx.sessions() as s:
             principal = authenticate(s, authorization)
     elif cookie:
-        principal = session_principal(ctx, cookie, time.time())
+        principal = keeper.principal(ctx.sessions, cookie)
     else:
         raise AuthError("sign in at /login, or send 'Authorization: Bearer <token>'")
     if principal.role not in VIEW_ROLES:
@@ -110,24 +82,26 @@ class DashboardGate:
 
     def __init__(self) -> None:
         self._ctx: ServiceContext | None = None
+        self._keeper: SessionKeeper | None = None
         self._app: ASGIApp | None = None
 
-    def open(self, ctx: ServiceContext) -> None:
+    def open(self, ctx: ServiceContext, keeper: SessionKeeper) -> None:
         store = make_artifact_store(ctx.settings.artifact_dir)
         wsgi = optuna_dashboard.wsgi(ctx.storage, artifact_store=store)
-        self._ctx = ctx
+        self._ctx, self._keeper = ctx, keeper
         self._app = cast(ASGIApp, WSGIMiddleware(_NoteRefresher(wsgi, ctx), workers=4))
 
     def close(self) -> None:
-        self._ctx, self._app = None, None
+        self._ctx, self._keeper, self._app = None, None, None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or self._ctx is None or self._app is None:
-            await _send(send, 503, b'{"detail": "the dashboard is not available"}', "application/json")
+        if scope["type"] != "http" or self._ctx is None or self._keeper is None or self._app is None:
+            message = "the dashboard is not available"
+            await _send(send, 503, _json_error("storage_unavailable", message), "application/json")
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
-            await run_in_threadpool(viewer, self._ctx, headers.get("authorization"), _cookie(headers))
+            await run_in_threadpool(viewer, self._ctx, self._keeper, headers.get("authorization"), _cookie(headers))
         except AuthError as e:
             await self._unauthorized(scope, headers, send, e.message)
             return
@@ -141,6 +115,9 @@ class DashboardGate:
             )
             await _send(send, 403, _json_error("forbidden", message), "application/json")
             return
+        if "accept-encoding" not in headers:
+            # optuna-dashboard's static routes read the header without a default (KeyError, 500).
+            scope = {**scope, "headers": [*scope["headers"], (b"accept-encoding", b"identity")]}
         await self._app(scope, receive, send)
 
     @staticmethod
@@ -254,12 +231,13 @@ def login_router() -> APIRouter:
         token = (form.get("token") or [""])[0].strip()
         next_path = _safe_next((form.get("next") or [""])[0])
         ctx: ServiceContext = request.app.state.ctx
+        keeper: SessionKeeper = request.app.state.sessions
         try:
-            principal = await run_in_threadpool(viewer, ctx, f"Bearer {token}" if token else None, None)
+            principal = await run_in_threadpool(viewer, ctx, keeper, f"Bearer {token}" if token else None, None)
         except (AuthError, ForbiddenError) as e:
             status = 403 if isinstance(e, ForbiddenError) else 401
             return HTMLResponse(login_page(next_path, e.message), status_code=status)
-        cookie = issue_session(principal.token_id, hash_token(token), time.time())
+        cookie = await run_in_threadpool(keeper.start, ctx.sessions, principal)
         response = RedirectResponse(next_path, status_code=303)
         response.set_cookie(
             SESSION_COOKIE,
@@ -274,7 +252,12 @@ def login_router() -> APIRouter:
         return response
 
     @router.api_route("/logout", methods=["GET", "POST"])
-    def logout() -> Response:
+    def logout(request: Request) -> Response:
+        cookie = request.cookies.get(SESSION_COOKIE)
+        if cookie:
+            # Ends the session for good: a copy of the cookie kept elsewhere no longer works.
+            keeper: SessionKeeper = request.app.state.sessions
+            keeper.end(request.app.state.ctx.sessions, cookie)
         response = RedirectResponse("/login", status_code=303)
         response.delete_cookie(SESSION_COOKIE, path="/", httponly=True, samesite="strict")
         return response

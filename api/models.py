@@ -164,3 +164,31 @@ class EventRow(Base):
     worker_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
     lease_id: Mapped[str | None] = mapped_column(String(36), nullable=True)
     detail: Mapped[str] = mapped_column(Text, default="")
+
+
+class DashboardSession(Base):
+    """A dashboard sign-in (`/login`): ended by `/logout`, its expiry, or its token's revocation.
+
+    The cookie holds a random session id and an HMAC of it keyed by the server's session secret
+    (api.sessions), which is never in the database; the row keeps only the id's sha256.  So a copy
+    of the database can neither mint a cookie nor revive an ended session.
+    """
+
+    __tablename__ = "spectune_dashboard_sessions"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    sid_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    token_id: Mapped[int] = mapped_column(Integer, index=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime)
+    expires_at: Mapped[datetime] = mapped_column(DateTime)
+    ended_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+
+
+class LeaseGrant(Base):
+    """Which token a lease was handed to: a worker token acts only on leases it was given."""
+
+    __tablename__ = "spectune_lease_grants"
+
+    lease_id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    token_id: Mapped[int] = mapped_column(Integer)
+    granted_at: Mapped[datetime] = mapped_column(DateTime)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -30,6 +30,12 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     # Folder for trial artifacts (server logs, benchmark JSON); optuna-dashboard reads the same.
     artifact_dir: str = "./spectune-artifacts"
+    # The key of the dashboard's session cookies (api.sessions).  Never stored in the database, so
+    # a database backup cannot mint a session.  Unset: read from `session_secret_file`, which is
+    # created (random, mode 0600) on first start; default: `spectune-session-secret` next to the
+    # artifact folder.  Several API processes must share one secret (the same value or file).
+    session_secret: SecretStr | None = None
+    session_secret_file: str | None = None
 
 
 @lru_cache(maxsize=1)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -135,9 +134,9 @@ def test_login_sets_a_strict_httponly_session_cookie(dash: Api) -> None:
     # The cookie works for the dashboard only: our API still wants the bearer token.
     assert c.get("/v1/studies").status_code == 401
     # A tampered cookie is refused.
-    token_id, expires, mac = value.split(".")
+    sid, mac = value.split(".")
     c.cookies.clear()
-    c.cookies.set(SESSION_COOKIE, f"{token_id}.{int(expires) + 3600}.{mac}")
+    c.cookies.set(SESSION_COOKIE, f"{sid[:-1]}{'A' if sid[-1] != 'A' else 'B'}.{mac}")
     assert c.get("/api/studies").status_code == 401
     c.cookies.clear()
     c.post("/login", data={"token": dash.tokens["user"]}, follow_redirects=False)
@@ -148,13 +147,17 @@ def test_login_sets_a_strict_httponly_session_cookie(dash: Api) -> None:
 
 
 def test_sessions_expire_and_die_with_their_token(dash: Api) -> None:
-    from api.auth import create_token, hash_token, revoke_token
-    from api.dashboard import SESSION_COOKIE, issue_session
+    from api.auth import create_token, revoke_token
+    from api.dashboard import SESSION_COOKIE
+    from api.sessions import SessionKeeper
 
     ctx = dash.client.app.state.ctx  # type: ignore[attr-defined]
+    keeper = dash.client.app.state.sessions  # type: ignore[attr-defined]
     c = dash.client
     token_id, token = create_token(ctx.sessions, "user", "to-revoke")
-    expired = issue_session(token_id, hash_token(token), time.time() - 10, ttl_s=5)
+    # A session recorded with a lifetime already over (same secret, as another process would).
+    short = SessionKeeper(keeper._secret, ttl_s=-10)
+    expired = short.start(ctx.sessions, viewer_of(ctx, token))
     c.cookies.clear()
     c.cookies.set(SESSION_COOKIE, expired)
     r = c.get("/api/studies")
@@ -194,3 +197,10 @@ def test_store_trial_artifacts_refuses_an_unknown_trial(dash: Api) -> None:
     ctx = dash.client.app.state.ctx  # type: ignore[attr-defined]
     with pytest.raises(KeyError, match="no trial 999"):
         store_trial_artifacts(ctx, "dash", 999, {"outcome": "ok"})
+
+
+def viewer_of(ctx: Any, token: str) -> Any:
+    from api.auth import authenticate
+
+    with ctx.sessions() as s:
+        return authenticate(s, f"Bearer {token}")
