@@ -7,10 +7,12 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Response, status
 
 from api.deps import LeasesDep, PrincipalDep
+from api.services import grants
 from spectune_protocol import CompleteIn, CompleteOut, HeartbeatOut, Inventory, LeaseOut, ProgressIn, ProgressOut
 
 router = APIRouter(prefix="/v1", tags=["leases"])
 
+# Patterns run in pydantic-core, where `$` is the end of the text (no trailing newline passes).
 WorkerId = Annotated[str, Path(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
 LeaseId = Annotated[str, Path(pattern=r"^[0-9a-f-]{36}$")]
 
@@ -24,6 +26,8 @@ def lease(worker_id: WorkerId, inventory: Inventory, principal: PrincipalDep, le
     out = leases.lease(principal, worker_id, inventory)
     if out is None:
         return Response(status_code=status.HTTP_204_NO_CONTENT)
+    # Only the token a lease was handed to may act on it (api.services.grants).
+    grants.record_grant(leases.ctx.sessions, principal, out.lease_id)
     return out
 
 

@@ -20,11 +20,12 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from api.auth import Principal, require_worker
+from api.auth import Principal, require_role, require_worker
 from api.context import ServiceContext
 from api.db import db_now
-from api.errors import BusyError, ConflictError, ForbiddenError, InvalidInputError, LeaseGoneError, NotFoundError
+from api.errors import BusyError, ConflictError, InvalidInputError, LeaseGoneError
 from api.models import EventRow, LeaseRow, StudyRow, WorkerRow
+from api.services import grants
 from api.services import studies as study_svc
 from api.services.eligibility import requirements_unmet
 from api.services.leasing import records
@@ -192,15 +193,15 @@ class LeaseService:
     # ------------------------------------------------------------------ heartbeat / progress
 
     def _owned(self, s: Session, principal: Principal, lease_id: str, *, for_update: bool = True) -> LeaseRow:
+        # The role first (403 for a user or admin token); then "no such lease" and "not this
+        # token's lease" get one answer, so a worker token learns nothing of others' leases.
+        require_role(principal, "worker")
         q = select(LeaseRow).where(LeaseRow.id == lease_id)
         if for_update:
             q = q.with_for_update()
         lease = s.scalars(q).first()
-        if lease is None:
-            raise NotFoundError(f"no lease {lease_id}")
-        require_worker(principal, lease.worker_id or "")
-        if principal.worker_id is not None and lease.worker_id != principal.worker_id:
-            raise ForbiddenError("this lease belongs to another worker")
+        if lease is None or not grants.may_act(s, principal, lease):
+            raise grants.not_yours(lease_id)
         return lease
 
     @staticmethod

@@ -1,0 +1,52 @@
+"""Which worker token a lease was handed to, so that a token acts only on its own leases.
+
+A worker token bound to a worker id (`token create --worker-id`) may act only on that worker's
+leases.  An unbound worker token may lease as any worker id, but once a lease is handed to it,
+only it may heartbeat, progress or complete that lease: the lease route records the grant, and
+`may_act` checks it.  "Not yours" and "no such lease" get one and the same answer (404), so a
+token learns nothing about other workers' leases.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from api.auth import Principal
+from api.db import db_now, transaction
+from api.errors import NotFoundError
+from api.models import ApiToken, LeaseGrant, LeaseRow
+
+
+def not_yours(lease_id: str) -> NotFoundError:
+    """The one answer for a lease that does not exist or is not this token's to act on."""
+    return NotFoundError(f"no lease {lease_id} held by this worker token")
+
+
+def record_grant(factory: sessionmaker[Session], principal: Principal, lease_id: str) -> None:
+    """Remember that `lease_id` was handed to `principal`'s token (the first token keeps it).
+
+    A lease handed out again (the worker asked while holding it) keeps its grant, unless that
+    token was revoked since: then the token that asks now, e.g. a host's rotated token, takes it.
+    """
+    try:
+        with transaction(factory) as s:
+            grant = s.get(LeaseGrant, lease_id)
+            if grant is None:
+                s.add(LeaseGrant(lease_id=lease_id, token_id=principal.token_id, granted_at=db_now(s)))
+            elif grant.token_id != principal.token_id:
+                holder = s.get(ApiToken, grant.token_id)
+                if holder is None or holder.revoked_at is not None:
+                    grant.token_id = principal.token_id
+    except IntegrityError:
+        pass  # a concurrent request of the same lease recorded it first
+
+
+def may_act(s: Session, principal: Principal, lease: LeaseRow) -> bool:
+    """May this worker token heartbeat, progress or complete this lease?"""
+    if principal.role != "worker":
+        return False
+    if principal.worker_id is not None:
+        return lease.worker_id == principal.worker_id
+    grant = s.get(LeaseGrant, lease.id)
+    return grant is not None and grant.token_id == principal.token_id
