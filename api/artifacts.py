@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,21 @@ log = logging.getLogger("spectune.api.artifacts")
 
 BENCHMARK_FILE = "benchmark.json"
 SERVER_LOG_FILE = "server-log-tail.txt"
+
+# Workers replace their registry paths with model names before they report (workers/redact.py);
+# this is the second line of defence for an older or foreign worker: SGLang's own ways of
+# printing a path (`model_path='/srv/...'` in its ServerArgs line, `--model-path /srv/...`).
+# Only values that read as filesystem paths (absolute, home or relative): a registry name such as
+# `meta-llama/Llama-3.1-8B`, which a worker puts in their place, stays.
+_PATH_ASSIGNMENT = re.compile(r"""(\b\w*path=)('[/~.][^'\n]*'|"[/~.][^"\n]*")""")
+_PATH_FLAG = re.compile(r"(--[a-z-]*path[ =])([/~.]\S*)")
+REDACTED = "<host path>"
+
+
+def redact_host_paths(text: str) -> str:
+    """The log text with path-valued settings replaced by a placeholder."""
+    text = _PATH_ASSIGNMENT.sub(lambda m: f"{m.group(1)}'{REDACTED}'", text)
+    return _PATH_FLAG.sub(lambda m: f"{m.group(1)}{REDACTED}", text)
 
 
 def make_artifact_store(artifact_dir: str | Path) -> FileSystemArtifactStore:
@@ -60,7 +76,7 @@ def store_trial_artifacts(
     body = report if isinstance(report, str) else json.dumps(report, indent=2, sort_keys=True, default=str)
     files = [(BENCHMARK_FILE, body, "application/json")]
     if log_text:
-        files.append((SERVER_LOG_FILE, log_text, "text/plain"))
+        files.append((SERVER_LOG_FILE, redact_host_paths(log_text), "text/plain"))
     ids: list[str] = []
     with tempfile.TemporaryDirectory(prefix="spectune-artifact-") as tmp:
         for filename, text, mimetype in files:

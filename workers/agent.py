@@ -58,6 +58,7 @@ from workers.ledger import LaunchLedger
 from workers.lifeline import exit_with_parent
 from workers.loadgen import LoadgenCancelled, LoadgenError, load_prompts, run_workload
 from workers.outbox import Outbox, deliver_pending
+from workers.redact import redact_report
 
 log = logging.getLogger("spectune.worker.agent")
 
@@ -67,7 +68,7 @@ EXIT_CONFIG = 2  # bad config or token: systemd must not restart-loop on it (Res
 _MAX_MESSAGE = 4000  # spectune_protocol.Failure.message
 _MAX_LOG_TAIL = 20_000
 # A word-valued server flag: never empty, never an option itself, no spaces, quotes or paths.
-_SAFE_WORD_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._:+-]{0,63}$")
+_SAFE_WORD_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:+-]{0,63}\Z")
 
 
 class Server(Protocol):
@@ -488,6 +489,7 @@ class Agent:
         return True
 
     def _report(self, lease_id: str, report: CompleteIn) -> None:
+        report = redact_report(report, self.settings.models)  # no host paths leave the host
         what = report.outcome if report.failure is None else f"failed ({report.failure.kind})"
         try:
             path = self.outbox.put(lease_id, report)

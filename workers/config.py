@@ -33,14 +33,14 @@ from workers.errors import ConfigError
 log = logging.getLogger("spectune.worker.config")
 
 # The worker id is part of URL paths (/v1/workers/{id}/lease): keep it to URL-safe characters.
-WORKER_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}$")
+WORKER_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
+LABEL_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,62}\Z")
 # Environment variable names the engine may receive (POSIX portable names).
-ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 # A module path for `python -m`: dotted identifiers only, so nothing else can be smuggled in.
-MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
 # A long option of the server's command line, as argparse spells them.
-FLAG_RE = re.compile(r"^--[a-z0-9][a-z0-9-]{0,62}$")
+FLAG_RE = re.compile(r"^--[a-z0-9][a-z0-9-]{0,62}\Z")
 
 # Extra server flags this worker passes on from a lease when its config says nothing else.  The
 # API checks a study's extra_args against its own allowlist (optimizer/spec.py), but the worker

@@ -28,7 +28,7 @@ from workers.client import ApiClient, ApiError, ApiRejected, ApiUnavailable, Aut
 
 log = logging.getLogger("spectune.worker.outbox")
 
-_SAFE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,100}$")
+_SAFE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,100}\Z")
 _SUFFIX = ".json"
 
 

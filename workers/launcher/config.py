@@ -13,7 +13,7 @@ from workers.lifeline import ENV as LIFELINE_ENV
 from workers.lifeline import RUN_ID_ENV
 
 # `python -m <module>`: a dotted module name only, never a path or command text.
-_MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
 
 # What the server inherits from the worker's environment.  Everything else (secrets of the worker,
 # its API token path, stray SGLANG_* tweaks) stays out; the config's `env` adds what a host needs.

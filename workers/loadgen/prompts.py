@@ -20,8 +20,8 @@ from pathlib import Path
 from workers.loadgen.errors import LoadgenError
 
 _BUILTIN_PREFIX = "builtin:"
-_BUILTIN_NAME_RE = re.compile(r"^[a-z0-9_-]{1,32}$")
-_FILE_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+_BUILTIN_NAME_RE = re.compile(r"^[a-z0-9_-]{1,32}\Z")
+_FILE_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}\Z")
 # A prompt file larger than this is almost certainly a mistake (a data set, not a prompt list).
 MAX_PROMPT_FILE_BYTES = 64 * 1024 * 1024
 
