@@ -29,7 +29,8 @@ RUN pip install '.[server,sim]' && rm -rf /opt/spectune/src
 # An unprivileged user; /var/lib/spectune holds artifacts (API) or the outbox (worker), and
 # /run/spectune the simulated worker's token (shared volumes are initialised from these dirs).
 RUN useradd --system --uid 10001 --home-dir /var/lib/spectune --shell /usr/sbin/nologin spectune \
- && install -d -o spectune -g spectune -m 0750 /var/lib/spectune /var/lib/spectune/artifacts /run/spectune \
+ && install -d -o spectune -g spectune -m 0750 /var/lib/spectune /var/lib/spectune/artifacts \
+      /var/lib/spectune/secrets /run/spectune \
  && install -d -o root -g root -m 0755 /opt/spectune/sim-models/moe-pcie /opt/spectune/sim-models/moe-pcie-eagle3 \
       /opt/spectune/sim-models/dense-8b-h100 /opt/spectune/sim-models/dense-8b-h100-eagle3
 

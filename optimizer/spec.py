@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, field_validator
 
 from optimizer.errors import SpecError
 from optimizer.space import SearchSpace, SpecConfig
@@ -73,7 +73,8 @@ class ModelSection(BaseModel):
     page_size: int = Field(default=1, ge=1, le=1024)
     mem_fraction_static: float | None = Field(default=None, gt=0.0, lt=1.0)
     context_length: int | None = Field(default=None, ge=128, le=10_000_000)
-    extra_args: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    # NaN and Infinity pass the type here only so that `_extra` refuses them naming the flag.
+    extra_args: dict[str, str | int | Annotated[float, AllowInfNan(True)] | bool] = Field(default_factory=dict)
 
     @field_validator("target", "draft")
     @classmethod

@@ -100,7 +100,13 @@ def pg_db_url(pg_template: str) -> Iterator[str]:
 def make_settings(db_url: str, **overrides: Any) -> Any:
     from api.settings import Settings
 
-    base: dict[str, Any] = {"database_url": db_url, "heartbeat_interval_s": 1.0, "lease_ttl_s": 30.0}
+    # A fixed session secret: tests that want the file-based one pass session_secret=None.
+    base: dict[str, Any] = {
+        "database_url": db_url,
+        "heartbeat_interval_s": 1.0,
+        "lease_ttl_s": 30.0,
+        "session_secret": "test-session-secret-" + "x" * 32,
+    }
     base.update(overrides)
     return Settings(**base)
 
