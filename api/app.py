@@ -64,7 +64,9 @@ def install_unknown_api_paths(app: FastAPI) -> None:
 
 def create_app(settings: Settings | None = None, *, check_schema: bool = True) -> FastAPI:
     settings = settings or get_settings()
-    dashboard = DashboardGate()
+    # The collector reads the context the lifespan opens (`app` is bound below, before any scrape).
+    metrics = ApiMetrics(lambda: getattr(app.state, "ctx", None))
+    dashboard = DashboardGate(on_error=metrics.count_dashboard_error)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -97,7 +99,6 @@ def create_app(settings: Settings | None = None, *, check_schema: bool = True) -
         # Every error body is ours ({"error": {...}, "detail": ...}); say so in the schema.
         responses=ERROR_RESPONSES,
     )
-    metrics = ApiMetrics(lambda: getattr(app.state, "ctx", None))
     install_error_handlers(app, on_unhandled=metrics.count_unhandled)
 
     @app.get("/healthz", tags=["health"])

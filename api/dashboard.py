@@ -23,6 +23,7 @@ one (a proxy or a plain client); the gate supplies `identity` in that case.
 from __future__ import annotations
 
 import html
+import json
 import logging
 import re
 from collections.abc import Callable, Iterable
@@ -35,12 +36,12 @@ from a2wsgi.wsgi_typing import Environ, StartResponse
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.artifacts import make_artifact_store
 from api.auth import Principal, authenticate
 from api.context import ServiceContext
-from api.errors import AuthError, ForbiddenError
+from api.errors import AuthError, ForbiddenError, internal_error_body
 from api.notes import refresh_study_note
 from api.sessions import SESSION_TTL_S, SessionKeeper
 
@@ -80,10 +81,12 @@ class DashboardGate:
     opened the ServiceContext: `open(ctx)` builds it, `close()` drops it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_error: Callable[[str, int], None] | None = None) -> None:
         self._ctx: ServiceContext | None = None
         self._keeper: SessionKeeper | None = None
         self._app: ASGIApp | None = None
+        # Told (method, status) of every 5xx optuna-dashboard answers, which the gate replaces.
+        self._on_error = on_error
 
     def open(self, ctx: ServiceContext, keeper: SessionKeeper) -> None:
         store = make_artifact_store(ctx.settings.artifact_dir)
@@ -118,7 +121,28 @@ class DashboardGate:
         if "accept-encoding" not in headers:
             # optuna-dashboard's static routes read the header without a default (KeyError, 500).
             scope = {**scope, "headers": [*scope["headers"], (b"accept-encoding", b"identity")]}
-        await self._app(scope, receive, send)
+        await self._app(scope, receive, self._hide_errors(scope, send))
+
+    def _hide_errors(self, scope: Scope, send: Send) -> Send:
+        """optuna-dashboard's framework answers its own exceptions with an HTML 500 page; send the
+        documented 500 body instead (the traceback, if any, stays in the log) and count it."""
+        failed = False
+
+        async def guarded(message: Message) -> None:
+            nonlocal failed
+            if message["type"] == "http.response.start" and message["status"] >= 500:
+                failed = True
+                log.error("optuna-dashboard answered %d to %s %s", message["status"], scope["method"], scope["path"])
+                if self._on_error is not None:
+                    self._on_error(scope["method"], message["status"])
+                body = json.dumps(internal_error_body()).encode()
+                await _send(send, 500, body, "application/json")
+                return
+            if failed:
+                return  # the dashboard's own body: dropped
+            await send(message)
+
+        return guarded
 
     @staticmethod
     async def _unauthorized(scope: Scope, headers: dict[str, str], send: Send, message: str) -> None:
@@ -163,8 +187,6 @@ def _cookie(headers: dict[str, str]) -> str | None:
 
 
 def _json_error(code: str, message: str) -> bytes:
-    import json
-
     return json.dumps({"error": {"code": code, "message": message}, "detail": message}).encode()
 
 

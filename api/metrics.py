@@ -151,6 +151,10 @@ class ApiMetrics:
         template = getattr(request.scope.get("route"), "path", None) or "unmatched"
         self.unhandled.labels(request.method, template, type(exc).__name__).inc()
 
+    def count_dashboard_error(self, method: str, status: int) -> None:
+        """optuna-dashboard answered 5xx itself (its framework catches its own exceptions)."""
+        self.unhandled.labels(method, "dashboard", f"dashboard_{status}").inc()
+
     def install(self, app: FastAPI) -> None:
         """Time every request; label it by the route template, never by the raw path."""
 

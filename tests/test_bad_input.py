@@ -471,3 +471,30 @@ def test_the_worker_names_models_instead_of_their_paths(tmp_path: Path) -> None:
     )
     f = redact_report(failed, models).failure
     assert f is not None and str(tmp_path) not in f.message + f.log_tail
+
+
+def test_a_dashboard_error_page_becomes_the_documented_500_and_is_counted(db_url: str, tmp_path: Path) -> None:
+    from api.app import create_app
+    from api.dashboard import DashboardGate
+
+    app = create_app(make_settings(db_url, artifact_dir=str(tmp_path / "artifacts")))
+    tokens = make_tokens(db_url)
+    h = {"Authorization": f"Bearer {tokens['user']}"}
+    with TestClient(app, raise_server_exceptions=False) as client:
+        gate = next(r.app for r in app.routes if isinstance(getattr(r, "app", None), DashboardGate))  # type: ignore[attr-defined]
+
+        async def broken(scope: Any, receive: Any, send: Any) -> None:
+            # What bottle sends when a view raises: an HTML page that may name the exception.
+            page = b"<h1>Critical error</h1><pre>Traceback ... KeyError: 'HTTP_ACCEPT_ENCODING'</pre>"
+            await send({"type": "http.response.start", "status": 500, "headers": [(b"content-type", b"text/html")]})
+            await send({"type": "http.response.body", "body": page})
+
+        gate._app = broken
+        r = client.get("/api/studies", headers=h)
+        assert r.status_code == 500 and _error(r)["code"] == "internal"
+        assert "Traceback" not in r.text and "KeyError" not in r.text
+        metrics = client.get("/metrics", headers=h).text
+        assert (
+            'spectune_http_unhandled_errors_total{exception="dashboard_500",method="GET",route="dashboard"} 1.0'
+            in metrics
+        )
