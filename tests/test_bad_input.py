@@ -498,3 +498,63 @@ def test_a_dashboard_error_page_becomes_the_documented_500_and_is_counted(db_url
             'spectune_http_unhandled_errors_total{exception="dashboard_500",method="GET",route="dashboard"} 1.0'
             in metrics
         )
+
+
+def test_a_study_stored_before_the_checks_does_not_break_leasing(api: Api, db_url: str) -> None:
+    """A spec accepted by an older version (max_hours 1e300) must not make every lease a 500."""
+    from sqlalchemy import create_engine, text
+
+    assert api.post("/v1/studies", "user", small_spec("legacy")).status_code == 201
+    assert api.post("/v1/studies", "user", small_spec("healthy")).status_code == 201
+    spec = small_spec("legacy", budget={"max_trials": 8, "max_hours": 1e300}, seed=-5)
+    engine = create_engine(db_url)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE spectune_studies SET spec = :s WHERE name = 'legacy'"), {"s": json.dumps(spec)})
+    engine.dispose()
+    r = lease(api)
+    assert r.status_code == 200 and r.json()["study"] == "healthy", r.text
+    # Reading it says what is wrong (409, not 500); it can still be stopped; new studies start.
+    r = api.get("/v1/studies/legacy", "user")
+    assert r.status_code == 409 and _error(r)["field"] == "budget.max_hours", r.text
+    assert "stop it" in _error(r)["message"]
+    stopped = api.post("/v1/studies/legacy/stop", "user")
+    assert stopped.status_code == 200 and stopped.json()["state"] == "stopped", stopped.text
+    shown = [s for s in api.get("/v1/studies", "user").json() if s["name"] == "legacy"]
+    assert shown and shown[0]["state"] == "stopped"
+    assert api.post("/v1/studies", "user", small_spec("after")).status_code == 201
+
+
+def test_the_upgrade_stops_studies_whose_spec_fails_the_checks(tmp_path: Path) -> None:
+    from alembic import command
+    from sqlalchemy import create_engine, text
+
+    from api.schema import alembic_config, upgrade
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    upgrade(url)
+    command.downgrade(alembic_config(url), "0002")  # the revision before the stricter checks
+    engine = create_engine(url)
+    bad = small_spec("bad", budget={"max_trials": 8, "max_hours": 1e300})
+    with engine.begin() as conn:
+        for name, spec in (("bad", bad), ("good", small_spec("good"))):
+            conn.execute(
+                text(
+                    "INSERT INTO spectune_studies (name, state, spec, baseline_key, created_at) "
+                    "VALUES (:n, 'running', :s, 'k', CURRENT_TIMESTAMP)"
+                ),
+                {"n": name, "s": json.dumps(spec)},
+            )
+        conn.execute(
+            text(
+                "INSERT INTO spectune_leases (id, study_name, kind, state, worker_id, attempt, payload, created_at) "
+                "VALUES ('l1', 'bad', 'baseline', 'active', 'w1', 1, '{}', CURRENT_TIMESTAMP)"
+            )
+        )
+    command.upgrade(alembic_config(url), "head")
+    with engine.connect() as conn:
+        states = dict(conn.execute(text("SELECT name, state FROM spectune_studies")).all())
+        reason = conn.execute(text("SELECT finish_reason FROM spectune_studies WHERE name = 'bad'")).scalar_one()
+        lease_state = conn.execute(text("SELECT state FROM spectune_leases WHERE id = 'l1'")).scalar_one()
+    engine.dispose()
+    assert states == {"bad": "stopped", "good": "running"}
+    assert "budget.max_hours" in reason and lease_state == "superseded"

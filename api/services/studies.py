@@ -11,6 +11,7 @@ from typing import Any
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
+from pydantic import ValidationError
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
@@ -44,7 +45,38 @@ def spec_of(s: Session, name: str) -> StudySpec:
     row = s.get(StudyRow, name)
     if row is None:
         raise StudyNotFoundError(name)
-    return StudySpec.model_validate(row.spec)
+    return stored_spec(row)
+
+
+def stored_spec(row: StudyRow) -> StudySpec:
+    """The stored spec; ConflictError (not a 500) when it fails today's checks.
+
+    Only a study stored by an older version can: `spectune db upgrade` stops those (migration
+    0002), and a new spec that fails is refused at creation.
+    """
+    try:
+        return StudySpec.model_validate(row.spec)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ConflictError(
+            f"study {row.name!r} was stored by an older version and its spec fails this version's checks "
+            f"({where}: {first['msg']}); stop it and create it again with a corrected spec",
+            field=where,
+        ) from None
+
+
+def runnable_spec(row: StudyRow) -> StudySpec | None:
+    """A stored study's spec, or None (logged) when it no longer passes today's checks.
+
+    A study stored before a check existed (e.g. `max_hours: 1e300`, refused since) must not break
+    leasing or warm starts for every other study: they pass it by (`spectune db upgrade` stops it).
+    """
+    try:
+        return StudySpec.model_validate(row.spec)
+    except ValidationError as e:
+        log.warning("study %s is passed by: its stored spec fails today's checks (%s); stop it", row.name, e)
+        return None
 
 
 def baseline_key_of(spec: StudySpec) -> str:
@@ -371,7 +403,9 @@ class StudyService:
         }
         out: list[SpecConfig] = []
         for row in rows:
-            other = StudySpec.model_validate(row.spec)
+            other = runnable_spec(row)
+            if other is None:
+                continue
             o = other.model
             same_model = (o.target, o.draft, o.tp_size, o.attention_backend, o.page_size) == (
                 m.target, m.draft, m.tp_size, m.attention_backend, m.page_size
@@ -431,7 +465,11 @@ class StudyService:
                 pass  # stopping twice is harmless
             else:
                 raise ConflictError(f"study {name!r} is already {row.state}")
-        return self.show(name)
+            brief = {"name": row.name, "state": row.state, "finish_reason": row.finish_reason}
+        try:
+            return self.show(name)
+        except ConflictError:  # a spec an older version stored: stopped all the same
+            return brief
 
     def resume(self, name: str) -> dict[str, Any]:
         """Stopped -> running; the budget rules then apply as before (max_hours counts from creation)."""
@@ -455,7 +493,7 @@ class StudyService:
             row = s.get(StudyRow, name)
             if row is None:
                 raise StudyNotFoundError(name)
-            spec = StudySpec.model_validate(row.spec)
+            spec = stored_spec(row)
             launched = s.scalar(
                 select(func.count()).select_from(TrialConfigRow).where(TrialConfigRow.study_name == name)
             )

@@ -35,6 +35,7 @@ from api.services.leasing.expiry import Expiry
 from api.services.leasing.records import HostHealth, lease_out
 from api.services.leasing.states import LeaseKind, LeaseState, StudyState, WorkerHoldsLeaseError
 from api.services.leasing.trial import TrialLeases
+from api.services.report_checks import check_report
 from optimizer import study as opt
 from optimizer.budget import budget_used
 from optimizer.spec import StudySpec
@@ -148,7 +149,9 @@ class LeaseService:
         for row in rows:
             if row.name in refused:
                 continue
-            spec = StudySpec.model_validate(row.spec)
+            spec = study_svc.runnable_spec(row)
+            if spec is None:
+                continue
             # Models, placement labels, GPU count: the same test `GET /v1/studies/{name}` warns with.
             if requirements_unmet(spec, inventory):
                 continue
@@ -253,6 +256,7 @@ class LeaseService:
                     return CompleteOut(lease_id=lease.id, state=lease.state, speedup=lease.speedup, duplicate=True)
                 if lease.state in (LeaseState.QUEUED, LeaseState.SUPERSEDED):
                     raise ConflictError(f"lease {lease.id} is {lease.state}; this report is not expected")
+                check_report(lease.kind, lease.payload, body)
                 late = lease.state == LeaseState.EXPIRED
                 spec = study_svc.spec_of(s, lease.study_name)
                 kind = lease.kind
