@@ -207,6 +207,12 @@ def test_names_with_a_trailing_newline_are_refused(api: Api, dotted: str, value:
     assert api.get("/v1/studies", "user").json() == []
 
 
+def test_a_worker_id_with_a_trailing_newline_is_refused(api: Api) -> None:
+    r = api.post("/v1/workers/w1%0A/lease", "worker", INVENTORY)
+    assert r.status_code == 422 and _error(r)["field"] == "path.worker_id", r.text
+    assert api.get("/v1/workers", "user").json() == []
+
+
 def test_worker_side_names_with_a_trailing_newline_are_refused(tmp_path: Path) -> None:
     from workers.agent import _SAFE_WORD_RE
     from workers.config import FLAG_RE, WORKER_ID_RE
