@@ -307,12 +307,12 @@ class LeaseFuzz(RuleBasedStateMachine):
         if r.status_code == 200:
             self.closed.add(lease["lease_id"])
 
-    @rule(lease=consumes(held))
-    def refuse(self, lease: Any) -> None:
+    @rule(lease=consumes(held), kind=st.sampled_from(["refused", "invalid_config"]))
+    def refuse(self, lease: Any, kind: str) -> None:
         """What a worker answers to a lease it will not run (a flag or model it does not allow)."""
         if lease is None:
             return
-        failure = {"kind": "invalid_config", "message": "refused by this host", "host_fault": True}
+        failure = {"kind": kind, "message": "refused by this host", "host_fault": kind == "invalid_config"}
         r = self.call(
             "POST", f"/v1/leases/{lease['lease_id']}/complete", "worker", {"outcome": "failed", "failure": failure}
         )
