@@ -259,7 +259,7 @@ def login_router() -> APIRouter:
         except (AuthError, ForbiddenError) as e:
             status = 403 if isinstance(e, ForbiddenError) else 401
             return HTMLResponse(login_page(next_path, e.message), status_code=status)
-        cookie = await run_in_threadpool(keeper.start, ctx.sessions, principal)
+        cookie = await run_in_threadpool(keeper.start, ctx.write_sessions, principal)
         response = RedirectResponse(next_path, status_code=303)
         response.set_cookie(
             SESSION_COOKIE,
@@ -279,7 +279,7 @@ def login_router() -> APIRouter:
         if cookie:
             # Ends the session for good: a copy of the cookie kept elsewhere no longer works.
             keeper: SessionKeeper = request.app.state.sessions
-            keeper.end(request.app.state.ctx.sessions, cookie)
+            keeper.end(request.app.state.ctx.write_sessions, cookie)
         response = RedirectResponse("/login", status_code=303)
         response.delete_cookie(SESSION_COOKIE, path="/", httponly=True, samesite="strict")
         return response

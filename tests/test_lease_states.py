@@ -45,7 +45,12 @@ def with_baseline(api: Api, worker: str) -> Any:
     """The worker's baseline, measured; returns its first trial lease."""
     base = ask(api, worker)
     assert base["kind"] == "baseline"
-    assert api.post(f"/v1/leases/{base['lease_id']}/complete", "worker", ok(100.0)).status_code == 200
+    # A baseline measures every level of its workload (the API refuses a partial one).
+    levels = [{"concurrency": c, "output_tok_s": 100.0} for c in base["workload"]["concurrency"]]
+    done = api.post(
+        f"/v1/leases/{base['lease_id']}/complete", "worker", {"outcome": "ok", "metrics": {"levels": levels}}
+    )
+    assert done.status_code == 200, done.text
     trial = ask(api, worker)
     assert trial is not None and trial["kind"] == "trial"
     return trial

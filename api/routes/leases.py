@@ -27,7 +27,7 @@ def lease(worker_id: WorkerId, inventory: Inventory, principal: PrincipalDep, le
     if out is None:
         return Response(status_code=status.HTTP_204_NO_CONTENT)
     # Only the token a lease was handed to may act on it (api.services.grants).
-    grants.record_grant(leases.ctx.sessions, principal, out.lease_id)
+    grants.record_grant(leases.ctx.write_sessions, principal, out.lease_id)
     return out
 
 
