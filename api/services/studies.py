@@ -52,7 +52,7 @@ def stored_spec(row: StudyRow) -> StudySpec:
     """The stored spec; ConflictError (not a 500) when it fails today's checks.
 
     Only a study stored by an older version can: `spectune db upgrade` stops those (migration
-    0002), and a new spec that fails is refused at creation.
+    0003), and a new spec that fails is refused at creation.
     """
     try:
         return StudySpec.model_validate(row.spec)
