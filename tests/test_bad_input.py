@@ -177,8 +177,8 @@ def test_progress_and_a_partial_trial_after_a_tiny_baseline_never_divide_by_zero
 
 
 def test_a_spec_with_more_levels_than_a_report_may_carry_is_refused() -> None:
-    from api.protocol import Metrics
     from optimizer.spec import MAX_CONCURRENCY_LEVELS, parse_spec
+    from spectune_protocol import Metrics
 
     limit = Metrics.model_fields["levels"].metadata
     assert any(getattr(m, "max_length", None) == MAX_CONCURRENCY_LEVELS for m in limit)
@@ -450,7 +450,7 @@ def test_server_log_tails_shown_to_users_carry_no_host_paths(api: Api) -> None:
 
 
 def test_the_worker_names_models_instead_of_their_paths(tmp_path: Path) -> None:
-    from api.protocol import CompleteIn
+    from spectune_protocol import CompleteIn
     from workers.redact import redact_report
 
     target = tmp_path / "models" / "llama"

@@ -39,7 +39,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, precondition, rule, run_state_machine_as_test
 
-from api.protocol import LeaseOut
+from spectune_protocol import LeaseOut
 from tests.conftest import _drop_pg, _pg_admin, make_tokens, pg_url
 from tests.servers import api_server
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from api.protocol import CompleteIn
+from spectune_protocol import CompleteIn
 
 
 def _pairs(models: Mapping[str, Path]) -> list[tuple[str, str]]:

@@ -1,6 +1,6 @@
 """Checks of a worker's report against its lease, before anything of it is stored or told.
 
-The wire model (api.protocol) bounds every number; these checks need the lease: the levels of
+The wire model (spectune_protocol) bounds every number; these checks need the lease: the levels of
 an `ok` report must be distinct levels of the lease's workload, and a baseline or confirmation
 must measure all of them (a trial may stop early, when pruned).  A report that breaks them is
 answered 422, so it can never make a study's later speedups impossible to compute.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from api.errors import InvalidInputError
-from api.protocol import CompleteIn
+from spectune_protocol import CompleteIn
 
 
 def check_report(kind: str, payload: dict[str, Any], body: CompleteIn) -> None:
