@@ -293,6 +293,8 @@ def start_cluster(plan: ChaosPlan, root: Path, db_url: str) -> Cluster:
         "SPECTUNE_MAX_ATTEMPTS": str(plan.max_attempts),
         # Chaos kills many workers: a worker must not be quarantined for being killed.
         "SPECTUNE_QUARANTINE_AFTER": "1000",
+        # Artifacts and the session secret stay in the run's folder, never the checkout.
+        "SPECTUNE_ARTIFACT_DIR": str(root / "artifacts"),
     }
     apis = [ApiProc(n, db_url, root / f"api-{n}.log", env) for n in ("a", "b")[: plan.apis]]
     engine = make_engine(db_url)
