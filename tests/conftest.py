@@ -149,6 +149,19 @@ def api(db_url: str, tmp_path: Path) -> Iterator[Api]:
         yield Api(client, tokens)
 
 
+@pytest.fixture
+def server(tmp_path: Path, sqlite_template: Path) -> Iterator[tuple[str, dict[str, str]]]:
+    """A real `spectune server` on a fresh SQLite file (the embedded default): (base URL, tokens)."""
+    from tests.servers import api_server
+
+    db = tmp_path / "spectune.db"
+    shutil.copy(sqlite_template, db)
+    url = f"sqlite:///{db}"
+    tokens = make_tokens(url)
+    with api_server(url, log_path=tmp_path / "api.log") as base:
+        yield base, tokens
+
+
 def small_spec(name: str = "s1", **overrides: Any) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "name": name,

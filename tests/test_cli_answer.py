@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import shlex
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,21 +11,10 @@ import pytest
 
 from api.cli import EXIT_NO_SPECULATION
 from optimizer.deploy import placeholder
-from tests.conftest import INVENTORY, make_tokens, small_spec
-from tests.servers import api_server
+from tests.conftest import INVENTORY, small_spec
 from tests.test_cli_study import cli
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def server(tmp_path: Path, sqlite_template: Path) -> Iterator[tuple[str, dict[str, str]]]:
-    db = tmp_path / "spectune.db"
-    shutil.copy(sqlite_template, db)
-    url = f"sqlite:///{db}"
-    tokens = make_tokens(url)
-    with api_server(url, log_path=tmp_path / "api.log") as base:
-        yield base, tokens
 
 
 def level(c: int, tok_s: float) -> dict[str, Any]:

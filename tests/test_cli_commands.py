@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import shutil
 from collections.abc import Callable, Iterator
 from importlib.metadata import version
 from pathlib import Path
@@ -17,22 +16,11 @@ import typer
 from typer.testing import CliRunner
 
 from api.cli import app
-from tests.conftest import INVENTORY, make_tokens
-from tests.servers import api_server
+from tests.conftest import INVENTORY
 from tests.test_cli_answer import level
 from tests.test_cli_study import cli
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def server(tmp_path: Path, sqlite_template: Path) -> Iterator[tuple[str, dict[str, str]]]:
-    db = tmp_path / "spectune.db"
-    shutil.copy(sqlite_template, db)
-    url = f"sqlite:///{db}"
-    tokens = make_tokens(url)
-    with api_server(url, log_path=tmp_path / "api.log") as base:
-        yield base, tokens
 
 
 def drive(base: str, tokens: dict[str, str], respond: Callable[[dict[str, Any]], dict[str, Any]]) -> list[Any]:

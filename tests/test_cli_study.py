@@ -7,28 +7,15 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
-from tests.conftest import make_tokens
-from tests.servers import api_server
 from tests.test_report import report_spec, run_simulated_study
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def server(tmp_path: Path, sqlite_template: Path) -> Iterator[tuple[str, dict[str, str]]]:
-    db = tmp_path / "spectune.db"
-    shutil.copy(sqlite_template, db)
-    url = f"sqlite:///{db}"
-    tokens = make_tokens(url)
-    with api_server(url, log_path=tmp_path / "api.log") as base:
-        yield base, tokens
 
 
 def cli(base: str, token: str, *args: str) -> subprocess.CompletedProcess[str]:

@@ -16,31 +16,17 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
-from tests.conftest import INVENTORY, make_tokens, small_spec
-from tests.servers import api_server
+from tests.conftest import INVENTORY, small_spec
 from tests.test_concurrency_pg import ok, run_threads
 
 N_WORKERS = 8
 ROUNDS = 3
 
 
-@pytest.fixture
-def sqlite_server(sqlite_template: Path, tmp_path: Path) -> Any:
-    import shutil
-
-    path = tmp_path / "spectune.db"
-    shutil.copy(sqlite_template, path)
-    url = f"sqlite:///{path}"
-    tokens = make_tokens(url)
+def test_concurrent_asks_never_hand_out_one_trial_twice(server: Any, tmp_path: Path) -> None:
+    base, tokens = server
     log = tmp_path / "api.log"
-    with api_server(url, log_path=log, env={"SPECTUNE_LEASE_TTL_S": "120"}) as base:
-        yield base, tokens, log
-
-
-def test_concurrent_asks_never_hand_out_one_trial_twice(sqlite_server: Any) -> None:
-    base, tokens, log = sqlite_server
     user = {"Authorization": f"Bearer {tokens['user']}"}
     worker = {"Authorization": f"Bearer {tokens['worker']}"}
     statuses: Counter[int] = Counter()
