@@ -60,6 +60,17 @@ def ctx_of(api: Api) -> Any:
     return api.client.app.state.ctx  # type: ignore[attr-defined]
 
 
+def trial_finished_behind_its_lease(api: Api, name: str) -> tuple[Any, Any]:
+    """w1 holds a trial lease whose Optuna trial is then finished by someone else."""
+    spec = small_spec(name)
+    assert api.post("/v1/studies", "user", spec).status_code == 201
+    trial = with_baseline(api, "w1")
+    ctx = ctx_of(api)
+    study = opt.load_study(ctx.storage, StudySpec.model_validate(spec))
+    opt.tell_failed(study, trial["trial_number"], {"failure_kind": "test", "failure_message": "finished elsewhere"})
+    return trial, ctx
+
+
 def test_the_database_holds_the_state_machines_vocabulary(api: Api) -> None:
     assert tuple(LeaseState) == LEASE_STATES and tuple(LeaseKind) == LEASE_KINDS
     assert tuple(StudyState) == STUDY_STATES and tuple(ConfigState) == CONFIG_STATES
@@ -95,12 +106,7 @@ def test_a_move_is_a_compare_and_set(api: Api) -> None:
 
 
 def test_a_lease_whose_trial_finished_elsewhere_is_ended_and_never_handed_back(api: Api) -> None:
-    spec = small_spec("fin")
-    assert api.post("/v1/studies", "user", spec).status_code == 201
-    trial = with_baseline(api, "w1")
-    ctx = ctx_of(api)
-    study = opt.load_study(ctx.storage, StudySpec.model_validate(spec))
-    opt.tell_failed(study, trial["trial_number"], {"failure_kind": "test", "failure_message": "finished elsewhere"})
+    trial, ctx = trial_finished_behind_its_lease(api, "fin")
 
     # Progress learns it: 409, and the lease is over for good.
     r = api.post(
@@ -115,12 +121,7 @@ def test_a_lease_whose_trial_finished_elsewhere_is_ended_and_never_handed_back(a
 
 
 def test_asking_again_for_a_lease_whose_trial_finished_gets_other_work(api: Api) -> None:
-    spec = small_spec("fin2")
-    assert api.post("/v1/studies", "user", spec).status_code == 201
-    trial = with_baseline(api, "w1")
-    ctx = ctx_of(api)
-    study = opt.load_study(ctx.storage, StudySpec.model_validate(spec))
-    opt.tell_failed(study, trial["trial_number"], {"failure_kind": "test", "failure_message": "finished elsewhere"})
+    trial, ctx = trial_finished_behind_its_lease(api, "fin2")
     # The worker restarted and asks while its lease is live: the lease is not handed back.
     again = ask(api, "w1")
     assert again is not None and again["lease_id"] != trial["lease_id"]

@@ -14,7 +14,7 @@ import logging
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.context import ServiceContext, Unit
@@ -64,21 +64,6 @@ class ConfirmLeases:
             log.info("lease %s: study %s confirms trial %s on %s", lease.id, spec.name, lease.trial_number, worker_id)
             return lease
         return None
-
-    @staticmethod
-    def _pairing_since(s: Session, study: str, worker_id: str) -> datetime:
-        started = s.scalar(
-            select(func.min(LeaseRow.created_at)).where(
-                LeaseRow.study_name == study, LeaseRow.kind == LeaseKind.CONFIRM
-            )
-        )
-        last = s.scalar(
-            select(func.max(LeaseRow.finished_at)).where(
-                LeaseRow.study_name == study, LeaseRow.kind == LeaseKind.CONFIRM, LeaseRow.worker_id == worker_id
-            )
-        )
-        assert started is not None
-        return max(started, last) if last is not None else started
 
     def _another_capable_worker(self, s: Session, key: str, worker_id: str, now: datetime) -> bool:
         """Is another live, healthy worker able to run this study (it measured its baseline)?"""

@@ -68,9 +68,6 @@ class StudyState(StrEnum):
 
 
 LIVE = (LeaseState.QUEUED, LeaseState.ACTIVE)
-# A report is taken for these (an expired lease's late report is real and is kept).
-REPORTABLE = (LeaseState.ACTIVE, LeaseState.EXPIRED)
-ENDED = (LeaseState.COMPLETED, LeaseState.FAILED, LeaseState.SUPERSEDED)
 
 TRANSITIONS: dict[LeaseState, frozenset[LeaseState]] = {
     LeaseState.QUEUED: frozenset({LeaseState.ACTIVE, LeaseState.SUPERSEDED}),
