@@ -21,6 +21,7 @@ COPY pyproject.toml README.md ./
 COPY api ./api
 COPY optimizer ./optimizer
 COPY workers ./workers
+COPY spectune_sim ./spectune_sim
 COPY migrations ./migrations
 COPY spectune ./spectune
 COPY spectune_protocol ./spectune_protocol
@@ -45,7 +46,7 @@ idle_poll_s = 2
 idle_poll_max_s = 10
 
 [engine]
-module = "workers.simulator"
+module = "spectune_sim"
 port = 30000
 sglang_version = "0.5.23"
 log_dir = "/var/lib/spectune/logs"

@@ -24,14 +24,14 @@ test-fast: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy optimizer api workers spectune spectune_protocol
+	$(BIN)/mypy optimizer api workers spectune spectune_protocol spectune_sim
 
 format: setup
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
 typecheck: setup
-	$(BIN)/mypy optimizer api workers spectune spectune_protocol
+	$(BIN)/mypy optimizer api workers spectune spectune_protocol spectune_sim
 
 demo: setup
 	TZ=UTC $(BIN)/spectune demo

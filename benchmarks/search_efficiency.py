@@ -4,7 +4,7 @@
     python benchmarks/search_efficiency.py --seeds 5            # a smoke run
     python benchmarks/search_efficiency.py --levels 1,64        # one workload for every landscape
 
-No servers: every launch is simulated with the simulator's pure model (`workers.simulator.model`):
+No servers: every launch is simulated with the simulator's pure model (`spectune_sim.model`):
 start-up seconds and memory check of the server launched, throughput and accept length per
 concurrency level from `predict`, with the simulator's noise model (per-request lognormal timing
 noise averaged over the workload, acceptance sampling noise, a per-host offset that cancels
@@ -54,8 +54,8 @@ from optimizer.objective import LevelResult, score
 from optimizer.plan import server_settings
 from optimizer.space import SearchSpace, SpecConfig, max_draft_tokens
 from optimizer.spec import StudySpec
-from workers.simulator.landscapes import LANDSCAPES, Landscape
-from workers.simulator.model import (
+from spectune_sim.landscapes import LANDSCAPES, Landscape
+from spectune_sim.model import (
     InfeasibleConfigError,
     NoiseModel,
     check_memory,

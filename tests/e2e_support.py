@@ -82,7 +82,7 @@ idle_poll_max_s = 1
 
 [engine]
 python = "{sys.executable}"
-module = "workers.simulator"
+module = "spectune_sim"
 port = {free_port()}
 sglang_version = "0.5.23"
 log_dir = "logs"

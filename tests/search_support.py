@@ -1,6 +1,6 @@
 """Drive the REST API as simulated workers would: measurements from the simulator's model.
 
-The metrics a worker reports are computed with `workers.simulator.model.predict` for the
+The metrics a worker reports are computed with `spectune_sim.model.predict` for the
 configuration leased, with a small fixed spread over the repeated passes, so tests can reason
 about which configuration wins and by how much.
 """
@@ -11,9 +11,9 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from optimizer.space import SpecConfig
+from spectune_sim.landscapes import LANDSCAPES
+from spectune_sim.model import predict
 from tests.conftest import INVENTORY, Api
-from workers.simulator.landscapes import LANDSCAPES
-from workers.simulator.model import predict
 
 SPREAD = (0.996, 1.0, 1.004)
 

@@ -20,10 +20,10 @@ from optimizer.model_sampler import NEAR_COPY, coords, open_pool, propose
 from optimizer.objective import CONSTRAINT_KEY
 from optimizer.space import SearchSpace, SpecConfig
 from optimizer.spec import parse_spec
+from spectune_sim.landscapes import LANDSCAPES
+from spectune_sim.model import true_optimum
 from tests.conftest import Api, small_spec
 from tests.search_support import drive, sim_levels
-from workers.simulator.landscapes import LANDSCAPES
-from workers.simulator.model import true_optimum
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

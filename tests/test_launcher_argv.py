@@ -131,9 +131,9 @@ def test_chain_draft_tokens_go_out_as_sglang_resolves_them() -> None:
 
 
 def test_simulated_engine_module_and_missing_draft_path() -> None:
-    sim = EngineConfig(python=sys.executable, module="workers.simulator", port=31000)
+    sim = EngineConfig(python=sys.executable, module="spectune_sim", port=31000)
     argv = build_argv(sim, trial_settings(), version="0.5.23", model_path="sim/moe-pcie", draft_model_path="d")
-    assert argv[:3] == [sys.executable, "-m", "workers.simulator"]
+    assert argv[:3] == [sys.executable, "-m", "spectune_sim"]
     with pytest.raises(ValueError, match="draft"):
         build_argv(sim, trial_settings(), version="0.5.23", model_path="sim/moe-pcie", draft_model_path=None)
 

@@ -1,4 +1,4 @@
-"""The launcher against real processes: the simulated engine (`python -m workers.simulator`) at a fast
+"""The launcher against real processes: the simulated engine (`python -m spectune_sim`) at a fast
 time scale, plus small Python processes for the process-group edge cases (issue 3).
 
 Failure kinds are produced by the simulator as SGLang would produce them (argparse exit 2, an OOM
@@ -221,7 +221,7 @@ SIM_ENV = {"SPECTUNE_SIM_TIME_SCALE": "0.02", "SPECTUNE_SIM_NOISE": "0", "SPECTU
 def sim_engine(tmp_path: Path, *, startup_timeout_s: float = DEADLINE_S, **env: str) -> EngineConfig:
     return EngineConfig(
         python=sys.executable,
-        module="workers.simulator",
+        module="spectune_sim",
         port=free_port(),
         env={**SIM_ENV, **env},
         log_dir=tmp_path / "logs",

@@ -3,7 +3,7 @@
 Unit tests run against a tiny SGLang-format SSE server started on 127.0.0.1 in a background
 thread (real sockets, real HTTP/1.1 with chunked transfer, keep-alive); its behaviour is picked
 by the prompt text, so one server covers normal streams, error events, short outputs, HTTP
-errors and stalls.  The simulator tests at the end start ``python -m workers.simulator`` as a
+errors and stalls.  The simulator tests at the end start ``python -m spectune_sim`` as a
 real subprocess and compare the measurements with the simulator's own model.
 """
 
@@ -27,14 +27,14 @@ import pytest
 from optimizer.space import SpecConfig
 from optimizer.spec import Workload
 from spectune_protocol import LevelMetrics
+from spectune_sim.landscapes import get_landscape
+from spectune_sim.model import predict
 from tests.servers import free_port, stop_process_group
 from workers.lifeline import child_env
 from workers.loadgen import LoadgenCancelled, LoadgenError, load_prompts, make_client, run_level, run_workload
 from workers.loadgen.chunked import ChunkedDecoder, ChunkedError
 from workers.loadgen.request import _scan_progress, _StreamState, stream_generate
 from workers.loadgen.sse import SSEDecoder
-from workers.simulator.landscapes import get_landscape
-from workers.simulator.model import predict
 
 # ---------------------------------------------------------------------------------------------
 # A minimal server speaking SGLang's native /generate streaming format (docs/sglang.md §7).
@@ -504,7 +504,7 @@ def test_prompt_file_names_cannot_escape_the_folder(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Against the simulated engine (a real `python -m workers.simulator` subprocess)
+# Against the simulated engine (a real `python -m spectune_sim` subprocess)
 
 SIM_SPEED = 20.0  # every simulated rate x20: divide measured tok/s by it
 SIM_LANDSCAPE = "moe-pcie"
@@ -519,7 +519,7 @@ def simulator(config: SpecConfig | None, log_path: Path) -> Iterator[str]:
     argv = [
         sys.executable,
         "-m",
-        "workers.simulator",
+        "spectune_sim",
         "--model-path",
         f"sim/{SIM_LANDSCAPE}",
         "--host",

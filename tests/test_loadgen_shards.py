@@ -23,12 +23,12 @@ import pytest
 from optimizer.space import SpecConfig
 from optimizer.spec import Workload
 from spectune_protocol import LevelMetrics
+from spectune_sim.landscapes import get_landscape
+from spectune_sim.model import predict
 from tests.test_loadgen import SIM_LANDSCAPE, SIM_MAX_RUNNING, SIM_SPEED, FakeSGLang, fake, simulator
 from workers.loadgen import LoadgenCancelled, LoadgenError, load_prompts, make_client, run_level, run_workload
 from workers.loadgen.runner import default_processes
 from workers.loadgen.shards import ShardPool
-from workers.simulator.landscapes import get_landscape
-from workers.simulator.model import predict
 
 __all__ = ["fake"]  # the fixture, imported for use here
 

@@ -1,7 +1,7 @@
 """`spectune report`: a finished simulated study becomes one self-contained HTML file with plots.
 
 The study runs through the real API (leases, baselines, completes) with reports whose numbers
-come from the simulated engine's calibrated model (workers/simulator/model.py), so the plots
+come from the simulated engine's calibrated model (spectune_sim/model.py), so the plots
 show the shapes a real study shows.  `run_simulated_study` is shared with the dashboard and CLI
 tests.
 """
@@ -61,8 +61,8 @@ def _level(pred: Any, concurrency: int, rng: random.Random) -> dict[str, Any]:
 def simulated_report(config: dict[str, Any] | None, concurrency: list[int], rng: random.Random) -> dict[str, Any]:
     """A complete report as a worker would send it, from the simulator's model of `moe-pcie`."""
     from optimizer.space import SpecConfig
-    from workers.simulator.landscapes import get_landscape
-    from workers.simulator.model import InfeasibleConfigError, predict, startup_seconds
+    from spectune_sim.landscapes import get_landscape
+    from spectune_sim.model import InfeasibleConfigError, predict, startup_seconds
 
     landscape = get_landscape(LANDSCAPE)
     spec = None if config is None else SpecConfig.model_validate(config)

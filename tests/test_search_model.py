@@ -19,9 +19,9 @@ from optimizer.objective import CONSTRAINT_KEY
 from optimizer.perf_model import fit, observations_from_attrs
 from optimizer.space import SearchSpace, SpecConfig
 from optimizer.spec import parse_spec
+from spectune_sim.landscapes import LANDSCAPES
+from spectune_sim.model import true_optimum
 from tests.search_support import sim_levels
-from workers.simulator.landscapes import LANDSCAPES
-from workers.simulator.model import true_optimum
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from optimizer.space import SearchSpace, SpecConfig
-from workers.simulator.landscapes import LANDSCAPES, UnknownLandscapeError, get_landscape
-from workers.simulator.model import (
+from spectune_sim.landscapes import LANDSCAPES, UnknownLandscapeError, get_landscape
+from spectune_sim.model import (
     AcceptAccumulator,
     InfeasibleConfigError,
     NoiseModel,

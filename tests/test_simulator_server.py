@@ -19,10 +19,10 @@ import httpx
 import pytest
 
 from optimizer.space import SpecConfig
+from spectune_sim.args import build_parser
+from spectune_sim.landscapes import get_landscape
+from spectune_sim.model import predict
 from workers.lifeline import child_env
-from workers.simulator.args import build_parser
-from workers.simulator.landscapes import get_landscape
-from workers.simulator.model import predict
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = {"SPECTUNE_SIM_TIME_SCALE": "0.05", "SPECTUNE_SIM_SPEED": "20", "SPECTUNE_SIM_NOISE": "0"}
@@ -77,7 +77,7 @@ def launch(tmp_path: Path) -> Iterator[object]:
         port = free_port()
         log_path = tmp_path / f"sim-{port}.log"
         full_env = {**os.environ, **FAST, "SPECTUNE_SIM_SGLANG_VERSION": "0.5.23", **(env or {})}
-        argv = [sys.executable, "-m", "workers.simulator", "--model-path", f"/models/{landscape}", "--port", str(port)]
+        argv = [sys.executable, "-m", "spectune_sim", "--model-path", f"/models/{landscape}", "--port", str(port)]
         with log_path.open("wb") as log_file:
             proc = subprocess.Popen(
                 [*argv, *flags],

@@ -3,7 +3,7 @@
 The fake API speaks spectune_protocol/ (leases handed out from a script, the same lease returned
 while it is live, idempotent complete) and records every call, so the tests assert what the
 worker said to the API and in which order.  Tests that launch a server use the real launcher and
-the simulated engine (`python -m workers.simulator`) and are skipped until it is installed.
+the simulated engine (`python -m spectune_sim`) and are skipped until it is installed.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from workers.config import load_config
 from workers.outbox import Outbox
 
 TOKEN = "worker-token-abc"
-HAVE_SIMULATOR = importlib.util.find_spec("workers.simulator.__main__") is not None
-needs_simulator = pytest.mark.skipif(not HAVE_SIMULATOR, reason="workers.simulator not available yet")
+HAVE_SIMULATOR = importlib.util.find_spec("spectune_sim.__main__") is not None
+needs_simulator = pytest.mark.skipif(not HAVE_SIMULATOR, reason="spectune_sim not available yet")
 
 
 def wait_for(
@@ -232,7 +232,7 @@ idle_poll_max_s = 0.2
 {extra}
 [engine]
 python = "{sys.executable}"
-module = "workers.simulator"
+module = "spectune_sim"
 sglang_version = "0.5.23"
 port = {_free_port()}
 env = {{ SPECTUNE_SIM_TIME_SCALE = "{time_scale}" }}

@@ -58,7 +58,7 @@ idle_poll_max_s = 30
 
 [engine]
 python = "python3"
-module = "workers.simulator"
+module = "spectune_sim"
 port = 31000
 env = {{ NCCL_DEBUG = "WARN" }}
 sglang_version = "0.5.23"

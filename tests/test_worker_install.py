@@ -32,7 +32,7 @@ WORKER_MODULES = (
     "workers.agent",
     "workers.launcher.launcher",
     "workers.loadgen.shard_process",
-    "workers.simulator.server",
+    "spectune_sim.server",
     "spectune.cli",
     "spectune_protocol",
 )

@@ -48,7 +48,7 @@ _INHERITED_PREFIXES = ("LC_", "NCCL_")
 @dataclass(frozen=True)
 class EngineConfig:
     python: str  # interpreter that has sglang (sys.executable for the simulator)
-    module: str = "sglang.launch_server"  # "workers.simulator" for the simulated engine
+    module: str = "sglang.launch_server"  # "spectune_sim" for the simulated engine
     host: str = "127.0.0.1"
     port: int = 30000
     env: Mapping[str, str] = field(default_factory=dict)  # extra env for the server

@@ -1,8 +1,8 @@
 """Named landscapes: one host + target model + EAGLE-3 draft each, as the simulator's parameters.
 
 Every number is either fitted to a published measurement (docs/calibration.md, cited per
-field) or a stated assumption.  `workers/simulator/README.md` explains the equations; this module
-only holds values.  Run `python -m workers.simulator.landscapes` for the per-landscape table of
+field) or a stated assumption.  `spectune_sim/README.md` explains the equations; this module
+only holds values.  Run `python -m spectune_sim.landscapes` for the per-landscape table of
 baselines and true optima.
 """
 
@@ -413,6 +413,6 @@ def get_landscape(name: str) -> Landscape:
 
 
 if __name__ == "__main__":
-    from workers.simulator.report import main
+    from spectune_sim.report import main
 
     main()

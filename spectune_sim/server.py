@@ -1,9 +1,9 @@
 """The simulated SGLang server process: start-up emulation, HTTP endpoints, shutdown.
 
-`python -m workers.simulator <SGLang launch flags>` behaves like `python -m sglang.launch_server`
+`python -m spectune_sim <SGLang launch flags>` behaves like `python -m sglang.launch_server`
 as far as a tuning worker can tell: same flags and resolution, start-up mostly before the port
 opens, 503 while warming up, the same log lines, endpoints and streaming format (docs/sglang.md §4-10),
-a child process, CUDA OOM at start-up.  Rates come from `workers.simulator.model`.
+a child process, CUDA OOM at start-up.  Rates come from `spectune_sim.model`.
 
 Environment knobs (all optional):
 
@@ -45,11 +45,10 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from optimizer.space import SpecConfig, max_draft_tokens
-from workers.lifeline import exit_with_parent
-from workers.simulator.args import ResolvedArgs, build_parser, resolve
-from workers.simulator.engine import Chunk, Engine, EngineOptions, Request, word_of
-from workers.simulator.landscapes import Landscape, UnknownLandscapeError, get_landscape
-from workers.simulator.model import (
+from spectune_sim.args import ResolvedArgs, build_parser, resolve
+from spectune_sim.engine import Chunk, Engine, EngineOptions, Request, word_of
+from spectune_sim.landscapes import Landscape, UnknownLandscapeError, get_landscape
+from spectune_sim.model import (
     MemoryCheck,
     NoiseModel,
     StartupPhases,
@@ -57,6 +56,7 @@ from workers.simulator.model import (
     graph_plan,
     startup_phases,
 )
+from workers.lifeline import exit_with_parent
 
 log = logging.getLogger("sglang")
 DEFAULT_VERSION = "0.5.23"
@@ -442,7 +442,7 @@ class SimServer:
         return {
             **args,
             "cuda_graph_bs": list(self.plan.sizes),
-            "launch_command": shlex.join([sys.executable, "-m", "workers.simulator", *self.argv]),
+            "launch_command": shlex.join([sys.executable, "-m", "spectune_sim", *self.argv]),
             "version": self.env.version,
             "startup_time": self.startup_time,
             "status": self.state,
@@ -835,7 +835,7 @@ def _usage(req: Request) -> dict[str, int]:
 def _spawn_child() -> subprocess.Popen[bytes]:
     """SGLang runs its scheduler and detokenizer as children; so does the simulator (one stand-in)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "workers.simulator.child"],
+        [sys.executable, "-m", "spectune_sim.child"],
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         close_fds=True,
@@ -861,7 +861,7 @@ def _die_like_segfault() -> None:
 
 
 def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
-    """Entry point of `python -m workers.simulator`; returns the exit status."""
+    """Entry point of `python -m spectune_sim`; returns the exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
     env = SimEnv.from_environ(os.environ if environ is None else environ)
     configure_logging()

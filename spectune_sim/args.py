@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from optimizer.sglang import FlagSet, flag_set_for
-from workers.simulator.landscapes import Landscape
-from workers.simulator.model import SPEC_DEFAULT_MAX_RUNNING_REQUESTS, default_cuda_graph_max_bs
+from spectune_sim.landscapes import Landscape
+from spectune_sim.model import SPEC_DEFAULT_MAX_RUNNING_REQUESTS, default_cuda_graph_max_bs
 
 ATTENTION_BACKENDS = (
     "fa3",

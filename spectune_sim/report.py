@@ -1,4 +1,4 @@
-"""The per-landscape optimum table printed by `python -m workers.simulator.landscapes`."""
+"""The per-landscape optimum table printed by `python -m spectune_sim.landscapes`."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import sys
 from typing import TextIO
 
 from optimizer.space import SearchSpace, SpecConfig
-from workers.simulator.landscapes import LANDSCAPES, Landscape
-from workers.simulator.model import check_memory, predict, startup_seconds, true_optimum
+from spectune_sim.landscapes import LANDSCAPES, Landscape
+from spectune_sim.model import check_memory, predict, startup_seconds, true_optimum
 
 CONCURRENCY_LEVELS = (1, 4, 16, 64)
 

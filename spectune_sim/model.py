@@ -2,7 +2,7 @@
 
 No I/O, no clocks, no global state: everything here is deterministic and fast (a prediction is a
 few microseconds), so benchmarks of search strategies can call it thousands of times.  The
-server (`workers.simulator.engine`) uses the same functions to pace its scheduler.
+server (`spectune_sim.engine`) uses the same functions to pace its scheduler.
 
 Equations (README.md has the derivation and the calibration):
 
@@ -26,7 +26,7 @@ from statistics import NormalDist
 from typing import Literal
 
 from optimizer.space import SearchSpace, SpecConfig, max_draft_tokens
-from workers.simulator.landscapes import Landscape
+from spectune_sim.landscapes import Landscape
 
 # SGLang's default max running requests with speculation on and the flag absent (docs/sglang.md §2.7).
 SPEC_DEFAULT_MAX_RUNNING_REQUESTS = 48

@@ -19,8 +19,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from optimizer.space import SpecConfig, max_draft_tokens
-from workers.simulator.landscapes import Landscape
-from workers.simulator.model import (
+from spectune_sim.landscapes import Landscape
+from spectune_sim.model import (
     AcceptAccumulator,
     GraphPlan,
     NoiseModel,
