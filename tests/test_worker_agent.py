@@ -29,9 +29,10 @@ import uvicorn
 from fastapi import FastAPI, Request, Response
 
 from spectune_protocol import CompleteIn, Failure
-from workers.agent import EXIT_CONFIG, Agent, build_agent
+from workers.agent import EXIT_CONFIG, Agent
 from workers.client import make_http_client
 from workers.config import load_config
+from workers.main import build_agent
 from workers.outbox import Outbox
 
 TOKEN = "worker-token-abc"
@@ -51,10 +52,10 @@ def wait_for(
 
 @contextlib.contextmanager
 def worker_process(config: Path) -> Iterator[tuple[subprocess.Popen[bytes], Callable[[], str]]]:
-    """`python -m workers.agent config` as a real process (real signals); its log goes to a file."""
+    """`python -m workers.main config` as a real process (real signals); its log goes to a file."""
     log_path = config.parent / "worker.log"
     with open(log_path, "wb") as log_file:
-        proc = subprocess.Popen([sys.executable, "-m", "workers.agent", str(config)], stderr=log_file)
+        proc = subprocess.Popen([sys.executable, "-m", "workers.main", str(config)], stderr=log_file)
     try:
         yield proc, lambda: log_path.read_text(errors="replace")
     finally:
@@ -388,7 +389,7 @@ def test_bad_config_exits_with_a_clear_message(tmp_path):
     config = tmp_path / "worker.toml"
     config.write_text('api_url = "ftp://x"\ntoken_file = "t"\n')
     done = subprocess.run(
-        [sys.executable, "-m", "workers.agent", str(config)], capture_output=True, text=True, timeout=60, check=False
+        [sys.executable, "-m", "workers.main", str(config)], capture_output=True, text=True, timeout=60, check=False
     )
     assert done.returncode == EXIT_CONFIG
     assert "api_url" in done.stderr and "http(s)" in done.stderr

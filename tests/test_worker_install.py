@@ -30,6 +30,7 @@ FORBIDDEN_MODULES = {"api", "fastapi", "optuna", "optuna_dashboard", "matplotlib
 WORKER_MODULES = (
     "workers.cli",
     "workers.agent",
+    "workers.main",
     "workers.launcher.launcher",
     "workers.loadgen.shard_process",
     "spectune_sim.server",

@@ -15,7 +15,7 @@ A lost lease (409/410 from a heartbeat or progress call) cancels the work at onc
 stopped and nothing is reported.  A lease whose work ended here (reported, lost or abandoned), or
 that was started `max_starts_per_lease` times, is never launched again: offered again, it is
 refused and reported as `lost` (workers/ledger.py), so no API bug can make this host relaunch a
-server in a loop.  Shutdown is two-stage (`ShutdownSignals`): the first SIGTERM or
+server in a loop.  Shutdown is two-stage (workers/shutdown.py): the first SIGTERM or
 SIGINT takes no more work, cancels the launch or benchmark, stops the server, reports the lease
 as failed `lost` ("worker shutting down") and exits 0; a second one kills the server's process
 group and exits at once with 128 + the signal number.
@@ -24,17 +24,11 @@ group and exits at once with 128 + the signal number.
 from __future__ import annotations
 
 import logging
-import os
 import re
-import select
-import signal
-import socket
-import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType, TracebackType
 from typing import Any, Protocol
 
 from optimizer.sglang import ServerSettings
@@ -47,15 +41,12 @@ from workers.client import (
     Backoff,
     LeaseLost,
     LeaseUnreadable,
-    make_http_client,
 )
-from workers.config import DEFAULT_ALLOWED_EXTRA_ARGS, WorkerConfig, load_config, read_token
+from workers.config import DEFAULT_ALLOWED_EXTRA_ARGS
 from workers.errors import ConfigError, LaunchCancelled, LaunchError, WorkerError
-from workers.gpu import GpuProbe, open_probe
 from workers.heartbeat import Heartbeat
-from workers.inventory import build_inventory, describe
+from workers.inventory import describe
 from workers.ledger import LaunchLedger
-from workers.lifeline import exit_with_parent
 from workers.loadgen import LoadgenCancelled, LoadgenError, load_prompts, run_workload
 from workers.outbox import Outbox, deliver_pending
 from workers.redact import redact_report
@@ -515,173 +506,3 @@ class Agent:
             log.error("stopping the server: %s", e)
         except Exception:
             log.exception("stopping the server failed")
-
-
-class ShutdownSignals:
-    """Two-stage SIGTERM/SIGINT handling with no work inside the handlers.
-
-    The Python handler only counts; `signal.set_wakeup_fd` makes the interpreter write the signal
-    number to a socket, and a watcher thread wakes on it (or within a second, should something
-    else have taken the wakeup fd) and calls `first(signum)` once, then `second(signum)` on any
-    later signal.  Setting an Event inside a handler could deadlock on the Event's own lock if the
-    main thread happened to hold it.  Install from the main thread only.
-    """
-
-    def __init__(
-        self,
-        first: Callable[[int], None],
-        second: Callable[[int], None],
-        signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGINT),
-    ) -> None:
-        self._first = first
-        self._second = second
-        self._signals = tuple(signals)
-        self._received: list[int] = []
-        self._handled = 0
-        self._closing = False
-        self._old_handlers: dict[signal.Signals, Any] = {}
-        self._old_fd = -1
-        self._rsock, self._wsock = socket.socketpair()
-        self._thread = threading.Thread(target=self._watch, name="signal-watcher", daemon=True)
-
-    def _handler(self, signum: int, frame: FrameType | None) -> None:
-        self._received.append(signum)  # list.append is atomic; the watcher does the rest
-
-    def __enter__(self) -> ShutdownSignals:
-        self._wsock.setblocking(False)
-        self._rsock.setblocking(False)
-        self._old_fd = signal.set_wakeup_fd(self._wsock.fileno(), warn_on_full_buffer=False)
-        for s in self._signals:
-            self._old_handlers[s] = signal.signal(s, self._handler)
-        self._thread.start()
-        return self
-
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
-        for s, old in self._old_handlers.items():
-            signal.signal(s, old)
-        signal.set_wakeup_fd(self._old_fd)
-        self._closing = True
-        try:
-            self._wsock.send(b"\0")
-        except OSError:
-            pass
-        self._thread.join(5.0)
-        self._rsock.close()
-        self._wsock.close()
-
-    def _watch(self) -> None:
-        while not self._closing:
-            readable, _, _ = select.select([self._rsock], [], [], 1.0)
-            if readable:
-                try:
-                    self._rsock.recv(512)
-                except BlockingIOError:
-                    pass
-            while self._handled < len(self._received):
-                signum = self._received[self._handled]
-                self._handled += 1
-                try:
-                    (self._first if self._handled == 1 else self._second)(signum)
-                except Exception:
-                    log.exception("handling signal %d failed", signum)
-
-
-def _configure_logging() -> None:
-    root = logging.getLogger()
-    if not root.handlers:  # the CLI may have configured logging already
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per heartbeat is noise
-
-
-def _force_exit(agent: Agent, signum: int) -> None:
-    log.error("second signal (%s): killing the server and exiting now", signal.Signals(signum).name)
-    agent.force_stop()
-    logging.shutdown()
-    os._exit(128 + signum)
-
-
-def build_agent(cfg: WorkerConfig, *, stop_event: threading.Event, http: Any, probe: GpuProbe | None = None) -> Agent:
-    """Wire the real collaborators from a validated config; `probe` is NVML's (None: no GPU checks)."""
-    from workers.launcher import EngineConfig, Launcher, detect_sglang_version
-    from workers.launcher.config import server_env
-
-    engine = EngineConfig(
-        python=str(cfg.engine.python),
-        module=cfg.engine.module,
-        host=cfg.engine.host,
-        port=cfg.engine.port,
-        env=dict(cfg.engine.env),
-        log_dir=cfg.engine.log_dir,
-        startup_timeout_s=cfg.timeouts.startup_s,
-        stop_timeout_s=cfg.timeouts.stop_s,
-        gpu_release_timeout_s=cfg.timeouts.gpu_release_s,
-        gpu_indices=None if cfg.gpus is None else tuple(cfg.gpus),
-        sglang_version=cfg.engine.sglang_version,
-    )
-    version = detect_sglang_version(engine.python, cfg.engine.sglang_version, env=server_env(engine))
-    inventory = build_inventory(
-        sglang_version=version, models=list(cfg.models), labels=cfg.labels, probe=probe, gpus=cfg.gpus
-    )
-    client = ApiClient(
-        http,
-        token=read_token(cfg),
-        worker_id=cfg.worker_id,
-        backoff=Backoff(max_s=cfg.timeouts.api_retry_max_s),
-        retry_for_s=cfg.timeouts.api_retry_max_s,
-        wait=stop_event.wait,
-    )
-    settings = AgentSettings(
-        models=cfg.models,
-        prompt_dir=cfg.prompt_dir,
-        sglang_version=version,
-        request_timeout_s=cfg.timeouts.request_s,
-        heartbeat_max_s=cfg.timeouts.heartbeat_s,
-        idle_poll_s=cfg.idle_poll_s,
-        idle_poll_max_s=cfg.idle_poll_max_s,
-        api_retry_max_s=cfg.timeouts.api_retry_max_s,
-        allowed_extra_args=frozenset(cfg.engine.allowed_extra_args),
-    )
-    return Agent(
-        client=client,
-        outbox=Outbox(cfg.outbox_dir),
-        launcher=Launcher(engine, gpu_probe=probe),
-        inventory=inventory,
-        settings=settings,
-        stop_event=stop_event,
-    )
-
-
-def main(config_path: Path) -> int:
-    """`spectune worker --config PATH`: run the agent until SIGTERM.  Returns the exit status."""
-    _configure_logging()
-    try:
-        cfg = load_config(config_path)
-    except ConfigError as e:
-        log.error("%s", e)
-        return EXIT_CONFIG
-    log.info("worker %s: API %s, outbox %s", cfg.worker_id, cfg.api_url, cfg.outbox_dir)
-    stop_event = threading.Event()
-    probe = open_probe()
-    try:
-        with make_http_client(cfg.api_url, timeout_s=cfg.timeouts.api_s) as http:
-            try:
-                agent = build_agent(cfg, stop_event=stop_event, http=http, probe=probe)
-            except ConfigError as e:
-                log.error("%s", e)
-                return EXIT_CONFIG
-            with ShutdownSignals(
-                first=lambda signum: agent.request_stop(f"{signal.Signals(signum).name} received"),
-                second=lambda signum: _force_exit(agent, signum),
-            ):
-                return agent.run()
-    finally:
-        if probe is not None:
-            probe.close()
-
-
-if __name__ == "__main__":  # `python -m workers.agent worker.toml`, for hosts without the CLI
-    if len(sys.argv) != 2:
-        sys.stderr.write("usage: python -m workers.agent /path/to/worker.toml\n")
-        sys.exit(EXIT_CONFIG)
-    exit_with_parent()
-    sys.exit(main(Path(sys.argv[1])))

@@ -43,8 +43,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "spectune worker") -> in
     # Optuna-side timestamps are UTC; the worker's logs and reports use the same clock.
     os.environ["TZ"] = "UTC"
     time.tzset()
-    from workers.agent import main as agent_main
     from workers.lifeline import exit_with_parent
+    from workers.main import main as agent_main
 
     exit_with_parent()
     return agent_main(args.config)

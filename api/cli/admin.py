@@ -1,0 +1,158 @@
+"""Operator commands: run the API, a worker or the demo; the database schema; API tokens.
+
+These talk to the database directly (no token needed), so they run where the server runs.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from api.cli.common import DbUrl, ensure_utc, fail, settings
+from workers.lifeline import exit_with_parent
+
+db_app = typer.Typer(no_args_is_help=True, help="Database schema.")
+token_app = typer.Typer(no_args_is_help=True, help="API tokens (talks to the database directly).")
+
+
+def server(
+    database_url: DbUrl = None,
+    host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port to bind")] = 8000,
+) -> None:
+    """Run the API (uvicorn).  Refuses to start on an old schema."""
+    import uvicorn
+
+    from api.app import create_app
+    from api.db import make_engine
+    from api.errors import SchemaOutdatedError
+    from api.schema import check_current
+
+    ensure_utc()
+    config = settings(database_url)
+    engine = make_engine(config.database_url)
+    try:
+        check_current(engine)
+    except SchemaOutdatedError as e:
+        fail(e.message)
+    except Exception as e:  # noqa: BLE001 - e.g. the database is unreachable
+        fail(f"cannot open the database {engine.url.render_as_string(hide_password=True)}: {e}")
+    finally:
+        engine.dispose()
+    exit_with_parent()
+    uvicorn.run(create_app(config), host=host, port=port, log_level="info")
+
+
+def worker(config: Annotated[Path, typer.Option("--config", "-c", help="worker TOML file")]) -> None:
+    """Run the GPU-host agent: lease, launch SGLang, benchmark, report."""
+    # The worker's own CLI (workers/cli.py): it also runs from a worker-only install, without api/.
+    from workers.cli import main as worker_main
+
+    raise typer.Exit(worker_main(["--config", str(config)]))
+
+
+def demo(
+    workdir: Annotated[Path, typer.Option(help="where the demo keeps its database and logs")] = Path("./spectune-demo"),
+    landscape: Annotated[str, typer.Option(help="simulated engine landscape")] = "moe-pcie",
+    trials: Annotated[int, typer.Option(help="max trials")] = 20,
+    deadline_s: Annotated[
+        float, typer.Option(help="stop the study after this many seconds and show what it found")
+    ] = 280.0,
+) -> None:
+    """Run a whole study on the embedded default: SQLite, the API, two simulated workers."""
+    ensure_utc()
+    try:
+        from api.demo import run_demo
+    except ImportError as e:
+        fail(f"the demo is not available in this installation: {e}")
+    raise typer.Exit(run_demo(workdir=workdir, landscape=landscape, max_trials=trials, deadline_s=deadline_s))
+
+
+@db_app.command("upgrade")
+def db_upgrade(database_url: DbUrl = None) -> None:
+    """Create or upgrade spectune's and Optuna's tables to head (run once per deploy)."""
+    from api.schema import upgrade
+
+    ensure_utc()
+    config = settings(database_url)
+    try:
+        upgrade(config.database_url)
+    except Exception as e:  # noqa: BLE001 - any failure here is reported as one line
+        fail(f"upgrade failed: {e}")
+    typer.echo("database schema is at head")
+
+
+@token_app.command("create")
+def token_create(
+    role: Annotated[str, typer.Option(help="admin | user | worker")],
+    name: Annotated[str, typer.Option(help="a label for the token")] = "",
+    worker_id: Annotated[str | None, typer.Option(help="bind a worker token to one worker id")] = None,
+    database_url: DbUrl = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="write the token to this file (mode 0600) instead of stdout")
+    ] = None,
+) -> None:
+    """Create a token and print it (shown once; only its hash is stored)."""
+    from api.auth import create_token
+    from api.db import make_engine, make_sessionmaker
+    from api.errors import ApiError
+
+    engine = make_engine(settings(database_url).database_url)
+    try:
+        _, token = create_token(make_sessionmaker(engine), role, name, worker_id)
+    except ApiError as e:
+        fail(e.message)
+    except Exception as e:  # noqa: BLE001
+        fail(f"cannot create the token ({e}); did you run `spectune db upgrade`?")
+    finally:
+        engine.dispose()
+    if output is None:
+        typer.echo(token)
+        return
+    try:
+        # Created 0600 from the start: the token is never readable by others, not even briefly.
+        fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(token + "\n")
+        os.chmod(output, 0o600)
+    except OSError as e:
+        fail(f"cannot write the token to {output}: {e.strerror}")
+    typer.echo(f"{role} token written to {output}")
+
+
+@token_app.command("revoke")
+def token_revoke(
+    token_id: Annotated[int, typer.Argument(help="id from `spectune token list`")], database_url: DbUrl = None
+) -> None:
+    """Revoke a token: it (and any dashboard session made with it) stops working at once."""
+    from api.auth import revoke_token
+    from api.db import make_engine, make_sessionmaker
+    from api.errors import ApiError
+
+    engine = make_engine(settings(database_url).database_url)
+    try:
+        revoke_token(make_sessionmaker(engine), token_id)
+    except ApiError as e:
+        fail(e.message)
+    finally:
+        engine.dispose()
+    typer.echo(f"token {token_id} revoked")
+
+
+@token_app.command("list")
+def token_list(database_url: DbUrl = None) -> None:
+    """Every token: id, role, state, name and bound worker (never the token itself)."""
+    from api.auth import list_tokens
+    from api.db import make_engine, make_sessionmaker
+
+    engine = make_engine(settings(database_url).database_url)
+    try:
+        for t in list_tokens(make_sessionmaker(engine)):
+            state = "revoked" if t.revoked_at else "active"
+            bound = f" worker={t.worker_id}" if t.worker_id else ""
+            typer.echo(f"{t.id}\t{t.role}\t{state}\t{t.name}{bound}")
+    finally:
+        engine.dispose()

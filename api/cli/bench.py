@@ -1,0 +1,114 @@
+"""`spectune bench`: measure given configurations against the baseline, without a search."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from api.cli.client import study_watch
+from api.cli.common import DEFAULT_API_URL, ApiUrl, Token, call, fail
+
+
+def parse_config(text: str) -> dict[str, int]:
+    """`steps/topk/draft_tokens` (e.g. 3/1/4) as a configuration mapping; anything else exits 2."""
+    parts = text.split("/")
+    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+        fail(f"--config {text!r}: write steps/topk/draft_tokens, e.g. 3/1/4 or 5/4/8")
+    steps, topk, tokens = (int(p) for p in parts)
+    return {"num_steps": steps, "topk": topk, "num_draft_tokens": tokens}
+
+
+def bench_spec(base: dict[str, Any], configs: list[dict[str, int]]) -> dict[str, Any]:
+    """A study that measures exactly `configs` (sampler `list`): no search, no pruning, no confirmation."""
+    from optimizer.space import SpecConfig
+
+    canon = [SpecConfig.model_validate(c).canonical() for c in configs]
+    trees = [c for c in canon if c.topk > 1]
+    space: dict[str, Any] = {
+        "num_steps": {"low": min(c.num_steps for c in canon), "high": max(c.num_steps for c in canon)},
+        "topk": sorted({c.topk for c in canon}),
+    }
+    if trees:
+        space["num_draft_tokens"] = {
+            "low": min(c.num_draft_tokens for c in trees),
+            "high": max(c.num_draft_tokens for c in trees),
+        }
+    unique = list({c.key: c.model_dump(mode="json", exclude_none=True) for c in canon}.values())
+    return base | {
+        "search_space": space,
+        "warm_start": unique,
+        "sampler": "list",
+        "budget": {"max_trials": len(unique)},
+        "confirmation": {"top": 0},
+    }
+
+
+def _read_base(file: Path) -> dict[str, Any]:
+    import yaml
+
+    try:
+        base = yaml.safe_load(file.read_text()) or {}
+    except OSError as e:
+        fail(f"cannot read {file}: {e.strerror}")
+    except yaml.YAMLError as e:
+        fail(f"{file} is not valid YAML/JSON: {e}")
+    if not isinstance(base, dict):
+        fail(f"{file} does not hold a spec (a mapping)")
+    return base
+
+
+def bench(
+    config: Annotated[
+        list[str], typer.Option("--config", "-c", help="steps/topk/draft_tokens to measure; repeat the option")
+    ],
+    file: Annotated[
+        Path | None, typer.Option("-f", "--file", help="a spec (YAML/JSON) for model, workload, placement, serving")
+    ] = None,
+    name: Annotated[str | None, typer.Option(help="study name [default: the spec's, else bench-<time>]")] = None,
+    target: Annotated[str | None, typer.Option(help="target model's registry name (without -f)")] = None,
+    draft: Annotated[str | None, typer.Option(help="draft model's registry name (without -f)")] = None,
+    concurrency: Annotated[str | None, typer.Option(help="levels to measure, e.g. 1,4,16")] = None,
+    wait: Annotated[bool, typer.Option(help="follow it until done, then print the per-level table")] = False,
+    api_url: ApiUrl = DEFAULT_API_URL,
+    token: Token = None,
+) -> None:
+    """Benchmark given configurations against the baseline, without a search (bench_speculative's use).
+
+    Creates a study with sampler `list`: the workers measure the baseline and each configuration
+    once at every level (no pruning, no confirmation).  Read it with `study show` / `study export`.
+    """
+    base: dict[str, Any] = {}
+    if file is not None:
+        base = _read_base(file)
+    elif not (target and draft):
+        fail("give -f SPEC, or --target and --draft (registry names)")
+    if target or draft:
+        base["model"] = {**(base.get("model") or {}), **({"target": target} if target else {})}
+        if draft:
+            base["model"]["draft"] = draft
+    if concurrency:
+        try:
+            levels = [int(x) for x in concurrency.split(",") if x.strip()]
+        except ValueError:
+            fail(f"--concurrency {concurrency!r}: write integers separated by commas, e.g. 1,4,16")
+        base["workload"] = {**(base.get("workload") or {}), "concurrency": levels}
+    base["name"] = name or base.get("name") or time.strftime("bench-%Y%m%d-%H%M%S", time.gmtime())
+    try:
+        spec = bench_spec(base, [parse_config(c) for c in config])
+    except ValueError as e:  # pydantic's ValidationError is a ValueError
+        fail(f"--config: {e}")
+    out = call("POST", "/v1/studies", api_url, token, spec)
+    typer.echo(f"created study {out['name']}: {len(spec['warm_start'])} configurations and the baseline")
+    if not wait:
+        typer.echo(f"follow it with: spectune study watch {out['name']}; then spectune study show {out['name']}")
+        return
+    study_watch(out["name"], api_url=api_url, token=token)
+    from api.report.tables import levels_table, trials_table
+
+    shown = call("GET", f"/v1/studies/{out['name']}", api_url, token)
+    trials = call("GET", f"/v1/studies/{out['name']}/trials", api_url, token)
+    typer.echo(levels_table(shown))
+    typer.echo(trials_table(shown, trials))
