@@ -9,6 +9,7 @@
     ├── ForbiddenError             403  the token's role may not do this
     ├── InvalidInputError          422  a field is wrong (names it)
     ├── PayloadTooLargeError       413  body over the configured limit
+    ├── LimitReachedError          429  a per-user quota is used up (names it)
     ├── SchemaOutdatedError        503  the database schema is not at head (names the fix)
     ├── BusyError                  503  a lock could not be had in time; retry
     └── StorageUnavailableError    503  the database cannot be reached
@@ -33,7 +34,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from optuna.exceptions import StorageInternalError
 from pydantic import BaseModel
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from optimizer.errors import OptimizerError, SpecError, StudyExistsError, StudyNotFoundError, TrialStateError
@@ -87,6 +89,12 @@ class PayloadTooLargeError(ApiError):
     status, code = 413, "payload_too_large"
 
 
+class LimitReachedError(ApiError):
+    """A per-user quota (running studies) is used up; the message names the limit and the way out."""
+
+    status, code = 429, "limit_reached"
+
+
 class SchemaOutdatedError(ApiError):
     status, code = 503, "schema_outdated"
 
@@ -128,6 +136,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (410, "the lease expired and was reclaimed"),
         (413, "request body too large"),
         (422, "a field is invalid; `error.field` names it"),
+        (429, "a per-user limit is reached (running studies); the message names it"),
         (500, "a bug in spectune; the server log holds the details"),
         (503, "the database is unavailable or its schema is not at head"),
     )
@@ -172,6 +181,24 @@ def internal_error_body() -> dict[str, Any]:
     return _body("internal", INTERNAL_MESSAGE)
 
 
+# Database errors that mean the storage cannot serve now (down, restarting, locked, out of
+# connections): a 503 with Retry-After.  Every other SQLAlchemyError is a bug in spectune (500).
+_UNAVAILABLE = (OperationalError, InterfaceError, DisconnectionError, PoolTimeoutError)
+
+
+def storage_unavailable(exc: BaseException) -> bool:
+    """Is `exc` the database being unreachable or busy (503), rather than a bug (500)?
+
+    Optuna wraps its storage's errors in StorageInternalError; its cause decides.
+    """
+    if isinstance(exc, StorageInternalError):
+        cause = exc.__cause__
+        return cause is None or not isinstance(cause, SQLAlchemyError) or storage_unavailable(cause)
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return True
+    return isinstance(exc, _UNAVAILABLE)
+
+
 def _headers(exc: ApiError) -> dict[str, str] | None:
     if isinstance(exc, AuthError):
         return {"WWW-Authenticate": "Bearer"}
@@ -206,7 +233,11 @@ def install_error_handlers(app: FastAPI, on_unhandled: Callable[[Request, Except
         details = [{"field": _loc(e.get("loc", ())), "message": str(e.get("msg", ""))} for e in errors[:20]]
         return JSONResponse(_body("invalid", message, field, details=details), status_code=422)
 
-    async def _db_error(_: Request, exc: Exception) -> JSONResponse:
+    async def _db_error(request: Request, exc: Exception) -> JSONResponse:
+        if not storage_unavailable(exc):
+            # A misuse of the ORM or a constraint we did not expect is a bug, not an outage:
+            # "retry shortly" would hide it behind the workers' retries.
+            return await _unhandled(request, exc)
         # Never leak SQL or driver text to clients; the log keeps it.
         log.error("database error: %s", exc, exc_info=exc)
         return JSONResponse(

@@ -27,11 +27,12 @@ from fastapi import APIRouter, FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
-from sqlalchemy import func, select, text
+from sqlalchemy import func, select
 
 from api.context import ServiceContext
 from api.deps import UserDep
 from api.models import EventRow, LeaseRow, StudyRow, WorkerRow
+from api.optuna_tables import trial_counts
 
 # Latencies from a few ms (heartbeat) to tens of seconds (a complete that waits for a lock).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -113,16 +114,13 @@ class DatabaseCollector(Collector):
 
     @staticmethod
     def _trials(ctx: ServiceContext) -> GaugeMetricFamily:
-        # Optuna's own tables, read with SQL: loading every study through Optuna on each scrape
-        # would cost a query per study.  The schema is Optuna 5's (the major is pinned).
+        # Optuna's own tables, read with SQL (api.optuna_tables): loading every study through
+        # Optuna on each scrape would cost a query per study.
         trials = GaugeMetricFamily("spectune_trials", "Optuna trials by study and state", labels=["study", "state"])
-        query = text(
-            "SELECT s.study_name, t.state, COUNT(*) FROM trials t JOIN studies s ON s.study_id = t.study_id "
-            "GROUP BY s.study_name, t.state"
-        )
-        with ctx.rdb.engine.connect() as conn:
-            for study, state, n in conn.execute(query):
-                trials.add_metric([study, str(state)], n)
+        for study, counts in trial_counts(ctx.rdb.engine).items():
+            for state, n in counts.items():
+                if n:
+                    trials.add_metric([study, state], n)
         return trials
 
 

@@ -59,7 +59,10 @@ CONFIG_STATES = ("pending", "done", "infeasible", "pruned", "failed")
 
 class StudyRow(Base):
     __tablename__ = "spectune_studies"
-    __table_args__ = (_one_of("state", STUDY_STATES, "ck_study_state"),)
+    __table_args__ = (
+        _one_of("state", STUDY_STATES, "ck_study_state"),
+        Index("ix_spectune_studies_created_by_state", "created_by", "state"),
+    )
 
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     # running: leases are handed out; stopped: by a user; finished: budget, patience or space used up.
@@ -69,6 +72,9 @@ class StudyRow(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
     finish_reason: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    # The id of the token that created it (the per-user limit on running studies counts these);
+    # None for studies created before migration 0004.
+    created_by: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class TrialConfigRow(Base):

@@ -28,6 +28,10 @@ class Settings(BaseSettings):
     quarantine_after: int = Field(default=3, ge=1)
     # Requests larger than this are refused with 413 before they are parsed.
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    # Running studies one token may have at once (admins too); creating one more answers 429
+    # naming this limit.  Each running study is offered to every fitting worker, so one user's
+    # hundred studies would crowd out everyone else's.
+    max_running_studies_per_user: int = Field(default=20, ge=1)
     # Folder for trial artifacts (server logs, benchmark JSON); optuna-dashboard reads the same.
     artifact_dir: str = "./spectune-artifacts"
     # The key of the dashboard's session cookies (api.sessions).  Never stored in the database, so

@@ -13,9 +13,12 @@ router = APIRouter(prefix="/v1/studies", tags=["studies"])
 
 
 @router.post("", status_code=status.HTTP_201_CREATED)
-def create_study(spec: StudySpec, _: UserDep, studies: StudiesDep) -> dict[str, Any]:
-    """Create a study from its spec (see README "The study spec")."""
-    return studies.create(spec)
+def create_study(spec: StudySpec, user: UserDep, studies: StudiesDep) -> dict[str, Any]:
+    """Create a study from its spec (see README "The study spec").
+
+    429 when the token already has `SPECTUNE_MAX_RUNNING_STUDIES_PER_USER` running studies.
+    """
+    return studies.create(spec, owner=user.token_id)
 
 
 @router.get("")

@@ -17,8 +17,9 @@ from sqlalchemy.orm import Session
 
 from api.context import ServiceContext
 from api.db import db_now
-from api.errors import ConflictError
+from api.errors import ConflictError, LimitReachedError
 from api.models import BaselineRow, EventRow, LeaseRow, StudyRow, TrialConfigRow, WorkerRow
+from api.optuna_tables import empty_counts, trial_counts
 from api.services import eligibility as elig
 from api.services.leasing.records import LEASE_REFUSED, lease_payload, new_lease_row
 from api.services.leasing.states import LeaseKind
@@ -361,22 +362,42 @@ class StudyService:
     def __init__(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
 
-    def create(self, spec: StudySpec) -> dict[str, Any]:
+    def create(self, spec: StudySpec, owner: int | None = None) -> dict[str, Any]:
+        """Store a new study; `owner` (a token id) is held to `max_running_studies_per_user`."""
         validate_spec(spec)
-        # Optuna's unique study name is the arbiter of "name taken": it is checked first, and
-        # our row follows.  (On SQLite our transaction must not hold the write lock meanwhile.)
-        opt.create_study(self.ctx.storage, spec, prior=self.prior_best(spec))
-        with self.ctx.unit() as u, u.step() as s:
-            s.add(
-                StudyRow(
-                    name=spec.name,
-                    state="running",
-                    spec=spec.model_dump(mode="json"),
-                    baseline_key=baseline_key(spec),
-                    created_at=db_now(s),
+        # One owner's creations are serialised, so two at once cannot both pass the limit.
+        with self.ctx.unit(lock=None if owner is None else f"studies-of-token:{owner}") as u:
+            if owner is not None:
+                with u.step() as s:
+                    self._check_running_limit(s, owner)
+            # Optuna's unique study name is the arbiter of "name taken": it is checked first, and
+            # our row follows.  (On SQLite our transaction must not hold the write lock meanwhile.)
+            opt.create_study(self.ctx.storage, spec, prior=self.prior_best(spec))
+            with u.step() as s:
+                s.add(
+                    StudyRow(
+                        name=spec.name,
+                        state="running",
+                        spec=spec.model_dump(mode="json"),
+                        baseline_key=baseline_key(spec),
+                        created_at=db_now(s),
+                        created_by=owner,
+                    )
                 )
-            )
         return self.show(spec.name)
+
+    def _check_running_limit(self, s: Session, owner: int) -> None:
+        limit = self.ctx.settings.max_running_studies_per_user
+        running = s.scalar(
+            select(func.count()).select_from(StudyRow).where(StudyRow.created_by == owner, StudyRow.state == "running")
+        )
+        if (running or 0) >= limit:
+            raise LimitReachedError(
+                f"this token already has {running} running studies, the limit "
+                f"(SPECTUNE_MAX_RUNNING_STUDIES_PER_USER={limit}); stop one (`spectune study stop NAME`) "
+                "or ask an admin to raise the limit",
+                field="name",
+            )
 
     def prior_best(self, spec: StudySpec) -> list[SpecConfig]:
         """Warm starts from finished studies of the same model on the same hardware.
@@ -428,21 +449,24 @@ class StudyService:
         return out[:4]
 
     def list_studies(self) -> list[dict[str, Any]]:
+        """Every study with its trial counts: two queries, however many studies there are."""
         with self.ctx.sessions() as s:
-            rows = s.scalars(select(StudyRow).order_by(StudyRow.created_at)).all()
-        out = []
-        for row in rows:
-            counts, _ = self._trial_counts(row.name)
-            out.append(
-                {
-                    "name": row.name,
-                    "state": row.state,
-                    "created_at": row.created_at,
-                    "model": row.spec["model"]["target"],
-                    "trials": counts,
-                }
-            )
-        return out
+            rows = s.execute(
+                select(StudyRow.name, StudyRow.state, StudyRow.created_at, StudyRow.spec).order_by(
+                    StudyRow.created_at, StudyRow.name
+                )
+            ).all()
+        counts = trial_counts(self.ctx.rdb.engine)
+        return [
+            {
+                "name": name,
+                "state": state,
+                "created_at": created_at,
+                "model": ((spec or {}).get("model") or {}).get("target"),
+                "trials": counts.get(name) or empty_counts(),
+            }
+            for name, state, created_at, spec in rows
+        ]
 
     def _trial_counts(self, name: str) -> tuple[dict[str, int], list[FrozenTrial]]:
         study = optuna.load_study(study_name=name, storage=self.ctx.storage)
@@ -478,6 +502,9 @@ class StudyService:
             if row is None:
                 raise StudyNotFoundError(name)
             if row.state == "stopped":
+                if row.created_by is not None:
+                    # Stop, create, resume must not get around the limit.
+                    self._check_running_limit(s, row.created_by)
                 row.state = "running"
                 row.finished_at = None
                 row.finish_reason = None

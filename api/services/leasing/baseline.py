@@ -44,14 +44,16 @@ class BaselineLeases:
         lease = records.new_lease_row(
             spec, LeaseKind.BASELINE, now, self.settings.lease_ttl_s, worker_id=worker_id, config=None, number=None
         )
-        s.add(lease)
         try:
+            # Added inside the savepoint (see LeaseService._touch_worker).
             with s.begin_nested():
+                s.add(lease)
                 s.flush()
         except IntegrityError:
             # Only the one-active-lease-per-worker index can fire here: a concurrent request of
-            # the same worker won; it will be handed that lease when it asks again.
-            s.expunge(lease)
+            # the same worker won; it will be handed that lease when it asks again.  The
+            # savepoint's rollback already made the row transient (expunging it again raised
+            # InvalidRequestError, answered as "database unavailable").
             return None
         return lease
 

@@ -113,9 +113,12 @@ class LeaseService:
                 consecutive_host_failures=0,
                 quarantined=False,
             )
-            s.add(row)
             try:
+                # Added inside the savepoint: begin_nested() flushes what is pending first, so a
+                # row added before it would be inserted outside the savepoint, and the unique
+                # violation would roll back the caller's step (500 "closed transaction").
                 with s.begin_nested():
+                    s.add(row)
                     s.flush()
             except IntegrityError:  # registered by a concurrent request of the same worker
                 row = s.get(WorkerRow, worker_id, populate_existing=True)

@@ -167,9 +167,10 @@ class TrialLeases:
             spec, LeaseKind.TRIAL, now, self.settings.lease_ttl_s,
             worker_id=worker_id, config=asked.config, number=asked.number,
         )  # fmt: skip
-        s.add(lease)
         try:
+            # Added inside the savepoint (see LeaseService._touch_worker).
             with s.begin_nested():
+                s.add(lease)
                 s.flush()
         except IntegrityError as e:
             # Only the one-active-lease-per-worker index can fire here: a concurrent request of
