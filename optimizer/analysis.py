@@ -44,11 +44,16 @@ def ratio_interval(trial_runs: Sequence[float], base_runs: Sequence[float], z: f
 def level_intervals(
     levels: Sequence[Mapping[str, Any]], baseline_levels: Sequence[Mapping[str, Any]]
 ) -> dict[int, Interval]:
+    """The 95% interval of each level's speedup.
+
+    A level either side marked saturated (the load generator or the host could not keep up,
+    workers/loadgen/saturation.py) gets none: its spread is the host's, not the configuration's.
+    """
     base = {int(b["concurrency"]): b for b in baseline_levels}
     out: dict[int, Interval] = {}
     for lv in levels:
         c = int(lv["concurrency"])
-        if c in base:
+        if c in base and not (lv.get("saturated") or base[c].get("saturated")):
             iv = ratio_interval(lv.get("output_tok_s_runs") or [], base[c].get("output_tok_s_runs") or [])
             if iv is not None:
                 out[c] = iv

@@ -155,6 +155,16 @@ def pays(value: float | None, interval: Interval | None) -> bool:
     return value > 1.0
 
 
+def saturated_levels(*level_lists: Sequence[Mapping[str, Any]] | None) -> dict[int, str]:
+    """The levels marked saturated (workers/loadgen/saturation.py) in any of these measurements, with why."""
+    out: dict[int, str] = {}
+    for levels in level_lists:
+        for lv in levels or []:
+            if lv.get("saturated"):
+                out.setdefault(int(lv["concurrency"]), str(lv["saturated"]))
+    return out
+
+
 def verdict(
     value: float | None,
     interval: Interval | None,
@@ -163,10 +173,21 @@ def verdict(
     measured: int,
     confirmed: bool,
     where: str = "",
+    saturated: Mapping[int, str] | None = None,
 ) -> str:
-    """The one-line answer.  Says "speculation does not pay here" unless the interval clears 1."""
+    """The one-line answer.  Says "speculation does not pay here" unless the interval clears 1.
+
+    A result resting on a saturated level is no answer: the verdict says so and why.
+    """
     if value is None:
         return "no result yet"
+    if saturated:
+        c, why = min(saturated.items())
+        return (
+            f"no answer: {label} read {value:.3f}x, but the measurement at concurrency "
+            f"{', '.join(map(str, sorted(saturated)))} is saturated ({why}); that figure is the host's load, "
+            "not the configuration's: measure on a host with room (fewer tenants, or a slower simulated engine)"
+        )
     band = "" if interval is None else f" (95% interval {interval.low:.3f}-{interval.high:.3f})"
     how = (
         f"confirmed against a fresh baseline{where}"

@@ -115,6 +115,12 @@ class LevelMetrics(BaseModel):
     completion_tokens: Count | None = None
     spec_verify_ct: Count | None = None
     num_requests: Count | None = None
+    # Why this level is not a measurement: the load generator or the host could not keep up
+    # (workers/loadgen/saturation.py); None when its checks passed.  Such a level was measured
+    # twice on the same server; its figure is kept but no interval is derived from it.
+    saturated: str | None = Field(default=None, max_length=2000)
+    # What those checks read: the generator's CPU demand, send lag, the engine's running requests.
+    load_check: dict[str, Annotated[float, Field(ge=0, le=1e9)] | None] = Field(default_factory=dict, max_length=16)
 
 
 class Metrics(BaseModel):

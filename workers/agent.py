@@ -46,6 +46,7 @@ from workers.config import DEFAULT_ALLOWED_EXTRA_ARGS
 from workers.errors import ConfigError, LaunchCancelled, LaunchError, WorkerError
 from workers.heartbeat import Heartbeat
 from workers.inventory import describe
+from workers.launcher.processes import group_members
 from workers.ledger import LaunchLedger
 from workers.loadgen import LoadgenCancelled, LoadgenError, load_prompts, run_workload
 from workers.outbox import Outbox, deliver_pending
@@ -409,6 +410,8 @@ class Agent:
                 cancel=run.cancel,
                 on_level=lambda i, m: self._on_level(run, i, m),
                 request_timeout_s=self.settings.request_timeout_s,
+                # The host check: did the engine wait for a CPU (workers/loadgen/saturation.py)?
+                engine_pids=lambda: sorted(group_members(server.pgid)),
             )
         except LoadgenCancelled:
             log.info("lease %s: benchmark cancelled", lid)

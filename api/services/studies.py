@@ -619,6 +619,8 @@ class StudyService:
         """The recommended configuration: the best confirmed one, else the best measured one."""
         done = [c for c in confirmations if c["state"] == "completed" and c.get("speedup") is not None]
         ok = [c for c in done if (c.get("violation") or 0.0) <= 0] or done
+        # A saturated confirmation measured the host: any clean one comes first.
+        ok = [c for c in ok if not c.get("saturated")] or ok
         if ok:
             top = max(ok, key=lambda c: (float(c["speedup"]), -int(c["trial_number"])))
             t = next(t for t in trials if t.number == top["trial_number"])
@@ -631,6 +633,7 @@ class StudyService:
                 "speedup_interval_by_level": top["speedup_interval_by_level"],
                 "confirmed": True,
                 "confirmed_on": top["worker_id"],
+                "saturated": top.get("saturated") or {},
             }
             return doc
         if best is None or best_doc is None:
@@ -642,6 +645,12 @@ class StudyService:
             "speedup_interval": None if iv is None else {"low": iv.low, "high": iv.high},
             "confirmed": False,
             "confirmed_on": None,
+            "saturated": {
+                str(k): v
+                for k, v in confirm.saturated_levels(
+                    best.user_attrs.get("levels"), best.user_attrs.get("baseline_levels")
+                ).items()
+            },
         }
         return out
 
@@ -741,6 +750,12 @@ def _confirmations(rows: Sequence[LeaseRow]) -> list[dict[str, Any]]:
                 "speedup_interval_by_level": info.get("speedup_interval_by_level"),
                 "violation": info.get("violation"),
                 "baseline_measured_at": info.get("baseline_measured_at"),
+                "saturated": {
+                    str(k): v
+                    for k, v in confirm.saturated_levels(
+                        ((r.result or {}).get("metrics") or {}).get("levels"), info.get("baseline_levels")
+                    ).items()
+                },
             }
         )
     return out
@@ -759,7 +774,7 @@ def study_eligibility(s: Session, spec: StudySpec, refused: set[str] | None = No
 
 
 def _winner_pays(winner: dict[str, Any] | None) -> bool:
-    if winner is None or winner.get("speedup") is None:
+    if winner is None or winner.get("speedup") is None or winner.get("saturated"):
         return False
     iv = winner.get("speedup_interval")
     value = float(winner["speedup"])
@@ -781,4 +796,5 @@ def _verdict(winner: dict[str, Any] | None, measured: int) -> str:
         measured=measured,
         confirmed=bool(winner["confirmed"]),
         where=where,
+        saturated={int(k): v for k, v in (winner.get("saturated") or {}).items()},
     )

@@ -13,6 +13,7 @@ exactly what one loop would, so the generator stays >= 10x faster than what it m
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import threading
 from collections.abc import Awaitable, Callable, Sequence
@@ -24,6 +25,7 @@ from optimizer.spec import Workload
 from spectune_protocol import LevelMetrics
 from workers.loadgen.http1 import CONNECT_TIMEOUT_S, make_client
 from workers.loadgen.passes import CANCEL_POLL_S, in_request_order, raise_if_cancelled, run_workers
+from workers.loadgen.saturation import LevelWatch, engine_probe
 from workers.loadgen.shards import ShardPool, available_cpus
 from workers.loadgen.stats import PassResult, summarize_level
 
@@ -44,6 +46,8 @@ __all__ = [
 STREAMS_PER_PROCESS = 16
 # Beyond this, more processes add start-up time and contention but no useful margin.
 MAX_PROCESSES = 8
+
+log = logging.getLogger("spectune.loadgen")
 
 PassRunner = Callable[[int, str], Awaitable[PassResult]]
 """Runs one pass of ``count`` requests labelled ``phase``."""
@@ -72,6 +76,7 @@ async def run_level(
     request_timeout_s: float = 600.0,
     cancel: threading.Event | None = None,
     processes: int = 1,
+    engine_pids: Callable[[], Sequence[int]] | None = None,
 ) -> LevelMetrics:
     """Measure one concurrency level.
 
@@ -83,6 +88,9 @@ async def run_level(
     ``processes`` > 1 spreads the streams over that many generator processes (at most one per
     stream), started for this call; they use their own fast-path clients, not ``client``.
     ``run_workload`` does this by itself when it helps (``default_processes``).
+
+    ``engine_pids`` names the engine's processes for the host check (saturation.py); a level
+    the load checks fail is measured once more and then carries ``saturated``.
 
     Raises:
         ValueError: an argument is out of range or there are no prompts.
@@ -98,9 +106,24 @@ async def run_level(
         async with ShardPool(
             processes, base_url=base_url, prompts=prompts, request_timeout_s=request_timeout_s
         ) as pool:
-            return await _measure_level(_sharded_runner(pool, processes, concurrency, output_len, cancel), *args)
+            run = _sharded_runner(pool, processes, concurrency, output_len, cancel)
+            return await _measure_level(run, *args, watch=_watch(client, base_url, concurrency, pool, engine_pids))
     local = _local_runner(client, base_url, prompts, concurrency, output_len, request_timeout_s, cancel)
-    return await _measure_level(local, *args)
+    return await _measure_level(local, *args, watch=_watch(client, base_url, concurrency, None, engine_pids))
+
+
+def _watch(
+    client: httpx.AsyncClient,
+    base_url: str,
+    concurrency: int,
+    pool: ShardPool | None,
+    engine_pids: Callable[[], Sequence[int]] | None = None,
+) -> Callable[[], LevelWatch]:
+    """The load checks of one level: this process, the pool's shards, the engine's /metrics and processes."""
+    probe = engine_probe(client, base_url)
+    return lambda: LevelWatch(
+        concurrency, pids=lambda: [] if pool is None else pool.pids, engine=probe, engine_pids=engine_pids
+    )
 
 
 def run_workload(
@@ -112,6 +135,7 @@ def run_workload(
     on_level: Callable[[int, LevelMetrics], bool] | None = None,
     request_timeout_s: float = 600.0,
     processes: int | None = None,
+    engine_pids: Callable[[], Sequence[int]] | None = None,
 ) -> list[LevelMetrics]:
     """Measure every concurrency level of ``workload`` in order; blocking (runs its own event loop).
 
@@ -122,6 +146,8 @@ def run_workload(
     ``processes``: generator processes per level; None picks ``default_processes(concurrency,
     available CPUs)`` per level, 1 keeps everything on this thread's event loop.  A level's
     processes are started before its warm-up and kept for the following levels.
+
+    ``engine_pids``: the engine's processes, for the host check of every level (saturation.py).
     """
     if processes is not None and processes < 1:
         raise ValueError(f"processes must be >= 1, got {processes}")
@@ -140,6 +166,7 @@ def run_workload(
             on_level=on_level,
             timeout_s=request_timeout_s,
             per_level=per_level,
+            engine_pids=engine_pids,
         )
     )
 
@@ -153,6 +180,7 @@ async def _run_workload(
     on_level: Callable[[int, LevelMetrics], bool] | None,
     timeout_s: float,
     per_level: Callable[[int], int],
+    engine_pids: Callable[[], Sequence[int]] | None = None,
 ) -> list[LevelMetrics]:
     _check_args(
         prompts,
@@ -181,7 +209,12 @@ async def _run_workload(
                 else:
                     run = _local_runner(client, base_url, prompts, concurrency, workload.output_len, timeout_s, cancel)
                 metrics = await _measure_level(
-                    run, concurrency, workload.num_prompts, workload.warmup_requests, workload.repeats
+                    run,
+                    concurrency,
+                    workload.num_prompts,
+                    workload.warmup_requests,
+                    workload.repeats,
+                    watch=_watch(client, base_url, concurrency, pool if procs > 1 else None, engine_pids),
                 )
                 results.append(metrics)
                 if on_level is not None and not on_level(index, metrics):
@@ -193,12 +226,45 @@ async def _run_workload(
 
 
 async def _measure_level(
-    run_pass: PassRunner, concurrency: int, num_prompts: int, warmup_requests: int, repeats: int
+    run_pass: PassRunner,
+    concurrency: int,
+    num_prompts: int,
+    warmup_requests: int,
+    repeats: int,
+    watch: Callable[[], LevelWatch] | None = None,
 ) -> LevelMetrics:
+    """Warm up, run the timed passes; a level the load checks fail is measured once more.
+
+    The second try runs on the same warm server; if it fails too, the level keeps the mark
+    (``saturated``) and the reason, and nothing downstream derives an interval from it.
+    """
     if warmup_requests:
         await run_pass(warmup_requests, f"c={concurrency} warm-up")
-    passes = [await run_pass(num_prompts, f"c={concurrency} pass {r + 1}/{repeats}") for r in range(repeats)]
-    return summarize_level(concurrency, passes)
+    check = None
+    for attempt in range(2 if watch is not None else 1):  # bounded: one re-measurement
+        again = " (again: the first try was saturated)" if attempt else ""
+        if watch is None:
+            passes = [await run_pass(num_prompts, f"c={concurrency} pass {r + 1}/{repeats}") for r in range(repeats)]
+            break
+        async with watch() as w:
+            passes = [
+                await run_pass(num_prompts, f"c={concurrency} pass {r + 1}/{repeats}{again}") for r in range(repeats)
+            ]
+        check = w.check(passes)
+        if check.saturated is None:
+            break
+        log.warning("concurrency %d: saturated measurement (%s)%s", concurrency, check.saturated, again)
+    metrics = summarize_level(concurrency, passes)
+    if check is None:
+        return metrics
+    return metrics.model_copy(
+        update={
+            "saturated": None
+            if check.saturated is None
+            else f"measured twice, saturated both times: {check.saturated}",
+            "load_check": {k: v for k, v in check.as_json().items() if v is not None},
+        }
+    )
 
 
 def _local_runner(

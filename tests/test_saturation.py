@@ -1,0 +1,148 @@
+"""A saturated measurement is not a measurement (issue 17, item 6).
+
+The simulated engine sped up on a host whose cores are all busy: the engine's steps run late
+and the figure measures the host.  The load checks must mark such a level, say why, and the
+API must derive no interval from it; the same engine on a host with room is not marked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from optimizer.analysis import level_intervals
+from spectune_protocol import LevelMetrics
+from tests.servers import free_port, stop_process_group
+from workers.launcher.processes import group_members
+from workers.lifeline import child_env
+from workers.loadgen import load_prompts, make_client, run_level
+from workers.loadgen.saturation import LevelWatch, engine_probe
+from workers.loadgen.stats import PassResult
+
+pytestmark = pytest.mark.slow
+
+
+@contextlib.contextmanager
+def simulator(speed: float, log_path: Path) -> Iterator[tuple[str, int]]:
+    """The simulated engine at `speed` (baseline server, metrics on); yields (url, process group)."""
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "spectune_sim", "--model-path", "sim/moe-pcie", "--host", "127.0.0.1",
+        "--port", str(port), "--max-running-requests", "16", "--cuda-graph-max-bs-decode", "16",
+        "--enable-metrics",
+    ]  # fmt: skip
+    env = {**os.environ, "SPECTUNE_SIM_TIME_SCALE": "0.002", "SPECTUNE_SIM_SPEED": str(speed)}
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=child_env(env), start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:  # bounded by the deadline
+            if proc.poll() is not None:
+                raise RuntimeError(f"simulator exited with {proc.returncode}: {log_path.read_text()[-2000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health_generate", timeout=2.0, trust_env=False).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"simulator not ready in 90 s: {log_path.read_text()[-2000:]}")
+            time.sleep(0.1)
+        yield url, proc.pid
+    finally:
+        stop_process_group(proc)
+
+
+@contextlib.contextmanager
+def busy_loops(n: int) -> Iterator[None]:
+    """`n` processes spinning on a core each, killed (with their groups) on the way out."""
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for _ in range(n):
+            procs.append(
+                subprocess.Popen([sys.executable, "-c", "while True: pass"], env=child_env(), start_new_session=True)
+            )
+        yield
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+
+
+def _measure(url: str, pgid: int, concurrency: int, output_len: int) -> LevelMetrics:
+    async def go() -> LevelMetrics:
+        async with make_client(60.0) as client:
+            return await run_level(
+                client,
+                url,
+                load_prompts("builtin:chat", None),
+                concurrency=concurrency,
+                num_prompts=2 * concurrency,
+                output_len=output_len,
+                warmup_requests=1,
+                repeats=3,
+                request_timeout_s=60.0,
+                engine_pids=lambda: sorted(group_members(pgid)),
+            )
+
+    return asyncio.run(go())
+
+
+def test_a_sped_up_engine_on_busy_cores_is_flagged_saturated(tmp_path: Path) -> None:
+    with simulator(50.0, tmp_path / "sim.log") as (url, pgid), busy_loops(2 * (os.cpu_count() or 1)):
+        m = _measure(url, pgid, 8, 128)
+    assert m.saturated is not None and "measured twice" in m.saturated, m
+    assert m.load_check, m
+    # The figure is kept, but no interval is derived from it.
+    base = m.model_copy(update={"saturated": None}).model_dump(mode="json")
+    assert level_intervals([m.model_dump(mode="json")], [base]) == {}
+    assert 8 in level_intervals([base], [base])
+
+
+def test_the_same_engine_in_real_time_is_not_flagged(tmp_path: Path) -> None:
+    with simulator(2.0, tmp_path / "sim.log") as (url, pgid):
+        m = _measure(url, pgid, 4, 64)
+    assert m.saturated is None, m
+    # The checks did run: the generator's and the engine's processes were read, and the engine's queue.
+    assert {"cpu_demand", "send_lag_ms", "engine_wait_share", "engine_running_mean"} <= m.load_check.keys(), m
+
+
+def test_the_engine_probe_reads_running_and_queued_requests(tmp_path: Path) -> None:
+    with simulator(2.0, tmp_path / "sim.log") as (url, _):
+
+        async def go() -> tuple[float, float] | None:
+            async with make_client(10.0) as client:
+                return await engine_probe(client, url)()
+
+        assert asyncio.run(go()) == (0.0, 0.0)
+
+
+def test_a_watch_over_too_short_a_window_says_nothing() -> None:
+    async def go() -> str | None:
+        async with LevelWatch(4) as w:
+            await asyncio.sleep(0)
+        return w.check([PassResult(wall_s=0.01, requests=[])]).saturated
+
+    assert asyncio.run(go()) is None
+
+
+def test_a_verdict_on_a_saturated_level_is_no_answer() -> None:
+    from optimizer.analysis import Interval
+    from optimizer.confirmation import saturated_levels, verdict
+
+    levels = [{"concurrency": 1}, {"concurrency": 16, "saturated": "the engine waited for a CPU 80% of the time"}]
+    sat = saturated_levels(levels, [{"concurrency": 16}])
+    assert sat == {16: "the engine waited for a CPU 80% of the time"}
+    text = verdict(2.6, Interval(2.6, 2.4, 2.9), label="2/1/3", measured=5, confirmed=True, saturated=sat)
+    assert text.startswith("no answer") and "concurrency 16 is saturated" in text and "80%" in text
+    clean = verdict(2.6, Interval(2.6, 2.4, 2.9), label="2/1/3", measured=5, confirmed=True, saturated={})
+    assert clean.startswith("speculation pays")
