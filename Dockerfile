@@ -25,7 +25,7 @@ COPY spectune_sim ./spectune_sim
 COPY migrations ./migrations
 COPY spectune ./spectune
 COPY spectune_protocol ./spectune_protocol
-RUN pip install '.[server,sim]' && rm -rf /opt/spectune/src
+RUN pip install '.[server,gp,sim]' && rm -rf /opt/spectune/src
 
 # An unprivileged user; /var/lib/spectune holds artifacts (API) or the outbox (worker), and
 # /run/spectune the simulated worker's token (shared volumes are initialised from these dirs).

@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup test test-fast lint format typecheck demo server clean
+.PHONY: setup test test-fast lint format typecheck demo server dist clean
 
 setup: $(BIN)/spectune
 
@@ -12,7 +12,7 @@ $(BIN)/spectune: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU build of torch first (for GPSampler), so pip never pulls a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0 || $(BIN)/pip install -q --index-url https://download.pytorch.org/whl/cpu torch
-	$(BIN)/pip install -q -e '.[server,sim,dev]'
+	$(BIN)/pip install -q -e '.[server,gp,sim,dev]'
 	touch $@
 
 test: setup
@@ -39,5 +39,12 @@ demo: setup
 server: setup
 	$(BIN)/spectune db upgrade && TZ=UTC $(BIN)/spectune server
 
+# The wheel the API host and GPU hosts install (README "Running a real deployment"): spectune is
+# not published on PyPI, so hosts install this file or a checkout, never the bare name.
+dist:
+	rm -rf dist build
+	$(PY) -m pip wheel -q --no-deps -w dist .
+	rm -rf build
+
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache spectune-demo *.egg-info
+	rm -rf dist build $(VENV) .mypy_cache .ruff_cache .pytest_cache spectune-demo *.egg-info

@@ -2,10 +2,30 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import optuna
 
+from optimizer.errors import SpecError
 from optimizer.model_sampler import ModelSampler
 from optimizer.spec import StudySpec
+
+# torch is an optional extra (`gp`): the API host's `server` install must not pull a CUDA build.
+GP_INSTALL_HINT = (
+    "sampler 'gp' needs torch, which this API host does not have: install the CPU build and the gp extra "
+    "(pip install --index-url https://download.pytorch.org/whl/cpu torch, then pip install '<wheel or checkout>[server,gp]'), "
+    "or use sampler 'auto' or 'tpe'"
+)
+
+
+def gp_available() -> bool:
+    return importlib.util.find_spec("torch") is not None
+
+
+def check_sampler_installed(spec: StudySpec) -> None:
+    """SpecError (422 at the API) when the spec's sampler needs a package this host lacks."""
+    if spec.sampler == "gp" and not gp_available():
+        raise SpecError("sampler", GP_INSTALL_HINT)
 
 
 def make_sampler(spec: StudySpec, seed: int | None) -> optuna.samplers.BaseSampler:
@@ -26,6 +46,7 @@ def make_sampler(spec: StudySpec, seed: int | None) -> optuna.samplers.BaseSampl
         # warm-start configurations already spread over the space.
         return optuna.samplers.TPESampler(seed=seed, n_startup_trials=5)
     if name == "gp":
+        check_sampler_installed(spec)
         return optuna.samplers.GPSampler(seed=seed, n_startup_trials=5)
     if name in ("random", "grid", "list"):
         return optuna.samplers.RandomSampler(seed=seed)

@@ -31,7 +31,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from optimizer.errors import StudyExistsError, StudyNotFoundError, TrialStateError
 from optimizer.objective import CONSTRAINT_KEY, FAILED_LAUNCH_VIOLATION
-from optimizer.samplers import make_sampler
+from optimizer.samplers import check_sampler_installed, make_sampler
 from optimizer.space import SGLANG_DEFAULTS, SpecConfig, params_of
 from optimizer.spec import StudySpec
 
@@ -67,6 +67,7 @@ def warm_start_configs(spec: StudySpec, prior: Sequence[SpecConfig] = ()) -> lis
 
 
 def create_study(storage: BaseStorage, spec: StudySpec, prior: Sequence[SpecConfig] = ()) -> optuna.Study:
+    check_sampler_installed(spec)  # before anything is stored: a gp study without torch never starts
     try:
         study = optuna.create_study(storage=storage, study_name=spec.name, direction="maximize")
     except optuna.exceptions.DuplicatedStudyError as e:

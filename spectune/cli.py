@@ -1,8 +1,9 @@
 """`spectune`: hands `spectune worker` to the worker's own CLI, everything else to `api.cli`.
 
-A GPU host may have the worker-only install (`pip install 'spectune[sglang]'`): no FastAPI,
-Optuna or typer.  `spectune worker` therefore never imports `api/`, and the other commands say
-what to install instead of failing with an ImportError.
+A GPU host may have the worker-only install (the wheel with its `sglang` or `sim` extra): no
+FastAPI, Optuna or typer.  `spectune worker` therefore never imports `api/`, `spectune --help`
+shows what such an install runs, and the other commands say what to install instead of failing
+with an ImportError.
 """
 
 from __future__ import annotations
@@ -10,7 +11,20 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-SERVER_EXTRA_HINT = "pip install 'spectune[server]'"
+SERVER_EXTRA_HINT = (
+    "install the server extra from the wheel `make dist` builds or a checkout: "
+    "pip install '<spectune wheel or checkout>[server]'"
+)
+WORKER_ONLY_HELP = """usage: spectune COMMAND ...
+
+This is a worker-only installation of spectune (no API server, no study commands).
+
+commands:
+  worker --config FILE   run the GPU-host agent (see `spectune worker --help`)
+  --version              print the version
+
+For the other commands ({hint}).
+"""
 
 
 def main() -> None:
@@ -24,6 +38,9 @@ def main() -> None:
             from workers.cli import _version
 
             sys.stdout.write(f"spectune {_version()}\n")
+            return
+        if argv[:1] in ([], ["--help"], ["-h"]):
+            sys.stdout.write(WORKER_ONLY_HELP.format(hint=SERVER_EXTRA_HINT))
             return
         sys.stderr.write(
             "error: this is a worker-only installation: it runs `spectune worker --config FILE` "

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -70,7 +71,7 @@ def test_compose_services_are_wired_in_order() -> None:
 def test_dockerfile_installs_cpu_torch_before_the_package() -> None:
     text = DOCKERFILE.read_text()
     torch_at = text.index("whl/cpu")
-    package_at = text.index("RUN pip install '.[server,sim]'")
+    package_at = text.index("RUN pip install '.[server,gp,sim]'")
     assert torch_at < package_at
     assert re.search(r"^USER spectune$", text, re.M), "the image must not run as root"
     for path in ("api", "optimizer", "workers", "migrations", "spectune", "spectune_protocol"):
@@ -81,12 +82,13 @@ def test_systemd_unit_passes_verify(tmp_path: Path) -> None:
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
         pytest.skip("systemd-analyze is not installed")
-    # verify insists that ExecStart's binary exists; on this machine the venv does not, so the
-    # copy points at a binary that does and keeps every other line as shipped.
+    # The unit as shipped, on a machine where /opt/spectune/venv does not exist (verify checks
+    # ExecStart's program; the unit starts the worker through env(1) for that reason).
+    assert not Path("/opt/spectune/venv").exists()
     text = UNIT.read_text()
-    assert "ExecStart=/opt/spectune/venv/bin/spectune worker --config /etc/spectune/worker.toml" in text
+    assert "ExecStart=/usr/bin/env /opt/spectune/venv/bin/spectune worker --config /etc/spectune/worker.toml" in text
     unit = tmp_path / UNIT.name
-    unit.write_text(text.replace("ExecStart=/opt/spectune/venv/bin/spectune", f"ExecStart={shutil.which('true')}"))
+    unit.write_text(text)
     r = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stderr.strip() == "", r.stderr  # no warnings either (unknown keys are warnings)
@@ -113,3 +115,15 @@ def test_systemd_unit_keeps_its_hardening_and_stop_contract() -> None:
     }.items():
         assert keys.get(key) == value, key
     assert "PrivateDevices" not in keys and "MemoryDenyWriteExecute" not in keys  # /dev/nvidia*, CUDA JIT
+
+
+def test_worker_example_config_and_unit_agree_on_the_venv() -> None:
+    # The unit's header installs SGLang into the worker's venv; the example config's engine
+    # interpreter must be that venv's (they once pointed at two different venvs).
+    text = UNIT.read_text()
+    venv = re.search(r"ExecStart=/usr/bin/env (\S+)/bin/spectune ", text)
+    assert venv is not None
+    assert f"python3 -m venv {venv.group(1)}" in text and f"{venv.group(1)}/bin/pip install" in text
+    example = tomllib.loads((UNIT.parent.parent / "worker.example.toml").read_text())
+    assert example["engine"]["python"] == f"{venv.group(1)}/bin/python"
+    assert "spectune[" not in text  # no install of an unpublished name

@@ -1,17 +1,24 @@
-"""The README's REST session, run exactly as printed (bash, a real `spectune server`, loopback only)."""
+"""The README's blocks run exactly as printed: the REST session and the API host's deployment
+(bash, a real `spectune server`, loopback only)."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
+from tests.conftest import _drop_pg, _pg_admin, pg_url, small_spec
+from tests.e2e_support import wait_for
 from tests.servers import free_port
 
 pytestmark = pytest.mark.slow
@@ -70,3 +77,95 @@ def test_readme_rest_session_runs_as_printed(tmp_path: Path) -> None:
     rest = out[start + end :]
     trials, _ = json.JSONDecoder().raw_decode(rest, rest.index("\n[\n") + 1)
     assert [t["state"] for t in trials][:1] == ["COMPLETE"]
+
+
+def deployment_block() -> str:
+    text = README.read_text(encoding="utf-8")
+    start = text.index("## Running a real deployment")
+    m = re.compile(r"```bash\n(.*?)```", re.S).search(text, start)
+    assert m is not None, "the README lost its deployment block"
+    return m.group(1)
+
+
+def _copy_checkout(dest: Path) -> None:
+    # What a user's checkout holds: the tracked tree, without this one's venv and build outputs.
+    skip = shutil.ignore_patterns(".git", ".venv", "dist", "build", "*.egg-info", "__pycache__", ".*_cache", "*.db")
+    shutil.copytree(README.parent, dest, ignore=skip)
+
+
+@pytest.fixture
+def empty_pg_database() -> Iterator[str]:
+    name = f"spectune_t_{uuid.uuid4().hex[:12]}"
+    with _pg_admin() as c:
+        c.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield pg_url(name)
+    finally:
+        _drop_pg(name)
+
+
+def test_readme_deployment_installs_the_api_host_as_printed(tmp_path: Path, empty_pg_database: str) -> None:
+    """The API host's block, as printed: `make dist`, a clean venv, the `server` extra, schema,
+    tokens, server.  No torch and no CUDA wheel come with it, the server answers, and a study
+    asking for the `gp` sampler (which needs torch) gets a 422 that says what to install."""
+    block = deployment_block()
+    assert "spectune[" not in block and "make dist" in block
+    checkout = tmp_path / "checkout"
+    _copy_checkout(checkout)
+    venv = tmp_path / "venv"
+    port = free_port()
+    env = {
+        **os.environ,
+        # python3 and make from this environment; the block makes its own venv from that python.
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        "VENV": str(venv),
+        "SPECTUNE_DATABASE_URL": empty_pg_database,
+        "BIND": "127.0.0.1",
+        "PORT": str(port),
+        "TZ": "UTC",
+    }
+    env.pop("PYTHONPATH", None)
+    log = tmp_path / "block.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            ["bash", "-e", "-c", block], cwd=checkout, env=env, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    api = f"http://127.0.0.1:{port}"
+    try:
+
+        def up() -> bool:
+            assert proc.poll() is None, log.read_text(errors="replace")[-4000:]
+            try:
+                return httpx.get(f"{api}/healthz", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for("the API host's install and server", up, 900, interval=1.0)
+        # Three tokens were printed, one line each (admin, user, worker).
+        printed = log.read_text(errors="replace")
+        listed = subprocess.run(
+            [str(venv / "bin" / "pip"), "list", "--format", "json"], capture_output=True, text=True, check=True, env=env
+        )
+        names = {d["name"].lower().replace("_", "-") for d in json.loads(listed.stdout)}
+        assert {"spectune", "fastapi", "optuna", "psycopg", "uvicorn"} <= names
+        cuda = sorted(n for n in names if n in ("torch", "triton") or (n.startswith("nvidia-") and n != "nvidia-ml-py"))
+        assert cuda == [], cuda
+        user = subprocess.run(
+            [str(venv / "bin" / "spectune"), "token", "create", "--role", "user"],
+            capture_output=True, text=True, check=True, env=env, cwd=tmp_path,
+        ).stdout.strip()  # fmt: skip
+        h = {"Authorization": f"Bearer {user}"}
+        r = httpx.post(f"{api}/v1/studies", json=small_spec("wants-gp", sampler="gp"), headers=h, timeout=30)
+        assert r.status_code == 422, r.text
+        assert r.json()["error"]["field"] == "sampler" and "[server,gp]" in r.json()["error"]["message"]
+        r = httpx.post(f"{api}/v1/studies", json=small_spec("auto-ok"), headers=h, timeout=30)
+        assert r.status_code == 201, r.text
+        assert printed.count("\n") >= 3
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -83,7 +83,12 @@ def test_worker_install_holds_no_server_dependencies(worker_venv: Path, tmp_path
     r = subprocess.run([str(bin_dir / "spectune-worker"), "--version"], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0 and r.stdout.startswith("spectune ")
     r = subprocess.run([str(bin_dir / "spectune"), "study", "list"], capture_output=True, text=True, cwd=tmp_path)
-    assert r.returncode == 2 and "worker-only installation" in r.stderr and "spectune[server]" in r.stderr
+    assert r.returncode == 2 and "worker-only installation" in r.stderr and "[server]" in r.stderr
+    assert "spectune[" not in r.stderr  # never the unpublished name
+    # `spectune --help` (and bare `spectune`) show what this install runs, and succeed.
+    for argv in (["--help"], []):
+        r = subprocess.run([str(bin_dir / "spectune"), *argv], capture_output=True, text=True, cwd=tmp_path)
+        assert r.returncode == 0 and "worker --config FILE" in r.stdout and "worker-only" in r.stdout, r.stderr
 
 
 def test_worker_from_the_worker_only_install_runs_a_study(

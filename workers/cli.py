@@ -1,7 +1,7 @@
 """`spectune worker` (and `spectune-worker`): the GPU-host agent's command line.
 
-Deliberately argparse and nothing of `api/`: a worker-only install (`pip install
-'spectune[sglang]'`) has no FastAPI, Optuna, typer or matplotlib, and this must still run there
+Deliberately argparse and nothing of `api/`: a worker-only install (the wheel with its
+`sglang` extra) has no FastAPI, Optuna, typer or matplotlib, and this must still run there
 (`tests/test_worker_install.py` checks it in a clean virtualenv).
 """
 
