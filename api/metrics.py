@@ -86,7 +86,7 @@ class DatabaseCollector(Collector):
     @staticmethod
     def _eligibility(ctx: ServiceContext) -> Iterator[GaugeMetricFamily]:
         """Per running study: workers that can take it, and 1 per requirement no worker meets."""
-        from api.services.eligibility import WorkerView, eligibility
+        from api.services.studies import study_eligibility
         from optimizer.spec import StudySpec
 
         eligible = GaugeMetricFamily(
@@ -97,19 +97,13 @@ class DatabaseCollector(Collector):
             "1 while no registered worker can take a running study, by the requirement none meets",
             labels=["study", "requirement"],
         )
+        # The study document's own computation (refusals included), so the two never disagree.
         with ctx.sessions() as s:
-            views = [
-                WorkerView(w.id, w.inventory or {}, w.quarantined, w.quarantine_reason)
-                for w in s.scalars(select(WorkerRow)).all()
-            ]
-            specs = [
-                StudySpec.model_validate(r.spec) for r in s.scalars(select(StudyRow).where(StudyRow.state == "running"))
-            ]
-        for spec in specs:
-            e = eligibility(spec, views)
-            eligible.add_metric([spec.name], len(e.eligible_workers))
-            for requirement in e.unmet:
-                stuck.add_metric([spec.name, requirement], 1)
+            for row in s.scalars(select(StudyRow).where(StudyRow.state == "running")):
+                e = study_eligibility(s, StudySpec.model_validate(row.spec))
+                eligible.add_metric([row.name], len(e.eligible_workers))
+                for requirement in e.unmet:
+                    stuck.add_metric([row.name, requirement], 1)
         yield from (eligible, stuck)
 
     @staticmethod

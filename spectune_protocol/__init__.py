@@ -1,7 +1,7 @@
 """The wire contract between workers and the API (lease protocol, docs/design.md "Leases").
 
 A package of its own, imported by both sides: the API (`api/`) and the worker (`workers/`), so a
-GPU host's worker-only install (`pip install 'spectune[sglang]'`) needs neither the web framework
+GPU host's worker-only install (the wheel with its `sglang` extra) needs neither the web framework
 nor Optuna.  Pure pydantic, plus the typed server settings and configurations of `optimizer`'s
 pure modules (`sglang`, `space`, `spec`: no Optuna there).
 """
@@ -62,6 +62,12 @@ class Inventory(BaseModel):
     models: list[str] = Field(default_factory=list, max_length=1024)
     labels: dict[str, str] = Field(default_factory=dict, max_length=64)
     spectune_version: str | None = Field(default=None, max_length=64)
+    # A digest of what decides what this worker refuses (its allowlist of server flags, its model
+    # registry, its prompt files): when it changes, the API ends this worker's refusals.
+    config_digest: str | None = Field(default=None, pattern=r"^[0-9a-f]{16,64}$")
+    # The dataset and prompt files in the worker's prompt folder (plain file names): a study whose
+    # workload names a file a worker lacks is not offered to that worker.
+    prompt_files: list[Annotated[str, Field(max_length=255)]] = Field(default_factory=list, max_length=1024)
 
 
 class LeaseOut(BaseModel):

@@ -17,8 +17,8 @@ REFUSED = {
 }
 
 
-def ask(api: Api, worker: str) -> Any:
-    r = api.post(f"/v1/workers/{worker}/lease", "worker", INVENTORY)
+def ask(api: Api, worker: str, inventory: dict[str, Any] = INVENTORY) -> Any:
+    r = api.post(f"/v1/workers/{worker}/lease", "worker", inventory)
     assert r.status_code in (200, 204), r.text
     return r.json() if r.status_code == 200 else None
 
@@ -61,3 +61,45 @@ def test_a_refused_trial_is_retried_elsewhere_not_taught(api: Api) -> None:
     assert trials[trial["trial_number"]]["state"] == "RUNNING"  # not taught as infeasible
     workers = {w["id"]: w for w in api.get("/v1/workers", "user").json()}
     assert workers["w1"]["state"] == "ok"
+
+
+def _refuse_remote_code_study(api: Api, inventory: dict[str, Any] = INVENTORY) -> None:
+    spec = small_spec("remote-code", model={**small_spec()["model"], "extra_args": {"--trust-remote-code": True}})
+    assert api.post("/v1/studies", "user", spec).status_code == 201
+    lease = ask(api, "w1", inventory)
+    assert lease is not None and lease["study"] == "remote-code"
+    assert api.post(f"/v1/leases/{lease['lease_id']}/complete", "worker", REFUSED).status_code == 200
+    assert ask(api, "w1", inventory) is None
+
+
+def test_a_refusal_ends_when_the_workers_config_digest_changes(api: Api) -> None:
+    inv = {**INVENTORY, "config_digest": "a" * 16}
+    assert api.post("/v1/workers/w1/lease", "worker", inv).status_code == 204  # registered with digest a
+    _refuse_remote_code_study(api, inv)
+    # The fleet view and the study agree on the standing refusal, and so does /metrics.
+    (w1,) = api.get("/v1/workers", "user").json()
+    assert [r["study"] for r in w1["refusals"]] == ["remote-code"] and w1["health"] == "ok"
+    assert w1["sglang_version"] == "0.5.23" and w1["config_digest"] == "a" * 16
+    shown = api.get("/v1/studies/remote-code", "user").json()
+    assert shown["eligibility"]["eligible_workers"] == []
+    metrics = api.get("/metrics", "user").text
+    assert 'spectune_study_eligible_workers{study="remote-code"} 0.0' in metrics
+    # Same digest: still refused.  Changed digest (the operator allowed the flag): offered again.
+    assert api.post("/v1/workers/w1/lease", "worker", inv).status_code == 204
+    r = api.post("/v1/workers/w1/lease", "worker", {**inv, "config_digest": "b" * 16})
+    assert r.status_code == 200 and r.json()["study"] == "remote-code"
+    shown = api.get("/v1/studies/remote-code", "user").json()
+    assert shown["refused_by"] == [] and shown["eligibility"]["eligible_workers"] == ["w1"]
+    assert 'spectune_study_eligible_workers{study="remote-code"} 1.0' in api.get("/metrics", "user").text
+
+
+def test_an_admin_clears_a_workers_refusals(api: Api) -> None:
+    _refuse_remote_code_study(api)
+    assert api.post("/v1/workers/w1/refusals/clear", "user").status_code == 403
+    assert api.post("/v1/workers/nope/refusals/clear", "admin").status_code == 404
+    r = api.post("/v1/workers/w1/refusals/clear", "admin")
+    assert r.status_code == 200 and r.json() == {"cleared": 1}
+    assert api.get("/v1/workers", "user").json()[0]["refusals"] == []
+    lease = ask(api, "w1")
+    assert lease is not None and lease["study"] == "remote-code"
+    assert api.post("/v1/workers/w1/refusals/clear", "admin").json() == {"cleared": 0}

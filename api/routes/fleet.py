@@ -22,3 +22,14 @@ def release_worker(worker_id: str, principal: PrincipalDep, fleet: FleetDep) -> 
     """Lift a quarantine (admin only)."""
     require_role(principal, "admin")
     fleet.release(worker_id)
+
+
+@router.post("/{worker_id}/refusals/clear")
+def clear_refusals(worker_id: str, principal: PrincipalDep, fleet: FleetDep) -> dict[str, int]:
+    """End a worker's refusals, so the studies it refused are offered to it again (admin only).
+
+    Refusals also end by themselves when the worker's config digest changes (its allowlist,
+    registry or prompt files); this is for a fix the digest cannot see.
+    """
+    require_role(principal, "admin")
+    return {"cleared": fleet.clear_refusals(worker_id)}

@@ -1,4 +1,9 @@
-"""The fleet view: workers, when they were last seen, what they hold, how they fail."""
+"""The fleet view: workers, when they were last seen, what they hold, how they fail, what they refuse.
+
+`spectune workers list` prints it; `workers release` lifts a quarantine and `workers
+clear-refusals` ends a worker's refusals (which also end by themselves when the worker's config
+digest changes: api.services.leasing.service).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from api.context import ServiceContext
 from api.db import db_now
 from api.errors import NotFoundError
 from api.models import LeaseRow, WorkerRow
+from api.services.leasing import records
 
 RECENT_FAILURES = 5
 
@@ -23,6 +29,11 @@ class FleetService:
             now = db_now(s)
             workers = s.scalars(select(WorkerRow).order_by(WorkerRow.id)).all()
             out = []
+            refusals: dict[str, list[dict[str, Any]]] = {}
+            for e in records.active_refusals(s):
+                refusals.setdefault(str(e.worker_id), []).append(
+                    {"study": e.study_name, "lease_id": e.lease_id, "at": e.at, "message": e.detail}
+                )
             for w in workers:
                 current = s.scalars(
                     select(LeaseRow).where(LeaseRow.worker_id == w.id, LeaseRow.state == "active")
@@ -33,13 +44,27 @@ class FleetService:
                     .order_by(LeaseRow.finished_at.desc())
                     .limit(RECENT_FAILURES)
                 ).all()
+                silent_s = (now - w.last_seen).total_seconds()
+                inventory = w.inventory or {}
                 out.append(
                     {
                         "id": w.id,
                         "state": "quarantined" if w.quarantined else "ok",
+                        # ok | quarantined | silent (no lease call or heartbeat for a lease TTL:
+                        # stopped, or cut off from the API)
+                        "health": "quarantined"
+                        if w.quarantined
+                        else "silent"
+                        if silent_s > self.ctx.settings.lease_ttl_s
+                        else "ok",
                         "quarantine_reason": w.quarantine_reason,
+                        "consecutive_host_failures": w.consecutive_host_failures,
                         "last_seen": w.last_seen,
-                        "seconds_since_seen": (now - w.last_seen).total_seconds(),
+                        "seconds_since_seen": silent_s,
+                        "sglang_version": inventory.get("sglang_version"),
+                        "config_digest": inventory.get("config_digest"),
+                        # Studies this worker refused and is not offered while the refusal stands.
+                        "refusals": refusals.get(w.id, []),
                         "inventory": w.inventory,
                         "current_lease": None
                         if current is None
@@ -63,6 +88,13 @@ class FleetService:
                     }
                 )
             return out
+
+    def clear_refusals(self, worker_id: str) -> int:
+        """End the worker's refusals: the studies it refused are offered to it again.  How many stood."""
+        with self.ctx.unit() as u, u.step() as s:
+            if s.get(WorkerRow, worker_id) is None:
+                raise NotFoundError(f"no worker {worker_id!r}")
+            return records.clear_refusals(s, worker_id, "cleared by an operator")
 
     def release(self, worker_id: str) -> None:
         """Lift a quarantine (after the host was fixed)."""

@@ -18,10 +18,10 @@ from sqlalchemy.orm import Session
 from api.context import ServiceContext
 from api.db import db_now
 from api.errors import ConflictError, LimitReachedError
-from api.models import BaselineRow, EventRow, LeaseRow, StudyRow, TrialConfigRow, WorkerRow
+from api.models import BaselineRow, LeaseRow, StudyRow, TrialConfigRow, WorkerRow
 from api.optuna_tables import empty_counts, trial_counts
 from api.services import eligibility as elig
-from api.services.leasing.records import LEASE_REFUSED, lease_payload, new_lease_row
+from api.services.leasing.records import active_refusals, lease_payload, new_lease_row
 from api.services.leasing.states import LeaseKind
 from optimizer import answers, convergence, costs, deploy
 from optimizer import attrs as A
@@ -537,15 +537,9 @@ class StudyService:
             confirmations = _confirmations(confirm_rows)
             cost = study_cost(s, name)
             refusals = [
-                {"worker_id": e.worker_id, "at": e.at, "message": e.detail}
-                for e in s.scalars(
-                    select(EventRow)
-                    .where(EventRow.study_name == name, EventRow.kind == LEASE_REFUSED)
-                    .order_by(EventRow.at)
-                )
+                {"worker_id": e.worker_id, "at": e.at, "message": e.detail} for e in active_refusals(s, study=name)
             ]
-            refused_ids = {str(r["worker_id"]) for r in refusals if r["worker_id"]}
-            waiting = None if row.state != "running" else study_eligibility(s, spec, refused_ids).as_json()
+            waiting = None if row.state != "running" else study_eligibility(s, spec).as_json()
             baseline_rows = s.scalars(
                 select(BaselineRow)
                 .where(BaselineRow.baseline_key == row.baseline_key)
@@ -761,13 +755,15 @@ def _confirmations(rows: Sequence[LeaseRow]) -> list[dict[str, Any]]:
     return out
 
 
-def study_eligibility(s: Session, spec: StudySpec, refused: set[str] | None = None) -> elig.Eligibility:
+def study_eligibility(s: Session, spec: StudySpec) -> elig.Eligibility:
     """Whether any registered worker can take this study, from the workers' last inventories.
 
-    `refused`: workers that refused what the study asks; they are not offered it again.
+    Workers whose refusal of this study stands are not offered it (the lease service's filter):
+    the study document and /metrics both count through here, so they agree.
     """
+    refused = {e.worker_id for e in active_refusals(s, study=spec.name)}
     workers = [
-        elig.WorkerView(w.id, w.inventory or {}, w.quarantined, w.quarantine_reason, w.id in (refused or set()))
+        elig.WorkerView(w.id, w.inventory or {}, w.quarantined, w.quarantine_reason, w.id in refused)
         for w in s.scalars(select(WorkerRow)).all()
     ]
     return elig.eligibility(spec, workers)

@@ -24,7 +24,7 @@ from api.auth import Principal, require_role, require_worker
 from api.context import ServiceContext
 from api.db import db_now
 from api.errors import BusyError, ConflictError, InvalidInputError, LeaseGoneError
-from api.models import EventRow, LeaseRow, StudyRow, WorkerRow
+from api.models import LeaseRow, StudyRow, WorkerRow
 from api.services import grants
 from api.services import studies as study_svc
 from api.services.eligibility import requirements_unmet
@@ -123,6 +123,12 @@ class LeaseService:
             except IntegrityError:  # registered by a concurrent request of the same worker
                 row = s.get(WorkerRow, worker_id, populate_existing=True)
                 assert row is not None
+        before = (row.inventory or {}).get("config_digest")
+        if inv.config_digest is not None and before != inv.config_digest:
+            # Its allowlist, registry or prompt files changed: what it refused may run now.
+            records.clear_refusals(
+                s, worker_id, f"the worker's config changed (digest {before} -> {inv.config_digest})"
+            )
         row.inventory = inv.model_dump(mode="json")
         row.last_seen = now
         return row
@@ -140,13 +146,7 @@ class LeaseService:
                 .where(StudyRow.state == StudyState.RUNNING)
                 .order_by(StudyRow.created_at, StudyRow.name)
             ).all()
-            refused = set(
-                s.scalars(
-                    select(EventRow.study_name).where(
-                        EventRow.kind == records.LEASE_REFUSED, EventRow.worker_id == worker_id
-                    )
-                )
-            )
+            refused = {e.study_name for e in records.active_refusals(s, worker_id=worker_id)}
         out = []
         inventory = inv.model_dump(mode="json")
         for row in rows:
