@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,6 +16,24 @@ from pathlib import Path
 import httpx
 
 from workers.lifeline import child_env
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def copy_checkout(dest: Path) -> Path:
+    """A user's checkout of this tree (no venv, no git, no build outputs), for install tests
+    that run `make dist` as the README prints it without writing into this tree."""
+    skip = shutil.ignore_patterns(".git", ".venv", "dist", "build", "*.egg-info", "__pycache__", ".*_cache", "*.db")
+    shutil.copytree(REPO, dest, ignore=skip)
+    return dest
+
+
+def build_dist(checkout: Path) -> Path:
+    """`make dist` in `checkout` (this interpreter's python3 first on PATH); the wheel it built."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    subprocess.run(["make", "dist"], cwd=checkout, env=env, check=True, capture_output=True, timeout=600)
+    (wheel,) = (checkout / "dist").glob("spectune-*.whl")
+    return wheel
 
 
 def free_port() -> int:

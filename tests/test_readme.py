@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import pytest
 
 from tests.conftest import _drop_pg, _pg_admin, pg_url, small_spec
 from tests.e2e_support import wait_for
-from tests.servers import free_port
+from tests.servers import copy_checkout, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -87,12 +86,6 @@ def deployment_block() -> str:
     return m.group(1)
 
 
-def _copy_checkout(dest: Path) -> None:
-    # What a user's checkout holds: the tracked tree, without this one's venv and build outputs.
-    skip = shutil.ignore_patterns(".git", ".venv", "dist", "build", "*.egg-info", "__pycache__", ".*_cache", "*.db")
-    shutil.copytree(README.parent, dest, ignore=skip)
-
-
 @pytest.fixture
 def empty_pg_database() -> Iterator[str]:
     name = f"spectune_t_{uuid.uuid4().hex[:12]}"
@@ -110,8 +103,7 @@ def test_readme_deployment_installs_the_api_host_as_printed(tmp_path: Path, empt
     asking for the `gp` sampler (which needs torch) gets a 422 that says what to install."""
     block = deployment_block()
     assert "spectune[" not in block and "make dist" in block
-    checkout = tmp_path / "checkout"
-    _copy_checkout(checkout)
+    checkout = copy_checkout(tmp_path / "checkout")
     venv = tmp_path / "venv"
     port = free_port()
     env = {

@@ -395,6 +395,24 @@ def test_bad_config_exits_with_a_clear_message(tmp_path):
     assert "api_url" in done.stderr and "http(s)" in done.stderr
 
 
+def test_a_worker_whose_engine_cannot_import_refuses_to_start_and_takes_no_lease(tmp_path, api):
+    # A venv without the engine (as a worker-only install without the `sim` extra once was).
+    bare = tmp_path / "bare-venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=120)
+    fake, server = api
+    config = write_config(tmp_path, server.url)
+    config.write_text(config.read_text().replace(f'python = "{sys.executable}"', f'python = "{bare}/bin/python"'))
+    done = subprocess.run(
+        [sys.executable, "-m", "workers.main", str(config)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == EXIT_CONFIG, done.stderr
+    errors = [line for line in done.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr
+    # (the bare venv may still find spectune_sim on an inherited PYTHONPATH; then uvicorn is missing)
+    assert "engine.module: spectune_sim does not import" in errors[0] and "No module named" in errors[0]
+    assert fake.names("lease") == []
+
+
 # -- tests with the real launcher and the simulated engine -----------------------------------
 
 

@@ -180,7 +180,7 @@ def test_example_config_is_valid(tmp_path):
     text = EXAMPLE.read_text()
     for old in ("/etc/spectune/worker.token", "/var/lib/spectune/outbox", "/var/log/spectune", "/srv/models"):
         text = text.replace(old, str(tmp_path / old.strip("/").replace("/", "_")))
-    text = text.replace("/opt/sglang/venv/bin/python", sys.executable)
+    text = text.replace("/opt/spectune/venv/bin/python", sys.executable)
     (tmp_path / "etc_spectune_worker.token").write_text("t\n")
     for sub in ("llama-3.1-8b-instruct", "eagle3-llama-3.1-8b"):
         (tmp_path / "srv_models" / sub).mkdir(parents=True)

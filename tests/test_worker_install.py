@@ -18,12 +18,11 @@ import pytest
 
 from tests.conftest import small_spec
 from tests.e2e_support import WorkerProc, cluster, kill_engines, wait_for
-from tests.servers import free_port, stop_process_group
+from tests.servers import build_dist, copy_checkout, free_port, stop_process_group
 from tests.test_worker_sim_example import EXAMPLE
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
 # What a GPU host must not get (distribution names as pip lists them, and module names).
 FORBIDDEN_DISTS = {"fastapi", "optuna", "optuna-dashboard", "matplotlib", "psycopg", "sqlalchemy", "typer", "torch"}
 FORBIDDEN_MODULES = {"api", "fastapi", "optuna", "optuna_dashboard", "matplotlib", "psycopg", "sqlalchemy", "typer"}
@@ -41,13 +40,10 @@ WORKER_MODULES = (
 
 @pytest.fixture(scope="module")
 def worker_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # The documented way (the unit's header, README "Workers on GPU hosts"): the wheel `make dist`
+    # builds from a checkout, into a fresh venv, with the simulated engine's extra for SGLang's.
     root = tmp_path_factory.mktemp("worker-install")
-    wheels = root / "wheels"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(REPO)],
-        check=True, timeout=300, cwd=root,
-    )  # fmt: skip
-    (wheel,) = wheels.glob("spectune-*.whl")
+    wheel = build_dist(copy_checkout(root / "checkout"))
     venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     subprocess.run(

@@ -8,10 +8,13 @@ operator writing them by hand: `gpu_model` and `gpu_count`.  Labels from the con
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from importlib import metadata
+from pathlib import Path
 
 from spectune_protocol import GpuInfo, Inventory
 from workers.gpu import GpuProbe
@@ -41,6 +44,45 @@ def gpu_inventory(probe: GpuProbe | None, only: Sequence[int] | None) -> tuple[l
     return gpus, probe.driver_version()
 
 
+# At most this many prompt files are advertised (spectune_protocol.Inventory.prompt_files).
+MAX_PROMPT_FILES = 1024
+
+
+def prompt_files(prompt_dir: Path | None) -> list[str]:
+    """The plain files of the prompt folder a workload may name, sorted (none without a folder)."""
+    from workers.loadgen.prompts import is_prompt_file_name
+
+    if prompt_dir is None:
+        return []
+    names = sorted(p.name for p in prompt_dir.iterdir() if is_prompt_file_name(p.name) and p.is_file())
+    if len(names) > MAX_PROMPT_FILES:
+        log.warning(
+            "prompt_dir %s holds %d files; only the first %d are advertised", prompt_dir, len(names), MAX_PROMPT_FILES
+        )
+    return names[:MAX_PROMPT_FILES]
+
+
+def config_digest(
+    *, allowed_extra_args: Sequence[str], models: Mapping[str, Path], prompt_dir: Path | None, files: Sequence[str]
+) -> str:
+    """A digest of what decides what this worker refuses: its flag allowlist, its model registry
+    and its prompt files (name, size, modification time).  The API ends the worker's refusals
+    when it changes, so a fixed config is offered the studies it refused before."""
+    stats = {}
+    for name in files:
+        st = (prompt_dir / name).stat() if prompt_dir is not None else None
+        stats[name] = None if st is None else [st.st_size, st.st_mtime_ns]
+    blob = json.dumps(
+        {
+            "allowed_extra_args": sorted(allowed_extra_args),
+            "models": {k: str(v) for k, v in sorted(models.items())},
+            "prompt_files": stats,
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
 def build_inventory(
     *,
     sglang_version: str,
@@ -49,6 +91,8 @@ def build_inventory(
     probe: GpuProbe | None,
     gpus: Sequence[int] | None = None,
     hostname: str | None = None,
+    digest: str | None = None,
+    files: Sequence[str] = (),
 ) -> Inventory:
     found, driver = gpu_inventory(probe, gpus)
     derived: dict[str, str] = {"gpu_count": str(len(found))}
@@ -63,6 +107,8 @@ def build_inventory(
         models=sorted(models),
         labels={**derived, **labels},
         spectune_version=spectune_version(),
+        config_digest=digest,
+        prompt_files=list(files),
     )
 
 
@@ -74,5 +120,6 @@ def describe(inv: Inventory) -> str:
         gpus = "no GPUs visible"
     return (
         f"host {inv.hostname}: {gpus}; SGLang {inv.sglang_version}; "
-        f"models {', '.join(inv.models) or 'none'}; labels {inv.labels or '{}'}"
+        f"models {', '.join(inv.models) or 'none'}; prompt files {', '.join(inv.prompt_files) or 'none'}; "
+        f"labels {inv.labels or '{}'}; config digest {inv.config_digest}"
     )

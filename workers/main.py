@@ -19,9 +19,10 @@ from workers.client import ApiClient, Backoff, make_http_client
 from workers.config import WorkerConfig, load_config, read_token
 from workers.errors import ConfigError
 from workers.gpu import GpuProbe, open_probe
-from workers.inventory import build_inventory
+from workers.inventory import build_inventory, config_digest, prompt_files
 from workers.lifeline import exit_with_parent
 from workers.outbox import Outbox
+from workers.preflight import check_engine_imports, check_gpus, check_prompt_dir
 from workers.shutdown import ShutdownSignals
 
 log = logging.getLogger("spectune.worker.agent")
@@ -59,9 +60,23 @@ def build_agent(cfg: WorkerConfig, *, stop_event: threading.Event, http: Any, pr
         gpu_indices=None if cfg.gpus is None else tuple(cfg.gpus),
         sglang_version=cfg.engine.sglang_version,
     )
+    # Before any lease: a worker that cannot run its engine refuses to start (workers/preflight.py).
+    check_engine_imports(engine.python, engine.module, env=server_env(engine))
+    check_gpus(probe, cfg.gpus, cfg.labels)
+    check_prompt_dir(cfg.prompt_dir)
     version = detect_sglang_version(engine.python, cfg.engine.sglang_version, env=server_env(engine))
+    files = prompt_files(cfg.prompt_dir)
+    digest = config_digest(
+        allowed_extra_args=cfg.engine.allowed_extra_args, models=cfg.models, prompt_dir=cfg.prompt_dir, files=files
+    )
     inventory = build_inventory(
-        sglang_version=version, models=list(cfg.models), labels=cfg.labels, probe=probe, gpus=cfg.gpus
+        sglang_version=version,
+        models=list(cfg.models),
+        labels=cfg.labels,
+        probe=probe,
+        gpus=cfg.gpus,
+        digest=digest,
+        files=files,
     )
     client = ApiClient(
         http,

@@ -1,4 +1,4 @@
-"""The `spectune` command line: server, worker, demo, study, db, token, bench, report.
+"""The `spectune` command line: server, worker, demo, study, workers, db, token, bench, report.
 
 The commands live by who runs them: `admin` (the server's operator: server, worker, demo, db,
 token), `client` (a user with a token: study, report) and `bench` (measure given
@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from api.cli import admin, bench, client
+from api.cli import admin, bench, client, fleet
 from api.cli.bench import bench_spec
 from api.cli.client import EXIT_NO_SPECULATION
 from api.cli.common import version
@@ -32,6 +32,7 @@ for command in (admin.server, admin.worker, admin.demo, bench.bench, client.repo
 app.add_typer(admin.db_app, name="db")
 app.add_typer(admin.token_app, name="token")
 app.add_typer(client.study_app, name="study")
+app.add_typer(fleet.workers_app, name="workers")
 
 
 def _show_version(value: bool) -> None:

@@ -91,7 +91,8 @@ def eligibility(spec: StudySpec, workers: Sequence[WorkerView]) -> Eligibility:
             [],
             ["refused"],
             f"every worker that could take this study refused what it asks ({names}; see refused_by): "
-            "change the study, or the workers' configs",
+            "change the study, or the workers' configs and restart them (a changed config ends their "
+            "refusals), or `spectune workers clear-refusals ID`",
         )
     if held:
         why = "; ".join(f"{w.id}: {w.quarantine_reason or 'quarantined'}" for w in sorted(held, key=lambda w: w.id))
@@ -100,7 +101,7 @@ def eligibility(spec: StudySpec, workers: Sequence[WorkerView]) -> Eligibility:
             sorted(w.id for w in held),
             ["quarantine"],
             f"every worker that could take this study is quarantined ({why}); "
-            "fix the host, then POST /v1/workers/{id}/release",
+            "fix the host, then `spectune workers release ID`",
         )
     per_requirement = {
         "models": _models_text(spec, workers),

@@ -47,6 +47,11 @@ def load_prompts(spec: str, prompt_dir: Path | None) -> list[str]:
     return _parse(_read_prompt_file(spec, prompt_dir), source=spec)
 
 
+def is_prompt_file_name(name: str) -> bool:
+    """A name a workload may give for a file of the prompt folder (plain, not hidden)."""
+    return bool(_FILE_NAME_RE.match(name)) and not name.startswith(".")
+
+
 def builtin_sets() -> list[str]:
     """Names of the prompt sets shipped with the package (``builtin:<name>``)."""
     folder = resources.files("workers").joinpath("prompts")
