@@ -7,6 +7,8 @@ from functools import lru_cache
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from optimizer.spec import MAX_SPACE_CONFIGS
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECTUNE_", extra="ignore")
@@ -26,6 +28,9 @@ class Settings(BaseSettings):
     baseline_max_age_s: float = Field(default=6 * 3600.0, gt=0)
     # Consecutive host faults (crashes, lost leases) after which a worker gets no more work.
     quarantine_after: int = Field(default=3, ge=1)
+    # A study whose search space holds more configurations is refused at creation (the tuner
+    # scores every one of them on each ask; optimizer.spec.MAX_SPACE_CONFIGS says why).
+    max_space_configs: int = Field(default=MAX_SPACE_CONFIGS, ge=1, le=10_000_000)
     # Requests larger than this are refused with 413 before they are parsed.
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     # Running studies one token may have at once (admins too); creating one more answers 429

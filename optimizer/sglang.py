@@ -19,11 +19,21 @@ import re
 import shlex
 from collections.abc import Sequence
 from enum import StrEnum
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from optimizer.space import SpecConfig
+
+# Every field is bounded as the study spec bounds it (optimizer.spec): these settings travel to
+# workers, which must not trust the API (SECURITY.md), so a lease cannot carry a value that no
+# spec could have produced, nor text that could forge a log line.  Names and words are only
+# held to "plain text" here: the worker refuses paths, unknown models and option-like words itself,
+# with a message that names the problem (workers/agent.py: server_settings_refusal).
+# Patterns run in pydantic-core, where `$` is the end of the text.
+_Text = Annotated[str, StringConstraints(pattern=r"^[^\x00-\x1f\x7f]{1,256}$")]
+_FlagName = Annotated[str, StringConstraints(pattern=r"^--[a-z0-9][a-z0-9-]{0,62}$")]
+_GraphBs = Annotated[int, Field(ge=1, le=4096)]
 
 
 class FlagSet(StrEnum):
@@ -60,23 +70,23 @@ class ServerSettings(BaseModel):
     is None for a baseline (the same server without speculation).
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
-    target: str
-    draft: str | None = None
+    target: _Text
+    draft: _Text | None = None
     algorithm: Literal["EAGLE3"] = "EAGLE3"
-    tp_size: int = 1
-    attention_backend: str = "fa3"
-    page_size: int = 1
-    mem_fraction_static: float | None = None
-    context_length: int | None = None
+    tp_size: int = Field(default=1, ge=1, le=64)
+    attention_backend: _Text = "fa3"
+    page_size: int = Field(default=1, ge=1, le=1024)
+    mem_fraction_static: float | None = Field(default=None, gt=0.0, lt=1.0)
+    context_length: int | None = Field(default=None, ge=128, le=10_000_000)
     # Always passed: with speculation on and the flag absent SGLang silently caps it at 48.
-    max_running_requests: int = Field(ge=1)
+    max_running_requests: int = Field(ge=1, le=100_000)
     # Largest captured decode batch; or an explicit capture list (it wins when both are set).
-    cuda_graph_max_bs: int | None = None
-    cuda_graph_bs: tuple[int, ...] | None = None
+    cuda_graph_max_bs: _GraphBs | None = None
+    cuda_graph_bs: tuple[_GraphBs, ...] | None = Field(default=None, max_length=64)
     speculative: SpecConfig | None = None
-    extra_args: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    extra_args: dict[_FlagName, _Text | int | float | bool] = Field(default_factory=dict, max_length=32)
 
     def baseline(self) -> ServerSettings:
         """The same server without speculation: the reference every speedup is measured against."""

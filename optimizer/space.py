@@ -29,6 +29,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from optimizer.errors import SpecError
 
 MIN_DRAFT_TOKENS = 2
+# The most draft tokens a configuration may ask for (SpecConfig's limit; SGLang allocates a tree
+# of this many nodes per request).
+MAX_DRAFT_TOKENS = 1024
+MAX_STEPS = 64
+MAX_TOPK = 64
 
 
 BOUND_TEXT = "draft tokens - 1 <= topk + (steps - 1) * topk^2"
@@ -50,9 +55,9 @@ class SpecConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    num_steps: int = Field(ge=1, le=64)
-    topk: int = Field(ge=1, le=64)
-    num_draft_tokens: int = Field(ge=1, le=1024)
+    num_steps: int = Field(ge=1, le=MAX_STEPS)
+    topk: int = Field(ge=1, le=MAX_TOPK)
+    num_draft_tokens: int = Field(ge=1, le=MAX_DRAFT_TOKENS)
     # Largest captured CUDA-graph batch size; None means "whatever the study's workload needs".
     cuda_graph_max_bs: int | None = Field(default=None, ge=1, le=4096)
 
@@ -131,22 +136,26 @@ class SearchSpace(BaseModel):
     def validate_rules(self) -> None:
         """Raise SpecError naming the offending field when the space is empty or impossible."""
         s, n = self.num_steps, self.num_draft_tokens
-        if s.low < 1 or s.high > 64 or s.low > s.high:
-            raise SpecError("search_space.num_steps", f"need 1 <= low <= high <= 64, got low={s.low} high={s.high}")
+        if s.low < 1 or s.high > MAX_STEPS or s.low > s.high:
+            raise SpecError(
+                "search_space.num_steps", f"need 1 <= low <= high <= {MAX_STEPS}, got low={s.low} high={s.high}"
+            )
         if not self.topk:
             raise SpecError("search_space.topk", "give at least one choice, e.g. [1, 2, 4, 8]")
-        if len(set(self.topk)) != len(self.topk) or any(t < 1 or t > 64 for t in self.topk):
-            raise SpecError("search_space.topk", f"choices must be distinct integers in 1..64, got {self.topk}")
+        if len(set(self.topk)) != len(self.topk) or any(t < 1 or t > MAX_TOPK for t in self.topk):
+            raise SpecError("search_space.topk", f"choices must be distinct integers in 1..{MAX_TOPK}, got {self.topk}")
         if "num_draft_tokens" in self.model_fields_set and all(t == 1 for t in self.topk):
             raise SpecError(
                 "search_space.num_draft_tokens",
                 "with topk [1] SGLang sets the draft tokens to num_steps + 1 and ignores any other value "
                 "(docs/sglang.md); remove num_draft_tokens, or add tree widths to topk (e.g. [1, 2, 4])",
             )
-        if n.low < MIN_DRAFT_TOKENS or n.low > n.high:
+        if n.low < MIN_DRAFT_TOKENS or n.low > n.high or n.high > MAX_DRAFT_TOKENS:
+            # Above MAX_DRAFT_TOKENS no configuration can be built (SpecConfig), so such a space
+            # would fail on every report instead of here.
             raise SpecError(
                 "search_space.num_draft_tokens",
-                f"need {MIN_DRAFT_TOKENS} <= low <= high, got low={n.low} high={n.high}",
+                f"need {MIN_DRAFT_TOKENS} <= low <= high <= {MAX_DRAFT_TOKENS}, got low={n.low} high={n.high}",
             )
         tree_topks = [t for t in self.topk if t > 1]
         if tree_topks:
@@ -161,7 +170,7 @@ class SearchSpace(BaseModel):
         if self.cuda_graph_max_bs is not None:
             if not self.cuda_graph_max_bs or any(b < 1 or b > 4096 for b in self.cuda_graph_max_bs):
                 raise SpecError("search_space.cuda_graph_max_bs", "choices must be integers in 1..4096, or null")
-        if next(self.iter_configs(), None) is None:
+        if self.count_configs() == 0:
             raise SpecError("search_space", "no configuration satisfies SGLang's rules in this space")
 
     def contains(self, config: SpecConfig) -> bool:
@@ -182,6 +191,23 @@ class SearchSpace(BaseModel):
         except SpecError:
             return False
         return True
+
+    def count_configs(self) -> int:
+        """How many configurations `iter_configs` yields, without building them.
+
+        At most 64 x 64 steps of arithmetic (validate_rules bounds steps and topk first), so a
+        space of a billion configurations is counted as fast as one of ten.
+        """
+        graphs = len(self.cuda_graph_max_bs or [None])
+        n = 0
+        for steps in self.num_steps.values():
+            for topk in self.topk:
+                if topk == 1:
+                    n += 1
+                else:
+                    hi = min(self.num_draft_tokens.high, max_draft_tokens(steps, topk))
+                    n += max(0, hi - max(self.num_draft_tokens.low, steps + 1) + 1)
+        return n * graphs
 
     def iter_configs(self) -> Iterator[SpecConfig]:
         """Every valid canonical configuration, each once, in a stable order."""

@@ -30,6 +30,13 @@ MAX_PATIENCE = 10_000
 # Numeric extra_args values: within what SGLang's int/float flags can hold.
 MAX_INT_ARG = 2**31 - 1
 MAX_FLOAT_ARG = 1e9
+# The largest search space a study may have: the model sampler and the finishing rule build every
+# configuration of it (about 0.5 kB and 10 us each), so a space of 2e8 cost 5 GB and a minute of
+# CPU on every report.  The API may lower or raise it (SPECTUNE_MAX_SPACE_CONFIGS).
+MAX_SPACE_CONFIGS = 100_000
+# A grid enqueues every configuration as an Optuna trial at creation; more than a budget can ever
+# measure (max_trials <= 10,000) is never useful.
+MAX_GRID_CONFIGS = 10_000
 
 # Attention backends SGLang 0.5.23 accepts for `--attention-backend` that matter on GPU hosts.
 ATTENTION_BACKENDS = ("fa3", "flashinfer", "triton", "trtllm_mha", "flashmla", "cutlass_mla", "fa4", "torch_native")
@@ -53,7 +60,11 @@ EXTRA_ARG_ALLOWLIST: dict[str, type | None] = {
     "--trust-remote-code": None,
     "--disable-overlap-schedule": None,
 }
-_SAFE_VALUE_RE = re.compile(r"[A-Za-z0-9._:+-]{1,64}\Z")
+# A word value starts with a letter or digit: "--host" or "-x" would read as an option to argparse.
+_SAFE_VALUE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+-]{0,63}\Z")
+# Placement labels: the keys and values a worker may carry (spectune_protocol.Inventory).
+LABEL_KEY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,62}\Z")
+LABEL_VALUE_RE = re.compile(r"[^\x00-\x1f\x7f]{0,128}\Z")
 _BUILTIN_PROMPTS_RE = re.compile(r"builtin:[a-z0-9_-]{1,32}\Z")
 _PROMPT_FILE_RE = re.compile(r"[A-Za-z0-9._-]{1,128}\Z")
 
@@ -118,7 +129,10 @@ class ModelSection(BaseModel):
                 ):
                     raise ValueError(f"{flag} takes a finite number between -{MAX_FLOAT_ARG:g} and {MAX_FLOAT_ARG:g}")
             elif not isinstance(value, str) or not _SAFE_VALUE_RE.match(value):
-                raise ValueError(f"{flag} takes a short word (letters, digits, . _ : + -)")
+                raise ValueError(
+                    f"{flag} takes a short word (letters, digits, . _ : + -) starting with a letter or digit, "
+                    f"got {str(value)[:70]!r}"
+                )
         return v
 
 
@@ -245,10 +259,34 @@ class StudySpec(BaseModel):
             )
         return v
 
+    @field_validator("placement")
+    @classmethod
+    def _placement(cls, v: dict[str, str]) -> dict[str, str]:
+        for key, value in v.items():
+            if not LABEL_KEY_RE.match(key):
+                raise ValueError(f"placement label {key[:70]!r}: keys are 1-63 letters, digits, '.', '_', '/' or '-'")
+            if not LABEL_VALUE_RE.match(value):
+                raise ValueError(f"placement label {key!r}: values are at most 128 characters, no control characters")
+        return v
 
-def validate_spec(spec: StudySpec) -> StudySpec:
+
+def validate_spec(spec: StudySpec, max_configs: int = MAX_SPACE_CONFIGS) -> StudySpec:
     """Cross-field checks that pydantic alone cannot express.  Raises SpecError."""
     spec.search_space.validate_rules()
+    count = spec.search_space.count_configs()
+    if count > max_configs:
+        raise SpecError(
+            "search_space",
+            f"the space holds {count:,} configurations, above the limit of {max_configs:,}: narrow num_steps, "
+            "topk, num_draft_tokens or cuda_graph_max_bs (a study measures tens of them; the tuner must score "
+            "every one on each ask)",
+        )
+    if spec.sampler == "grid" and count > MAX_GRID_CONFIGS:
+        raise SpecError(
+            "sampler",
+            f"a grid measures every configuration, and this space holds {count:,} (at most {MAX_GRID_CONFIGS:,} "
+            "for a grid): narrow the space or use sampler 'auto'",
+        )
     tree = any(t > 1 for t in spec.search_space.topk)
     backend = spec.model.attention_backend
     if backend == "trtllm_mha" and tree:

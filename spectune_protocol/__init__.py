@@ -12,11 +12,11 @@ import math
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
-from optimizer.spec import Workload
+from optimizer.spec import LABEL_KEY_RE, LABEL_VALUE_RE, MODEL_NAME_RE, NAME_RE, Workload
 
 # Bounds on what a worker reports.  Every float is finite (NaN and Infinity, incl. JSON's 1e309,
 # are refused), and within a range the API can divide and multiply without overflow: throughput
@@ -30,10 +30,44 @@ MAX_COUNT = 10**12
 # rendered safely (serialisers recurse).
 MAX_EFFECTIVE_DEPTH = 16
 
+
+def _anchored(pattern: str) -> str:
+    """A `re` pattern ending in `\\Z` as pydantic-core wants it (`^...$`, where `$` is the very end)."""
+    return "^" + pattern.removesuffix(r"\Z") + "$"
+
+
+# Every text field is pattern-checked, both ways: what a worker reports is stored and shown, and
+# what the API sends a worker is logged there and acted on.  No field can carry a newline (a
+# forged log line), a control character or an unbounded amount of text.
+# A version as SGLang and pip write them ("0.5.23", "v0.5.3rc0", "0.5.10.post1"):
+# optimizer.sglang.parse_version reads every text this pattern admits.
+VERSION_PATTERN = r"^v?\d{1,4}\.\d{1,4}\.\d{1,6}[A-Za-z0-9.+-]{0,32}$"
+Version = Annotated[str, StringConstraints(pattern=VERSION_PATTERN)]
+ModelName = Annotated[str, StringConstraints(pattern=_anchored(MODEL_NAME_RE.pattern))]
+LabelKey = Annotated[str, StringConstraints(pattern=_anchored(LABEL_KEY_RE.pattern))]
+LabelValue = Annotated[str, StringConstraints(pattern=_anchored(LABEL_VALUE_RE.pattern))]
+# Printable text without control characters (GPU names, host names).
+Plain = Annotated[str, StringConstraints(pattern=r"^[^\x00-\x1f\x7f]{0,255}$")]
+Word = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:+-]{0,63}$")]
+# A plain file name of a worker's prompt folder, as a workload names it (optimizer.spec.Workload).
+PromptFile = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")]
+StudyName = Annotated[str, StringConstraints(pattern=_anchored(NAME_RE.pattern))]
+# The API's lease ids are uuid4s; any id a worker puts in a URL path is one plain segment.
+LeaseId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+# Models a worker names in its inventory, and labels: enough for any real host, and an inventory
+# stays a few tens of kB (150 ids x 1 MB inventories once made `GET /v1/workers` 145 MiB).
+MAX_MODELS = 256
+MAX_LABELS = 72  # 64 from the worker's config, plus the derived gpu_model and gpu_count
+# What the API may ask of a worker's heartbeat: never a busy loop, never a silence of hours.
+MIN_HEARTBEAT_S = 0.05
+MAX_HEARTBEAT_S = 3600.0
+
 TokS = Annotated[float, Field(ge=MIN_TOK_S, le=MAX_TOK_S)]
 Millis = Annotated[float, Field(ge=0, le=MAX_MS)]
 Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 _IN = ConfigDict(extra="forbid", allow_inf_nan=False)
+# What the API sends: unknown fields are ignored (a newer API), but no number may be NaN or Infinity.
+_OUT = ConfigDict(allow_inf_nan=False)
 
 LeaseKind = Literal["baseline", "trial", "confirm"]
 # `refused`: the worker will not run what the *study* asks on this host (a model not in its
@@ -46,7 +80,7 @@ class GpuInfo(BaseModel):
     model_config = _IN
 
     index: int = Field(ge=0, le=1024)
-    name: str = Field(max_length=128)
+    name: Plain = Field(max_length=128)
     memory_mib: int = Field(ge=0, le=MAX_COUNT)
 
 
@@ -55,37 +89,41 @@ class Inventory(BaseModel):
 
     model_config = _IN
 
-    hostname: str = Field(default="", max_length=255)
+    hostname: Plain = Field(default="", max_length=255)
     gpus: list[GpuInfo] = Field(default_factory=list, max_length=64)
-    driver_version: str | None = Field(default=None, max_length=64)
-    sglang_version: str = Field(max_length=64)
-    models: list[str] = Field(default_factory=list, max_length=1024)
-    labels: dict[str, str] = Field(default_factory=dict, max_length=64)
-    spectune_version: str | None = Field(default=None, max_length=64)
+    driver_version: Word | None = None
+    sglang_version: Version
+    models: list[ModelName] = Field(default_factory=list, max_length=MAX_MODELS)
+    labels: dict[LabelKey, LabelValue] = Field(default_factory=dict, max_length=MAX_LABELS)
+    spectune_version: Word | None = None
     # A digest of what decides what this worker refuses (its allowlist of server flags, its model
     # registry, its prompt files): when it changes, the API ends this worker's refusals.
     config_digest: str | None = Field(default=None, pattern=r"^[0-9a-f]{16,64}$")
     # The dataset and prompt files in the worker's prompt folder (plain file names): a study whose
     # workload names a file a worker lacks is not offered to that worker.
-    prompt_files: list[Annotated[str, Field(max_length=255)]] = Field(default_factory=list, max_length=1024)
+    prompt_files: list[PromptFile] = Field(default_factory=list, max_length=1024)
 
 
 class LeaseOut(BaseModel):
     """A unit of work: one server launch and benchmark."""
 
-    lease_id: str
+    model_config = _OUT
+
+    lease_id: LeaseId
     kind: LeaseKind
-    study: str
-    trial_number: int | None
-    attempt: int
+    study: StudyName
+    trial_number: int | None = Field(ge=0, le=10**9)
+    attempt: int = Field(ge=1, le=1000)
     deadline: datetime
-    heartbeat_interval_s: float
+    heartbeat_interval_s: float = Field(ge=MIN_HEARTBEAT_S, le=MAX_HEARTBEAT_S)
     server: ServerSettings
     workload: Workload
     config: SpecConfig | None = None
 
 
 class HeartbeatOut(BaseModel):
+    model_config = _OUT
+
     deadline: datetime
 
 
@@ -100,6 +138,8 @@ class ProgressIn(BaseModel):
 
 
 class ProgressOut(BaseModel):
+    model_config = _OUT
+
     action: Literal["continue", "prune"]
 
 
@@ -136,7 +176,8 @@ class Metrics(BaseModel):
     startup_s: float | None = Field(default=None, ge=0, le=1e7)
     # What SGLang reported in /server_info after start-up (speculative_* etc.), as it ran.
     effective: dict[str, Any] = Field(default_factory=dict)
-    sglang_version: str | None = Field(default=None, max_length=64)
+    # Pattern-checked: the study document reads it as a version (a bad one once broke every read).
+    sglang_version: Version | None = None
     # The end of the server's log, kept as a trial artifact next to the benchmark report.
     log_tail: str = Field(default="", max_length=20_000)
 
@@ -188,7 +229,9 @@ class CompleteIn(BaseModel):
 
 
 class CompleteOut(BaseModel):
-    lease_id: str
-    state: str
-    speedup: float | None = None
+    model_config = _OUT
+
+    lease_id: Plain = Field(max_length=64)  # an echo of the request's id, never used in a path
+    state: Word
+    speedup: float | None = Field(default=None, ge=0, le=1e12)
     duplicate: bool = False

@@ -364,7 +364,7 @@ class StudyService:
 
     def create(self, spec: StudySpec, owner: int | None = None) -> dict[str, Any]:
         """Store a new study; `owner` (a token id) is held to `max_running_studies_per_user`."""
-        validate_spec(spec)
+        validate_spec(spec, max_configs=self.ctx.settings.max_space_configs)
         # One owner's creations are serialised, so two at once cannot both pass the limit.
         with self.ctx.unit(lock=None if owner is None else f"studies-of-token:{owner}") as u:
             if owner is not None:
