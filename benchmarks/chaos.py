@@ -48,7 +48,7 @@ from typing import Any
 import httpx
 
 from tests.e2e_support import WorkerProc, group_alive, kill_engines, start_worker, write_worker_config
-from tests.servers import free_port
+from tests.helpers import free_port, spawn_api
 from workers.lifeline import child_env
 
 MODELS = {"moe-pcie": "moe-pcie", "moe-pcie-eagle3": "moe-pcie-eagle3"}
@@ -118,24 +118,7 @@ class ApiProc:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 60.0) -> None:
-        argv = [sys.executable, "-m", "api.cli", "server", "--database-url", self.db_url]
-        argv += ["--host", "127.0.0.1", "--port", str(self.port)]
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, env=child_env({**os.environ, "TZ": "UTC", **self.env}),
-                start_new_session=True,
-            )  # fmt: skip
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"API {self.name} exited with {self.proc.returncode}; see {self.log}")
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"API {self.name} not ready after {timeout_s:.0f} s; see {self.log}")
+        self.proc = spawn_api(self.db_url, log_path=self.log, env=self.env, port=self.port, timeout=timeout_s)
 
     def signal(self, sig: signal.Signals, wait_s: float = 20.0) -> None:
         if self.proc is None or self.proc.poll() is not None:

@@ -42,6 +42,25 @@ def _drop_pg(name: str) -> None:
         c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+@contextlib.contextmanager
+def pg_clone(template: str, prefix: str = "spectune_t") -> Iterator[str]:
+    """A fresh Postgres database cloned from `template` (its URL), dropped afterwards."""
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    with _pg_admin() as c:
+        c.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
+    try:
+        yield pg_url(name)
+    finally:
+        _drop_pg(name)
+
+
+def sqlite_clone(template: Path, folder: Path) -> str:
+    """A copy of the migrated SQLite `template` in `folder` (its URL)."""
+    path = folder / "spectune.db"
+    shutil.copy(template, path)
+    return f"sqlite:///{path}"
+
+
 @pytest.fixture(scope="session")
 def pg_template() -> Iterator[str]:
     from api.schema import upgrade
@@ -70,31 +89,17 @@ def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(params=["sqlite", "postgres"])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "sqlite":
-        template: Path = request.getfixturevalue("sqlite_template")
-        path = tmp_path / "spectune.db"
-        shutil.copy(template, path)
-        yield f"sqlite:///{path}"
+        yield sqlite_clone(request.getfixturevalue("sqlite_template"), tmp_path)
         return
-    template_name: str = request.getfixturevalue("pg_template")
-    name = f"spectune_t_{uuid.uuid4().hex[:12]}"
-    with _pg_admin() as c:
-        c.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_name}"')
-    try:
-        yield pg_url(name)
-    finally:
-        _drop_pg(name)
+    with pg_clone(request.getfixturevalue("pg_template")) as url:
+        yield url
 
 
 @pytest.fixture
 def pg_db_url(pg_template: str) -> Iterator[str]:
     """A fresh Postgres database only (for tests that are about Postgres behaviour)."""
-    name = f"spectune_t_{uuid.uuid4().hex[:12]}"
-    with _pg_admin() as c:
-        c.execute(f'CREATE DATABASE "{name}" TEMPLATE "{pg_template}"')
-    try:
-        yield pg_url(name)
-    finally:
-        _drop_pg(name)
+    with pg_clone(pg_template) as url:
+        yield url
 
 
 def make_settings(db_url: str, **overrides: Any) -> Any:
@@ -152,11 +157,9 @@ def api(db_url: str, tmp_path: Path) -> Iterator[Api]:
 @pytest.fixture
 def server(tmp_path: Path, sqlite_template: Path) -> Iterator[tuple[str, dict[str, str]]]:
     """A real `spectune server` on a fresh SQLite file (the embedded default): (base URL, tokens)."""
-    from tests.servers import api_server
+    from tests.helpers import api_server
 
-    db = tmp_path / "spectune.db"
-    shutil.copy(sqlite_template, db)
-    url = f"sqlite:///{db}"
+    url = sqlite_clone(sqlite_template, tmp_path)
     tokens = make_tokens(url)
     with api_server(url, log_path=tmp_path / "api.log") as base:
         yield base, tokens

@@ -11,34 +11,26 @@ import re
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 
 from tests.conftest import make_tokens
-from tests.servers import api_server, free_port, stop_process_group
-from workers.lifeline import child_env
+from tests.helpers import (
+    SIM_ENV,
+    free_port,
+    sim_worker_toml,
+    spawn,
+    spawn_api,
+    stop_process_group,
+    write_token,
+)
 
-T = TypeVar("T")
 SERVER_PID_RE = re.compile(r"server started: pid (\d+)")
-
-# Fast but faithful: every rate x40, start-up at 0.2% of the modelled minutes.
-SIM_ENV = {"SPECTUNE_SIM_SPEED": "40", "SPECTUNE_SIM_TIME_SCALE": "0.002"}
-
-
-def wait_for(what: str, fn: Callable[[], T | None], timeout: float, interval: float = 0.2) -> T:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = fn()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 @dataclass
@@ -58,59 +50,44 @@ class WorkerProc:
 
 
 def write_worker_config(
-    root: Path, name: str, api_url: str, token: str, models: dict[str, str], env: dict[str, str] | None = None,
-    *, startup_s: float = 60,
-) -> WorkerProc:  # fmt: skip
+    root: Path,
+    name: str,
+    api_url: str,
+    token: str,
+    models: dict[str, str],
+    env: dict[str, str] | None = None,
+    *,
+    startup_s: float = 60,
+) -> WorkerProc:
+    """`root/name/worker.toml` for a worker on the simulator; `models` maps registry names to landscapes."""
     wdir = root / name
     (wdir / "models").mkdir(parents=True, exist_ok=True)
-    registry = []
+    registry = {}
     for model, landscape in models.items():
         path = wdir / "models" / landscape
         path.mkdir(exist_ok=True)
-        registry.append(f'"{model}" = "{path}"')
-    (wdir / "token").write_text(token + "\n")
-    (wdir / "token").chmod(0o600)
-    engine_env = "\n".join(f'{k} = "{v}"' for k, v in {**SIM_ENV, "SPECTUNE_SIM_HOST_ID": name, **(env or {})}.items())
+        registry[model] = path
+    write_token(wdir, token)
     cfg = wdir / "worker.toml"
     cfg.write_text(
-        f"""api_url = "{api_url}"
-token_file = "token"
-worker_id = "{name}"
-outbox_dir = "outbox"
-idle_poll_s = 0.2
-idle_poll_max_s = 1
-
-[engine]
-python = "{sys.executable}"
-module = "spectune_sim"
-port = {free_port()}
-sglang_version = "0.5.23"
-log_dir = "logs"
-
-[engine.env]
-{engine_env}
-
-[timeouts]
-startup_s = {startup_s}
-stop_s = 10
-gpu_release_s = 5
-request_s = 60
-api_s = 5
-api_retry_max_s = 1
-
-[models]
-{chr(10).join(registry)}
-"""
-    )
+        sim_worker_toml(
+            api_url=api_url,
+            worker_id=name,
+            models=registry,
+            top={"outbox_dir": "outbox", "idle_poll_s": 0.2, "idle_poll_max_s": 1},
+            engine={"log_dir": "logs"},
+            engine_env={**SIM_ENV, "SPECTUNE_SIM_HOST_ID": name, **(env or {})},
+            timeouts={
+                "startup_s": startup_s, "stop_s": 10, "gpu_release_s": 5, "request_s": 60, "api_s": 5,
+                "api_retry_max_s": 1,
+            },
+        )
+    )  # fmt: skip
     return WorkerProc(name=name, config=cfg, log=wdir / "worker.log", outbox=wdir / "outbox")
 
 
 def start_worker(w: WorkerProc) -> None:
-    with open(w.log, "ab") as log:
-        w.proc = subprocess.Popen(
-            [sys.executable, "-m", "api.cli", "worker", "--config", str(w.config)],
-            stdout=log, stderr=subprocess.STDOUT, env=child_env({**os.environ, "TZ": "UTC"}), start_new_session=True,
-        )  # fmt: skip
+    w.proc = spawn([sys.executable, "-m", "api.cli", "worker", "--config", str(w.config)], w.log)
 
 
 def kill_engines(w: WorkerProc) -> None:
@@ -161,17 +138,16 @@ class Cluster:
     def user(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.tokens['user']}"}
 
-    _api_cm: Any = None
+    _api_proc: subprocess.Popen[bytes] | None = None
 
     def start_api(self) -> None:
-        cm = api_server(self.db_url, log_path=self.api_log, env=self.api_env, port=self.api_port)
-        self.api_url = cm.__enter__()
-        self._api_cm = cm
+        self._api_proc = spawn_api(self.db_url, log_path=self.api_log, env=self.api_env, port=self.api_port)
+        self.api_url = f"http://127.0.0.1:{self.api_port}"
 
     def stop_api(self) -> None:
-        if self._api_cm is not None:
-            cm, self._api_cm = self._api_cm, None
-            cm.__exit__(None, None, None)
+        if self._api_proc is not None:
+            proc, self._api_proc = self._api_proc, None
+            stop_process_group(proc)
 
     def add_worker(self, name: str, models: dict[str, str], env: dict[str, str] | None = None, **kw: Any) -> WorkerProc:
         w = write_worker_config(

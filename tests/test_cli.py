@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.servers import free_port
+from tests.helpers import free_port
 
 
 def spectune(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.conftest import INVENTORY, make_tokens, small_spec
-from tests.servers import api_server
+from tests.helpers import api_server
 
 pytestmark = pytest.mark.postgres
 

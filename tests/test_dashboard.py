@@ -4,8 +4,6 @@ the study note and the artifacts (over HTTP against the real app, on SQLite and 
 from __future__ import annotations
 
 import json
-import shutil
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,7 +12,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.conftest import Api, _drop_pg, _pg_admin, make_settings, make_tokens, pg_url
+from tests.conftest import Api, make_settings, make_tokens, pg_clone, sqlite_clone
 from tests.test_report import report_spec, run_simulated_study
 
 
@@ -37,18 +35,10 @@ def dash(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 @contextmanager
 def _database(request: pytest.FixtureRequest, tmp: Path) -> Iterator[str]:
     if request.param == "sqlite":
-        db = tmp / "spectune.db"
-        shutil.copy(request.getfixturevalue("sqlite_template"), db)
-        yield f"sqlite:///{db}"
+        yield sqlite_clone(request.getfixturevalue("sqlite_template"), tmp)
         return
-    template = request.getfixturevalue("pg_template")
-    name = f"spectune_dash_{uuid.uuid4().hex[:10]}"
-    with _pg_admin() as c:
-        c.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
-    try:
-        yield pg_url(name)
-    finally:
-        _drop_pg(name)
+    with pg_clone(request.getfixturevalue("pg_template"), "spectune_dash") as url:
+        yield url
 
 
 @pytest.fixture(autouse=True)

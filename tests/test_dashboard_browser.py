@@ -24,7 +24,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.conftest import make_settings, make_tokens
-from tests.servers import api_server, stop_process_group
+from tests.helpers import api_server, stop_process_group
 from tests.test_report import report_spec, run_simulated_study
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

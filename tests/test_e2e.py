@@ -15,7 +15,9 @@ from typing import Any
 
 import pytest
 
-from tests.e2e_support import Cluster, alive, cluster, group_alive, wait_for
+from tests.conftest import small_spec
+from tests.e2e_support import Cluster, alive, cluster, group_alive
+from tests.helpers import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
@@ -23,20 +25,8 @@ MODELS = {"moe-pcie": "moe-pcie", "moe-pcie-eagle3": "moe-pcie-eagle3"}
 
 
 def spec(name: str, max_trials: int, **kw: Any) -> dict[str, Any]:
-    s: dict[str, Any] = {
-        "name": name,
-        "model": {"target": "moe-pcie", "draft": "moe-pcie-eagle3"},
-        "search_space": {
-            "num_steps": {"low": 1, "high": 6},
-            "topk": [1, 2, 4],
-            "num_draft_tokens": {"low": 2, "high": 16},
-        },
-        "workload": {"output_len": 48, "num_prompts": 4, "concurrency": [1, 2], "warmup_requests": 1, "repeats": 2},
-        "budget": {"max_trials": max_trials},
-        "seed": 11,
-    }
-    s.update(kw)
-    return s
+    workload = {"output_len": 48, "num_prompts": 4, "concurrency": [1, 2], "warmup_requests": 1, "repeats": 2}
+    return small_spec(name, **{"workload": workload, "budget": {"max_trials": max_trials}, "seed": 11, **kw})
 
 
 def finished(c: Cluster, name: str) -> dict[str, Any] | None:

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import small_spec
-from tests.e2e_support import cluster, kill_engines, start_worker, wait_for
-from tests.servers import stop_process_group
+from tests.e2e_support import cluster, kill_engines, start_worker
+from tests.helpers import stop_process_group, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -25,8 +25,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import INVENTORY, _drop_pg, _pg_admin, make_tokens, pg_url, small_spec
-from tests.servers import api_server
+from tests.conftest import INVENTORY, make_tokens, pg_clone, small_spec
+from tests.helpers import api_server
 
 schemathesis = pytest.importorskip("schemathesis", reason="pip install 'spectune[dev]' (schemathesis)")
 from hypothesis import HealthCheck, given, settings  # noqa: E402  (after the importorskip)
@@ -62,13 +62,8 @@ class Target:
 @pytest.fixture(scope="module")
 def fuzz_db(pg_template: str) -> Iterator[str]:
     """One database for the module: the server is started once (tests only add studies)."""
-    name = f"spectune_fuzz_{uuid.uuid4().hex[:12]}"
-    with _pg_admin() as c:
-        c.execute(f'CREATE DATABASE "{name}" TEMPLATE "{pg_template}"')
-    try:
-        yield pg_url(name)
-    finally:
-        _drop_pg(name)
+    with pg_clone(pg_template, "spectune_fuzz") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -40,8 +40,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, precondition, rule, run_state_machine_as_test
 
 from spectune_protocol import LeaseOut
-from tests.conftest import _drop_pg, _pg_admin, make_tokens, pg_url
-from tests.servers import api_server
+from tests.conftest import make_tokens, pg_clone
+from tests.helpers import api_server
 
 pytestmark = [pytest.mark.postgres]
 
@@ -364,20 +364,14 @@ class LeaseFuzz(RuleBasedStateMachine):
 
 @pytest.fixture(scope="module")
 def fuzz_server(pg_template: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    name = f"spectune_sfuzz_{uuid.uuid4().hex[:12]}"
-    with _pg_admin() as c:
-        c.execute(f'CREATE DATABASE "{name}" TEMPLATE "{pg_template}"')
-    tmp = tmp_path_factory.mktemp("stateful-fuzz")
-    log = tmp / "api.log"
-    try:
-        Server.tokens = make_tokens(pg_url(name))
+    log = tmp_path_factory.mktemp("stateful-fuzz") / "api.log"
+    with pg_clone(pg_template, "spectune_sfuzz") as db_url:
+        Server.tokens = make_tokens(db_url)
         # No quarantine: the fuzzer's failure reports would soon park its two workers.
         env = {"SPECTUNE_QUARANTINE_AFTER": "100000", "SPECTUNE_MAX_BODY_BYTES": str(256 * 1024)}
-        with api_server(pg_url(name), log_path=log, env=env) as url:
+        with api_server(db_url, log_path=log, env=env) as url:
             Server.url = url
             yield log
-    finally:
-        _drop_pg(name)
 
 
 def test_stateful_fuzz_never_breaks_a_study_or_the_fleet(fuzz_server: Path) -> None:

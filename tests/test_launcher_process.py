@@ -23,6 +23,7 @@ import pytest
 
 from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
+from tests.helpers import free_port, wait_for
 from workers.errors import GpuReleaseTimeout, LaunchCancelled, LaunchError
 from workers.gpu import GpuDevice, GpuProcess
 from workers.launcher import EngineConfig, Launcher, RunningServer, classify_exit
@@ -31,21 +32,6 @@ from workers.launcher.processes import alive, descendants, group_members, stop_g
 from workers.launcher.server_info import effective_settings, find_mismatches
 
 DEADLINE_S = 30.0  # bound on every wait in these tests; none is expected to come near it
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_for(condition: object, timeout_s: float = DEADLINE_S) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():  # type: ignore[operator]
-            return True
-        time.sleep(0.05)
-    return False
 
 
 # --- classification, from real SGLang-style output ---------------------------------------------
@@ -377,7 +363,7 @@ def test_server_killed_after_readiness_is_a_crash(tmp_path: Path, launchers: lis
     launchers.append(launcher)
     server = launch(launcher, trial())
     os.kill(server.pid, signal.SIGKILL)
-    assert wait_for(lambda: not server.is_alive())
+    wait_for("the server to stop", lambda: not server.is_alive(), DEADLINE_S)
     death = server.death()
     assert death is not None and death.kind == "crash" and "SIGKILL" in death.message
     assert server.returncode == -signal.SIGKILL
@@ -390,7 +376,7 @@ def test_server_crashing_on_its_own_after_readiness(tmp_path: Path, launchers: l
     launcher = Launcher(sim_engine(tmp_path, SPECTUNE_SIM_FAULT="crash_after:1"))
     launchers.append(launcher)
     server = launch(launcher, trial())
-    assert wait_for(lambda: not server.is_alive())
+    wait_for("the server to stop", lambda: not server.is_alive(), DEADLINE_S)
     death = server.death()
     assert death is not None and death.kind == "crash" and not death.host_fault
     assert death.log_tail

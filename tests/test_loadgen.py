@@ -11,11 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -29,8 +25,7 @@ from optimizer.spec import Workload
 from spectune_protocol import LevelMetrics
 from spectune_sim.landscapes import get_landscape
 from spectune_sim.model import predict
-from tests.servers import free_port, stop_process_group
-from workers.lifeline import child_env
+from tests.helpers import sim_engine
 from workers.loadgen import LoadgenCancelled, LoadgenError, load_prompts, make_client, run_level, run_workload
 from workers.loadgen.chunked import ChunkedDecoder, ChunkedError
 from workers.loadgen.request import _scan_progress, _StreamState, stream_generate
@@ -515,60 +510,19 @@ SIM_OUTPUT_LEN = 512  # long enough that prefill (~1 decode step per request) is
 @contextmanager
 def simulator(config: SpecConfig | None, log_path: Path) -> Iterator[str]:
     """Start the simulator with SGLang's flags; yield its URL once /health_generate says 200."""
-    port = free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "spectune_sim",
-        "--model-path",
-        f"sim/{SIM_LANDSCAPE}",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--max-running-requests",
-        str(SIM_MAX_RUNNING),
-        "--cuda-graph-max-bs-decode",
-        str(SIM_MAX_RUNNING),
-    ]
+    args = ["--model-path", f"sim/{SIM_LANDSCAPE}", "--max-running-requests", str(SIM_MAX_RUNNING)]
+    args += ["--cuda-graph-max-bs-decode", str(SIM_MAX_RUNNING)]
     if config is not None:
-        argv += [
-            "--speculative-algorithm",
-            "EAGLE3",
-            "--speculative-draft-model-path",
-            "sim/draft",
-            "--speculative-num-steps",
-            str(config.num_steps),
-            "--speculative-eagle-topk",
-            str(config.topk),
-            "--speculative-num-draft-tokens",
-            str(config.num_draft_tokens),
-        ]
-    env = {
-        **os.environ,
-        "SPECTUNE_SIM_TIME_SCALE": "0.002",
-        "SPECTUNE_SIM_SPEED": str(SIM_SPEED),
-        "SPECTUNE_SIM_NOISE": "0",
-    }
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=child_env(env), start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:  # bounded by the deadline
-            if proc.poll() is not None:
-                raise RuntimeError(f"simulator exited with {proc.returncode}: {log_path.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{url}/health_generate", timeout=2.0, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"simulator not ready in 90 s: {log_path.read_text()[-2000:]}")
-            time.sleep(0.1)
+        args += [
+            "--speculative-algorithm", "EAGLE3",
+            "--speculative-draft-model-path", "sim/draft",
+            "--speculative-num-steps", str(config.num_steps),
+            "--speculative-eagle-topk", str(config.topk),
+            "--speculative-num-draft-tokens", str(config.num_draft_tokens),
+        ]  # fmt: skip
+    env = {"SPECTUNE_SIM_TIME_SCALE": "0.002", "SPECTUNE_SIM_SPEED": str(SIM_SPEED), "SPECTUNE_SIM_NOISE": "0"}
+    with sim_engine(args, log_path=log_path, env=env) as (url, _):
         yield url
-    finally:
-        stop_process_group(proc)
 
 
 async def _measure_levels(url: str, levels: list[int]) -> list[LevelMetrics]:

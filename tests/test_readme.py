@@ -17,8 +17,7 @@ import httpx
 import pytest
 
 from tests.conftest import _drop_pg, _pg_admin, pg_url, small_spec
-from tests.e2e_support import wait_for
-from tests.servers import copy_checkout, free_port
+from tests.helpers import copy_checkout, free_port, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -25,7 +25,7 @@ from sqlalchemy.exc import InvalidRequestError, OperationalError
 
 from api.errors import storage_unavailable
 from tests.conftest import INVENTORY, Api, _pg_admin, make_settings, make_tokens, small_spec
-from tests.servers import api_server
+from tests.helpers import api_server
 
 
 def ok(levels: list[int]) -> dict[str, Any]:

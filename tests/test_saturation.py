@@ -13,16 +13,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from optimizer.analysis import level_intervals
 from spectune_protocol import LevelMetrics
-from tests.servers import free_port, stop_process_group
+from tests.helpers import sim_engine
 from workers.launcher.processes import group_members
 from workers.lifeline import child_env
 from workers.loadgen import load_prompts, make_client, run_level
@@ -35,30 +33,10 @@ pytestmark = pytest.mark.slow
 @contextlib.contextmanager
 def simulator(speed: float, log_path: Path) -> Iterator[tuple[str, int]]:
     """The simulated engine at `speed` (baseline server, metrics on); yields (url, process group)."""
-    port = free_port()
-    argv = [
-        sys.executable, "-m", "spectune_sim", "--model-path", "sim/moe-pcie", "--host", "127.0.0.1",
-        "--port", str(port), "--max-running-requests", "16", "--cuda-graph-max-bs-decode", "16",
-        "--enable-metrics",
-    ]  # fmt: skip
-    env = {**os.environ, "SPECTUNE_SIM_TIME_SCALE": "0.002", "SPECTUNE_SIM_SPEED": str(speed)}
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=child_env(env), start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:  # bounded by the deadline
-            if proc.poll() is not None:
-                raise RuntimeError(f"simulator exited with {proc.returncode}: {log_path.read_text()[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health_generate", timeout=2.0, trust_env=False).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"simulator not ready in 90 s: {log_path.read_text()[-2000:]}")
-            time.sleep(0.1)
-        yield url, proc.pid
-    finally:
-        stop_process_group(proc)
+    args = ["--model-path", "sim/moe-pcie", "--max-running-requests", "16", "--cuda-graph-max-bs-decode", "16"]
+    env = {"SPECTUNE_SIM_TIME_SCALE": "0.002", "SPECTUNE_SIM_SPEED": str(speed)}
+    with sim_engine([*args, "--enable-metrics"], log_path=log_path, env=env) as served:
+        yield served
 
 
 @contextlib.contextmanager

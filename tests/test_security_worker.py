@@ -18,7 +18,8 @@ import pytest
 
 from optimizer.sglang import ServerSettings
 from spectune_protocol import CompleteIn
-from tests.test_worker_agent import TOKEN, ApiServer, FakeApi, lease_body, running_agent, wait_for, write_config
+from tests.helpers import wait_for
+from tests.test_worker_agent import TOKEN, ApiServer, FakeApi, lease_body, running_agent, write_config
 from workers.agent import server_settings_refusal
 from workers.config import DEFAULT_ALLOWED_EXTRA_ARGS, RESERVED_FLAGS, load_config
 from workers.errors import ConfigError
@@ -64,7 +65,7 @@ def test_flags_outside_the_workers_allowlist_are_refused_before_any_launch(
     ]
     config = write_config(tmp_path, server.url)
     with running_agent(config):
-        wait_for(lambda: len(fake.completed) == 4, what="four refusals")
+        wait_for("four refusals", lambda: len(fake.completed) == 4)
     reports = _refusals(fake, ["L-path", "L-code", "L-value", "L-space"])
     for lid, flag in (("L-path", "--model-path"), ("L-code", "--trust-remote-code")):
         message = reports[lid].failure.message  # type: ignore[union-attr]
@@ -81,12 +82,12 @@ def test_an_operator_can_allow_a_flag_on_one_host(tmp_path: Path, api: Any) -> N
     # A model outside the registry makes the lease end before a launch, after the flag check:
     # the report then names the registry, not the flag, which shows the flag was accepted.
     fake.queue = [_with_extra("L-1", {"--trust-remote-code": True}, target="not-here")]
-    config = write_config(tmp_path, server.url, extra="")
+    config = write_config(tmp_path, server.url)
     text = config.read_text().replace("[engine]\n", '[engine]\nallowed_extra_args = ["--trust-remote-code"]\n')
     config.write_text(text)
     assert load_config(config).engine.allowed_extra_args == ("--trust-remote-code",)
     with running_agent(config):
-        wait_for(lambda: "L-1" in fake.completed, what="the report")
+        wait_for("the report", lambda: "L-1" in fake.completed)
     failure = fake.reports()["L-1"].failure
     assert failure is not None
     message = failure.message
@@ -130,7 +131,7 @@ def test_models_outside_the_registry_are_refused(tmp_path: Path, api: Any) -> No
     # A path in place of a registry name: never launched, never resolved.
     fake.queue = [lease_body("L-1", target="/srv/models/other"), lease_body("L-2", draft="../models/eagle")]
     with running_agent(write_config(tmp_path, server.url)):
-        wait_for(lambda: len(fake.completed) == 2, what="two refusals")
+        wait_for("two refusals", lambda: len(fake.completed) == 2)
     reports = _refusals(fake, ["L-1", "L-2"])
     assert "/srv/models/other" in reports["L-1"].failure.message  # type: ignore[union-attr]
     assert not any((tmp_path / "logs").glob("*"))
@@ -150,8 +151,8 @@ def test_prompt_files_outside_the_prompt_folder_are_never_read(tmp_path: Path, a
     traversal["workload"]["prompts"] = "../secret.txt"
     fake.queue = [escaping, traversal]
     with running_agent(config):
-        wait_for(lambda: "L-link" in fake.completed, what="the refusal")
-        wait_for(lambda: len(fake.names("lease")) >= 4, what="the worker to ask again")
+        wait_for("the refusal", lambda: "L-link" in fake.completed)
+        wait_for("the worker to ask again", lambda: len(fake.names("lease")) >= 4)
     failure = _refusals(fake, ["L-link"])["L-link"].failure
     assert failure is not None
     assert "outside the prompt folder" in failure.message, failure.message

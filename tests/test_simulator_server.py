@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from optimizer.space import SpecConfig
 from spectune_sim.args import build_parser
 from spectune_sim.landscapes import get_landscape
 from spectune_sim.model import predict
+from tests.helpers import free_port, wait_for, wait_serving
 from workers.lifeline import child_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,12 +32,6 @@ SPEC_3_1_4 = [
     "--speculative-num-steps", "3",
     "--speculative-eagle-topk", "1",
 ]  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -57,16 +51,7 @@ class Sim:
         return self.proc.wait(timeout=timeout)
 
     def wait_ready(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"server exited {self.proc.returncode}:\n{self.log()}"
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.02)
-        raise AssertionError(f"not ready within {timeout} s:\n{self.log()}")
+        wait_serving(self.url + "/health", self.proc, self.log_path, timeout)
 
 
 @pytest.fixture
@@ -362,3 +347,51 @@ def test_moe_pcie_stream_reproduces_the_calibration(launch):
         assert measured[steps] == pytest.approx(model, rel=0.05), (steps, measured[steps], model)
         assert measured[steps] == pytest.approx(published[steps], rel=0.05), (steps, measured[steps])
     assert measured[2] > measured[None] > measured[5] > measured[10], measured
+
+
+def test_the_simulator_stops_when_the_process_that_started_it_is_killed(tmp_path: Path) -> None:
+    """A worker SIGKILLed leaves its engine behind; the simulator follows it (spectune_sim/lifeline.py)."""
+    port = free_port()
+    log_path = tmp_path / "sim.log"
+    argv = [sys.executable, "-m", "spectune_sim", "--model-path", "/models/moe-pcie", "--port", str(port)]
+    parent_code = (
+        "import os, subprocess, sys, time\n"
+        "from workers.lifeline import child_env\n"
+        f"log = open({str(log_path)!r}, 'ab')\n"
+        f"sim = subprocess.Popen({argv!r}, env=child_env({{**os.environ, **{FAST!r}}}), stdout=log,"
+        " stderr=subprocess.STDOUT, start_new_session=True)\n"
+        "print(sim.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", parent_code], stdout=subprocess.PIPE, cwd=REPO, start_new_session=True
+    )
+    assert parent.stdout is not None
+    sim_pid = int(parent.stdout.readline())
+    try:
+        wait_for("the simulator to serve", lambda: _answers(f"http://127.0.0.1:{port}/health"), 60)
+        parent.kill()
+        parent.wait(10)
+        wait_for("the simulator to stop", lambda: not _running(sim_pid), 30, context=log_path.read_text)
+        assert "parent process" in log_path.read_text()
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(10)
+        if _running(sim_pid):
+            os.killpg(sim_pid, signal.SIGKILL)  # its own group, started by this test
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

@@ -14,7 +14,6 @@ import importlib.util
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,6 +28,7 @@ import uvicorn
 from fastapi import FastAPI, Request, Response
 
 from spectune_protocol import CompleteIn, Failure
+from tests.helpers import free_port, sim_worker_toml, wait_for, write_token
 from workers.agent import EXIT_CONFIG, Agent
 from workers.client import make_http_client
 from workers.config import load_config
@@ -38,16 +38,6 @@ from workers.outbox import Outbox
 TOKEN = "worker-token-abc"
 HAVE_SIMULATOR = importlib.util.find_spec("spectune_sim.__main__") is not None
 needs_simulator = pytest.mark.skipif(not HAVE_SIMULATOR, reason="spectune_sim not available yet")
-
-
-def wait_for(
-    pred: Callable[[], bool], timeout_s: float = 20.0, what: str = "condition", context: Callable[[], str] | None = None
-) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}" + (f"; worker log:\n{context()}" if context else ""))
-        time.sleep(0.02)
 
 
 @contextlib.contextmanager
@@ -181,9 +171,7 @@ class ApiServer:
 
     def __init__(self, api: FakeApi) -> None:
         self.api = api
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -193,7 +181,7 @@ class ApiServer:
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self._thread.start()
-        wait_for(lambda: self._server is not None and self._server.started, 20, "the fake API to start")
+        wait_for("the fake API to start", lambda: self._server is not None and self._server.started, 20)
 
     def stop(self) -> None:
         if self._server is not None and self._thread is not None:
@@ -211,55 +199,26 @@ def api() -> Iterator[tuple[FakeApi, ApiServer]]:
     server.stop()
 
 
-def write_config(
-    tmp_path: Path, api_url: str, *, token: str = TOKEN, extra: str = "", time_scale: float = 0.02
-) -> Path:
+def write_config(tmp_path: Path, api_url: str, *, token: str = TOKEN, time_scale: float = 0.02) -> Path:
     """A worker config driving the simulator; `time_scale` shrinks its start-up (about 30 s real)."""
-    (tmp_path / "token").write_text(token + "\n")
-    os.chmod(tmp_path / "token", 0o600)
+    write_token(tmp_path, token)
     # The simulator picks its landscape from the last component of the model path.
     for name in ("dense-8b-h100", "mem-tight", "eagle3-draft"):
         (tmp_path / "models" / name).mkdir(parents=True, exist_ok=True)
     (tmp_path / "prompts").mkdir(exist_ok=True)
     path = tmp_path / "worker.toml"
     path.write_text(
-        f"""
-api_url = "{api_url}"
-token_file = "token"
-worker_id = "w1"
-prompt_dir = "prompts"
-idle_poll_s = 0.05
-idle_poll_max_s = 0.2
-{extra}
-[engine]
-python = "{sys.executable}"
-module = "spectune_sim"
-sglang_version = "0.5.23"
-port = {_free_port()}
-env = {{ SPECTUNE_SIM_TIME_SCALE = "{time_scale}" }}
-
-[timeouts]
-startup_s = 60
-stop_s = 10
-api_s = 5
-api_retry_max_s = 0.5
-
-[models]
-llama = "models/dense-8b-h100"
-small-gpu = "models/mem-tight"
-eagle = "models/eagle3-draft"
-
-[labels]
-rack = "r1"
-"""
+        sim_worker_toml(
+            api_url=api_url,
+            worker_id="w1",
+            top={"prompt_dir": "prompts", "idle_poll_s": 0.05, "idle_poll_max_s": 0.2},
+            engine_env={"SPECTUNE_SIM_TIME_SCALE": str(time_scale)},
+            timeouts={"startup_s": 60, "stop_s": 10, "api_s": 5, "api_retry_max_s": 0.5},
+            models={"llama": "models/dense-8b-h100", "small-gpu": "models/mem-tight", "eagle": "models/eagle3-draft"},
+            labels={"rack": "r1"},
+        )
     )
     return path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager
@@ -288,7 +247,7 @@ def test_lease_for_a_model_outside_the_registry_is_refused_as_a_study_fault(tmp_
     fake, server = api
     fake.queue = [lease_body("L-1", target="not-here"), lease_body("L-2", draft="unknown-draft")]
     with running_agent(write_config(tmp_path, server.url)) as (agent, _):
-        wait_for(lambda: len(fake.completed) == 2, what="two reports")
+        wait_for("two reports", lambda: len(fake.completed) == 2)
     reports = fake.reports()
     for lid, name in (("L-1", "not-here"), ("L-2", "unknown-draft")):
         failure = reports[lid].failure
@@ -309,7 +268,7 @@ def test_unknown_prompt_file_is_refused_before_any_launch(tmp_path, api):
     body["workload"]["prompts"] = "absent.jsonl"
     fake.queue = [body]
     with running_agent(write_config(tmp_path, server.url)):
-        wait_for(lambda: "L-1" in fake.completed, what="the report")
+        wait_for("the report", lambda: "L-1" in fake.completed)
     failure = fake.reports()["L-1"].failure
     assert failure is not None and failure.kind == "refused" and not failure.host_fault
     assert "absent.jsonl" in failure.message
@@ -318,7 +277,7 @@ def test_unknown_prompt_file_is_refused_before_any_launch(tmp_path, api):
 def test_bad_token_stops_the_worker_with_a_config_exit_status(tmp_path, api, caplog):
     fake, server = api
     with running_agent(write_config(tmp_path, server.url, token="wrong-token")) as (agent, result):
-        wait_for(lambda: bool(result), what="the agent to give up")
+        wait_for("the agent to give up", lambda: bool(result))
     assert result == [EXIT_CONFIG]
     assert "token_file" in caplog.text and "wrong-token" not in caplog.text
     assert len(fake.names("lease")) == 0  # refused before it was recorded
@@ -330,7 +289,7 @@ def test_pending_reports_are_delivered_before_asking_for_work(tmp_path, api):
     old = CompleteIn(outcome="failed", failure=Failure(kind="crash", message="from the previous run"))
     Outbox(tmp_path / "outbox").put("L-old", old)
     with running_agent(config):
-        wait_for(lambda: len(fake.names("lease")) >= 1, what="a lease request")
+        wait_for("a lease request", lambda: len(fake.names("lease")) >= 1)
     assert fake.calls[0][:2] == ("complete", "L-old")
     assert fake.reports()["L-old"] == old
     assert len(Outbox(tmp_path / "outbox")) == 0
@@ -341,14 +300,14 @@ def test_report_stays_in_the_outbox_while_the_api_refuses_it_and_no_new_work_is_
     fake.queue = [lease_body("L-1", target="not-here"), lease_body("L-2", target="not-here")]
     fake.complete_status = 503
     with running_agent(write_config(tmp_path, server.url)):
-        wait_for(lambda: len(fake.names("complete")) >= 3, what="repeated delivery attempts")
+        wait_for("repeated delivery attempts", lambda: len(fake.names("complete")) >= 3)
         # The report is on disk, and the worker did not take L-2 (the API would have handed L-1
         # back, or the L-1 result would wait behind new work).
         assert [i.lease_id for i in Outbox(tmp_path / "outbox").pending()] == ["L-1"]
         assert fake.names("lease") == ["w1"]
         with fake.lock:
             fake.complete_status = None
-        wait_for(lambda: set(fake.completed) == {"L-1", "L-2"}, what="both reports")
+        wait_for("both reports", lambda: set(fake.completed) == {"L-1", "L-2"})
     assert len(Outbox(tmp_path / "outbox")) == 0
 
 
@@ -362,7 +321,7 @@ def test_api_restart_loses_no_report(tmp_path, api):
         time.sleep(0.5)  # the agent retries against a closed port meanwhile
         assert len(Outbox(tmp_path / "outbox")) == 1
         server.start()
-        wait_for(lambda: "L-7" in fake.completed, what="delivery after the restart")
+        wait_for("delivery after the restart", lambda: "L-7" in fake.completed)
     assert fake.reports()["L-7"] == report
 
 
@@ -371,14 +330,14 @@ def test_rejected_report_is_kept_aside_and_the_loop_goes_on(tmp_path, api):
     fake.queue = [lease_body("L-1", target="not-here")]
     fake.complete_status = 422
     with running_agent(write_config(tmp_path, server.url)):
-        wait_for(lambda: (tmp_path / "outbox" / "rejected" / "L-1.json").exists(), what="the rejected report")
-        wait_for(lambda: len(fake.names("lease")) >= 2, what="the loop to go on")
+        wait_for("the rejected report", lambda: (tmp_path / "outbox" / "rejected" / "L-1.json").exists())
+        wait_for("the loop to go on", lambda: len(fake.names("lease")) >= 2)
 
 
 def test_sigterm_while_idle_exits_zero(tmp_path, api):
     fake, server = api
     with worker_process(write_config(tmp_path, server.url)) as (proc, log_text):
-        wait_for(lambda: len(fake.names("lease")) >= 2, 120, "the worker to poll", log_text)
+        wait_for("the worker to poll", lambda: len(fake.names("lease")) >= 2, 120, context=log_text)
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
         assert proc.returncode == 0, log_text()
@@ -421,8 +380,8 @@ def test_trial_runs_end_to_end_with_heartbeats_progress_and_metrics(tmp_path, ap
     fake, server = api
     fake.queue = [lease_body("L-1")]
     with running_agent(write_config(tmp_path, server.url)) as (agent, _):
-        wait_for(lambda: "L-1" in fake.completed, 120, "the trial's report")
-        wait_for(lambda: agent.launcher.current is None, 60, "the server to be stopped")
+        wait_for("the trial's report", lambda: "L-1" in fake.completed, 120)
+        wait_for("the server to be stopped", lambda: agent.launcher.current is None, 60)
     report = fake.reports()["L-1"]
     assert report.outcome == "ok" and report.metrics is not None
     assert [lv.concurrency for lv in report.metrics.levels] == [1, 2]
@@ -440,7 +399,7 @@ def test_prune_stops_the_benchmark_and_reports_the_levels_measured(tmp_path, api
     fake.queue = [lease_body("L-1")]
     fake.progress_action["L-1"] = "prune"
     with running_agent(write_config(tmp_path, server.url)):
-        wait_for(lambda: "L-1" in fake.completed, 120, "the pruned trial's report")
+        wait_for("the pruned trial's report", lambda: "L-1" in fake.completed, 120)
     report = fake.reports()["L-1"]
     assert report.outcome == "ok" and report.metrics is not None
     assert [lv.concurrency for lv in report.metrics.levels] == [1]
@@ -454,7 +413,7 @@ def test_lost_lease_stops_the_server_and_reports_nothing(tmp_path, api):
     fake.queue = [body, lease_body("L-2", target="not-here")]
     fake.heartbeat_status["L-1"] = 410
     with running_agent(write_config(tmp_path, server.url)) as (agent, _):
-        wait_for(lambda: "L-2" in fake.completed, 120, "the next lease's report")
+        wait_for("the next lease's report", lambda: "L-2" in fake.completed, 120)
         assert agent.launcher.current is None
     assert "L-1" not in fake.names("complete")
     assert processes_mentioning(str(tmp_path / "models")) == []
@@ -466,7 +425,7 @@ def test_sigterm_during_startup_reports_lost_and_leaves_no_process(tmp_path, api
     fake.queue = [lease_body("L-1")]
     # Start-up takes ~10 s here; the first heartbeat comes 0.2 s into the lease.
     with worker_process(write_config(tmp_path, server.url, time_scale=0.4)) as (proc, log_text):
-        wait_for(lambda: "L-1" in fake.names("heartbeat"), 120, "the lease to start", log_text)
+        wait_for("the lease to start", lambda: "L-1" in fake.names("heartbeat"), 120, context=log_text)
         assert "ready after" not in log_text()
         proc.send_signal(signal.SIGTERM)
         proc.wait(90)
@@ -482,13 +441,15 @@ def test_second_sigterm_kills_the_server_group_and_exits_at_once(tmp_path, api):
     fake, server = api
     fake.queue = [lease_body("L-1")]
     with worker_process(write_config(tmp_path, server.url, time_scale=0.4)) as (proc, log_text):
-        wait_for(lambda: processes_mentioning(str(tmp_path / "models")) != [], 120, "the server to start", log_text)
+        wait_for(
+            "the server to start", lambda: processes_mentioning(str(tmp_path / "models")) != [], 120, context=log_text
+        )
         proc.send_signal(signal.SIGTERM)
-        wait_for(lambda: "SIGTERM received" in log_text(), 30, "the first signal to be seen", log_text)
+        wait_for("the first signal to be seen", lambda: "SIGTERM received" in log_text(), 30, context=log_text)
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
         assert proc.returncode == 128 + signal.SIGTERM, log_text()
-    wait_for(lambda: processes_mentioning(str(tmp_path / "models")) == [], 10, "the server group to die")
+    wait_for("the server group to die", lambda: processes_mentioning(str(tmp_path / "models")) == [], 10)
 
 
 def processes_mentioning(text: str) -> list[int]:
@@ -514,7 +475,7 @@ def test_oom_is_reported_with_its_kind_and_the_worker_goes_on(tmp_path, api):
     oom["server"].update(max_running_requests=256, cuda_graph_max_bs=256)
     fake.queue = [oom, lease_body("L-2")]
     with running_agent(write_config(tmp_path, server.url)):
-        wait_for(lambda: {"L-1", "L-2"} <= set(fake.completed), 120, "both reports")
+        wait_for("both reports", lambda: {"L-1", "L-2"} <= set(fake.completed), 120)
     reports = fake.reports()
     failure = reports["L-1"].failure
     assert reports["L-1"].outcome == "failed" and failure is not None
@@ -531,12 +492,12 @@ def test_api_down_during_the_benchmark_the_result_arrives_from_the_outbox(tmp_pa
     fake.queue = [body]
     outbox = Outbox(tmp_path / "outbox")
     with running_agent(write_config(tmp_path, server.url)):
-        wait_for(lambda: "L-1" in fake.names("progress"), 120, "the first level")
+        wait_for("the first level", lambda: "L-1" in fake.names("progress"), 120)
         server.stop()
-        wait_for(lambda: len(outbox) == 1, 60, "the report to wait in the outbox")
+        wait_for("the report to wait in the outbox", lambda: len(outbox) == 1, 60)
         assert "L-1" not in fake.completed
         server.start()
-        wait_for(lambda: "L-1" in fake.completed, 60, "delivery after the API came back")
+        wait_for("delivery after the API came back", lambda: "L-1" in fake.completed, 60)
     report = fake.reports()["L-1"]
     assert report.outcome == "ok" and report.metrics is not None and len(report.metrics.levels) == 2
     assert len(outbox) == 0

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import small_spec
-from tests.e2e_support import WorkerProc, cluster, kill_engines, wait_for
-from tests.servers import build_dist, copy_checkout, free_port, stop_process_group
+from tests.e2e_support import WorkerProc, cluster, kill_engines
+from tests.helpers import build_dist, copy_checkout, free_port, stop_process_group, wait_for
 from tests.test_worker_sim_example import EXAMPLE
 
 pytestmark = pytest.mark.slow

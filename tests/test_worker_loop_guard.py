@@ -13,12 +13,12 @@ import threading
 from pathlib import Path
 
 from spectune_protocol import LevelMetrics
+from tests.helpers import wait_for
 from tests.test_worker_agent import (  # noqa: F401 - `api` is a fixture
     api,
     lease_body,
     needs_simulator,
     running_agent,
-    wait_for,
     write_config,
 )
 from workers.ledger import LaunchLedger
@@ -34,7 +34,7 @@ def test_a_lost_lease_handed_back_is_refused_and_reported_never_relaunched(tmp_p
     fake.heartbeat_status["L-1"] = 409
     fake.hand_back_forever = True  # the broken API of the livelock
     with running_agent(write_config(tmp_path, server.url)) as (agent, _):
-        wait_for(lambda: agent.leases_refused >= 3, 120, "the worker to refuse the lease three times")
+        wait_for("the worker to refuse the lease three times", lambda: agent.leases_refused >= 3, 120)
     launches = caplog.text.count("lease L-1: launching the server")
     assert launches == 1, caplog.text[-3000:]
     refusals = [b for e, lid, b in fake.calls if e == "complete" and lid == "L-1"]
@@ -77,10 +77,10 @@ def test_shutdown_mid_benchmark_reports_the_levels_already_measured(tmp_path, ap
     fake.progress_gate = gate = threading.Event()
     # Level 1 is measured and its progress call is held; the shutdown comes meanwhile.
     with running_agent(write_config(tmp_path, server.url)) as (agent, _):
-        wait_for(lambda: "L-1" in fake.names("progress"), 120, "the first level")
+        wait_for("the first level", lambda: "L-1" in fake.names("progress"), 120)
         agent.request_stop("test shutdown")
         gate.set()
-        wait_for(lambda: "L-1" in fake.completed, 60, "the report")
+        wait_for("the report", lambda: "L-1" in fake.completed, 60)
     report = fake.reports()["L-1"]
     assert report.outcome == "failed", "a partial workload must not pose as a finished trial"
     assert report.failure is not None and report.failure.kind == "lost"

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import small_spec
-from tests.e2e_support import WorkerProc, cluster, start_worker, wait_for
-from tests.servers import free_port
+from tests.e2e_support import WorkerProc, cluster, start_worker
+from tests.helpers import free_port, wait_for
 
 pytestmark = pytest.mark.slow
 
