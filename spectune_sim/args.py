@@ -17,9 +17,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from optimizer.sglang import FlagSet, flag_set_for
 from spectune_sim.landscapes import Landscape
 from spectune_sim.model import SPEC_DEFAULT_MAX_RUNNING_REQUESTS, default_cuda_graph_max_bs
+from spectune_sim.rules import GraphFlags, graph_flags
 
 ATTENTION_BACKENDS = (
     "fa3",
@@ -42,7 +42,7 @@ GRAPH_BACKENDS = ("full", "breakable", "disabled")
 
 def build_parser(version: str) -> argparse.ArgumentParser:
     """The launch parser of SGLang `version` (only the flags a tuning run touches, plus common ones)."""
-    flags = flag_set_for(version)
+    flags = graph_flags(version)
     p = argparse.ArgumentParser(prog="python -m sglang.launch_server", allow_abbrev=True)
     add = p.add_argument
     add("--model-path", "--model", dest="model_path", type=str, required=True)
@@ -111,17 +111,17 @@ def build_parser(version: str) -> argparse.ArgumentParser:
     add("--disable-cuda-graph", action="store_true")
     add("--disable-cuda-graph-padding", action="store_true")
     add("--enable-cudagraph-gc", action="store_true")
-    if flags is FlagSet.LEGACY:
+    if flags is GraphFlags.LEGACY:
         add("--cuda-graph-max-bs", dest="cuda_graph_max_bs", type=int, default=None)
         add("--cuda-graph-bs", dest="cuda_graph_bs", type=int, nargs="+", default=None)
     else:
-        max_names = ["--cuda-graph-max-bs-decode"] + (["--cuda-graph-max-bs"] if flags is FlagSet.V0516 else [])
-        list_names = ["--cuda-graph-bs-decode"] + (["--cuda-graph-bs"] if flags is FlagSet.V0516 else [])
+        max_names = ["--cuda-graph-max-bs-decode"] + (["--cuda-graph-max-bs"] if flags is GraphFlags.ALIASED else [])
+        list_names = ["--cuda-graph-bs-decode"] + (["--cuda-graph-bs"] if flags is GraphFlags.ALIASED else [])
         add(*max_names, dest="cuda_graph_max_bs", type=int, default=None)
         add(*list_names, dest="cuda_graph_bs", type=int, nargs="+", default=None)
         add("--cuda-graph-max-bs-prefill", type=int, default=None)
         add("--cuda-graph-bs-prefill", type=int, nargs="+", default=None)
-    if flags is FlagSet.MODERN:
+    if flags is GraphFlags.DECODE_ONLY:
         add("--cuda-graph-backend-decode", choices=GRAPH_BACKENDS, default="full")
         add("--cuda-graph-backend-prefill", choices=GRAPH_BACKENDS, default="breakable")
         add("--cuda-graph-config", type=str, default=None)
@@ -228,7 +228,7 @@ def resolve(ns: argparse.Namespace, landscape: Landscape, version: str) -> Resol
     if v["chunked_prefill_size"] is None:
         v["chunked_prefill_size"] = 8192
     disable_graph = bool(v["disable_cuda_graph"]) or v.get("cuda_graph_backend_decode") == "disabled"
-    if v["disable_cuda_graph"] and flag_set_for(version) is FlagSet.MODERN:
+    if v["disable_cuda_graph"] and graph_flags(version) is GraphFlags.DECODE_ONLY:
         warnings.append("--disable-cuda-graph is deprecated; use --cuda-graph-backend-decode disabled")
     bs_list = tuple(v["cuda_graph_bs"]) if v["cuda_graph_bs"] else None
     if bs_list:
@@ -238,7 +238,7 @@ def resolve(ns: argparse.Namespace, landscape: Landscape, version: str) -> Resol
     else:
         max_bs = min(default_cuda_graph_max_bs(landscape.gpu_memory_gb, v["tp_size"]), v["max_running_requests"])
     v["cuda_graph_max_bs"] = max_bs
-    if flag_set_for(version) is not FlagSet.LEGACY:
+    if graph_flags(version) is not GraphFlags.LEGACY:
         v["cuda_graph_max_bs_decode"] = max_bs
         v["cuda_graph_bs_decode"] = v["cuda_graph_bs"]
     return ResolvedArgs(

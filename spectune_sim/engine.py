@@ -18,7 +18,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from optimizer.space import SpecConfig, max_draft_tokens
 from spectune_sim.landscapes import Landscape
 from spectune_sim.model import (
     AcceptAccumulator,
@@ -30,6 +29,7 @@ from spectune_sim.model import (
     prefill_ms,
     sample_accept_tokens,
 )
+from spectune_sim.rules import DraftTree, draft_token_limit
 
 # A tiny fixed vocabulary: the simulator has no tokenizer, but text must grow with the tokens.
 _WORDS = tuple(
@@ -52,7 +52,7 @@ class EngineOptions:
     """Everything the scheduler needs, injected by the server."""
 
     landscape: Landscape
-    spec: SpecConfig | None
+    spec: DraftTree | None
     plan: GraphPlan
     speed: float  # multiplies every rate; wall seconds = model seconds / speed
     noise: NoiseModel
@@ -312,7 +312,7 @@ class Engine:
         assert spec is not None
         message = (
             f"RuntimeError: selected index k out of range: draft tokens {spec.num_draft_tokens} > "
-            f"topk+(num_steps-1)*topk^2+1 = {max_draft_tokens(spec.num_steps, spec.topk)} in "
+            f"topk+(num_steps-1)*topk^2+1 = {draft_token_limit(spec.num_steps, spec.topk)} in "
             "eagle_utils.organize_draft_results"
         )
         self.failed = message

@@ -21,12 +21,23 @@ import functools
 import hashlib
 import math
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass
 from statistics import NormalDist
-from typing import Literal
+from typing import Literal, Protocol, TypeVar
 
-from optimizer.space import SearchSpace, SpecConfig, max_draft_tokens
 from spectune_sim.landscapes import Landscape
+from spectune_sim.rules import DraftLike, DraftTree, draft_token_limit
+
+C = TypeVar("C", bound=DraftLike)
+C_co = TypeVar("C_co", bound=DraftLike, covariant=True)
+
+
+class ConfigSpace(Protocol[C_co]):
+    """Anything that lists configurations (the tuner's SearchSpace, or `rules.TreeGrid`)."""
+
+    def iter_configs(self) -> Iterable[C_co]: ...
+
 
 # SGLang's default max running requests with speculation on and the flag absent (docs/sglang.md §2.7).
 SPEC_DEFAULT_MAX_RUNNING_REQUESTS = 48
@@ -216,7 +227,7 @@ class Prediction:
 
 def predict(
     landscape: Landscape,
-    config: SpecConfig | None,
+    config: DraftLike | None,
     concurrency: int,
     *,
     cuda_graph_max_bs: int | None = None,
@@ -283,7 +294,7 @@ class CycleTiming:
 
 def cycle_timing(
     landscape: Landscape,
-    spec: SpecConfig | None,
+    spec: DraftTree | None,
     batch: int,
     plan: GraphPlan,
     *,
@@ -316,13 +327,13 @@ def prefill_ms(landscape: Landscape, prompt_tokens: int, *, speculative: bool) -
     return ms * 1.1 if speculative else ms
 
 
-def _canonical(config: SpecConfig | None, *, check: bool = True) -> SpecConfig | None:
+def _canonical(config: DraftLike | None, *, check: bool = True) -> DraftTree | None:
     if config is None:
         return None
-    c = config.canonical()
+    c = DraftTree.of(config)
     if not check:
         return c
-    limit = max_draft_tokens(c.num_steps, c.topk)
+    limit = draft_token_limit(c.num_steps, c.topk)
     if c.num_draft_tokens > limit:
         raise InfeasibleConfigError(
             f"num_draft_tokens={c.num_draft_tokens} > topk+(num_steps-1)*topk^2+1={limit}: SGLang cannot fill the tree "
@@ -371,7 +382,7 @@ class MemoryCheck:
 
 def check_memory(
     landscape: Landscape,
-    config: SpecConfig | None,
+    config: DraftLike | None,
     *,
     cuda_graph_max_bs: int | None = None,
     max_running_requests: int | None = None,
@@ -441,7 +452,7 @@ def check_memory(
 
 def memory_required_gb(
     landscape: Landscape,
-    config: SpecConfig | None,
+    config: DraftLike | None,
     *,
     cuda_graph_max_bs: int | None = None,
     max_running_requests: int | None = None,
@@ -498,7 +509,7 @@ class StartupPhases:
 
 def startup_phases(
     landscape: Landscape,
-    config: SpecConfig | None,
+    config: DraftLike | None,
     *,
     cuda_graph_max_bs: int | None = None,
     max_running_requests: int | None = None,
@@ -543,7 +554,7 @@ def startup_phases(
 
 def startup_seconds(
     landscape: Landscape,
-    config: SpecConfig | None,
+    config: DraftLike | None,
     *,
     cuda_graph_max_bs: int | None = None,
     max_running_requests: int | None = None,
@@ -567,12 +578,12 @@ def startup_seconds(
 
 def true_optimum(
     landscape: Landscape,
-    space: SearchSpace,
+    space: ConfigSpace[C],
     concurrency: int,
     *,
     max_running_requests: int | None = None,
     mem_fraction_static: float | None = None,
-) -> tuple[SpecConfig, float]:
+) -> tuple[C, float]:
     """The best configuration of `space` at `concurrency` and its speedup over the baseline.
 
     Configurations that would OOM at start-up are skipped.  `max_running_requests` defaults to
@@ -580,7 +591,7 @@ def true_optimum(
     """
     r = concurrency if max_running_requests is None else max_running_requests
     base = predict(landscape, None, concurrency, max_running_requests=r).output_tok_s
-    best: tuple[SpecConfig, float] | None = None
+    best: tuple[C, float] | None = None
     for config in space.iter_configs():
         mem = check_memory(landscape, config, max_running_requests=r, mem_fraction_static=mem_fraction_static)
         if not mem.ok:

@@ -5,14 +5,16 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from optimizer.space import SearchSpace, SpecConfig
 from spectune_sim.landscapes import LANDSCAPES, Landscape
-from spectune_sim.model import check_memory, predict, startup_seconds, true_optimum
+from spectune_sim.model import ConfigSpace, check_memory, predict, startup_seconds, true_optimum
+from spectune_sim.rules import DraftLike, DraftTree, TreeGrid
 
 CONCURRENCY_LEVELS = (1, 4, 16, 64)
 
 
-def landscape_report(landscape: Landscape, space: SearchSpace, levels: tuple[int, ...] = CONCURRENCY_LEVELS) -> str:
+def landscape_report(
+    landscape: Landscape, space: ConfigSpace[DraftLike], levels: tuple[int, ...] = CONCURRENCY_LEVELS
+) -> str:
     """Baseline, true optimum per level and calibration rows of one landscape, as text."""
     # One server serves every level of a study, so max running requests = the largest level.
     r = max(levels)
@@ -37,11 +39,7 @@ def landscape_report(landscape: Landscape, space: SearchSpace, levels: tuple[int
     if landscape.calibration:
         lines.append("   calibration (batch size 1): steps/topk/ndt  model tok/s  published  error")
         for point in landscape.calibration:
-            spec = (
-                None
-                if point.num_steps is None
-                else SpecConfig(num_steps=point.num_steps, topk=point.topk, num_draft_tokens=point.num_draft_tokens)
-            )
+            spec = None if point.num_steps is None else DraftTree(point.num_steps, point.topk, point.num_draft_tokens)
             model = predict(landscape, spec, 1).output_tok_s
             err = model / point.published_tok_s - 1.0
             lines.append(
@@ -51,7 +49,7 @@ def landscape_report(landscape: Landscape, space: SearchSpace, levels: tuple[int
 
 
 def main(out: TextIO = sys.stdout) -> None:
-    space = SearchSpace()
+    space = TreeGrid()
     out.write(
         "Simulated landscapes: true optimum over the default search space (steps 1-10, topk 1/2/4/8, ndt 2-64)\n\n"
     )

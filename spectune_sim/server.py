@@ -44,10 +44,10 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from optimizer.space import SpecConfig, max_draft_tokens
 from spectune_sim.args import ResolvedArgs, build_parser, resolve
 from spectune_sim.engine import Chunk, Engine, EngineOptions, Request, word_of
 from spectune_sim.landscapes import Landscape, UnknownLandscapeError, get_landscape
+from spectune_sim.lifeline import follow_parent
 from spectune_sim.model import (
     MemoryCheck,
     NoiseModel,
@@ -56,7 +56,7 @@ from spectune_sim.model import (
     graph_plan,
     startup_phases,
 )
-from workers.lifeline import exit_with_parent
+from spectune_sim.rules import DraftTree
 
 log = logging.getLogger("sglang")
 DEFAULT_VERSION = "0.5.23"
@@ -166,7 +166,7 @@ class SimServer:
         self.spec = (
             None
             if not resolved.speculative
-            else SpecConfig(
+            else DraftTree(
                 num_steps=resolved.num_steps or 1,
                 topk=resolved.topk or 1,
                 num_draft_tokens=resolved.num_draft_tokens or 2,
@@ -197,9 +197,7 @@ class SimServer:
             cuda_graph_bs=resolved.cuda_graph_bs,
             disable_cuda_graph=resolved.disable_cuda_graph,
         )
-        infeasible = self.spec is not None and self.spec.num_draft_tokens > max_draft_tokens(
-            self.spec.num_steps, self.spec.topk
-        )
+        infeasible = self.spec is not None and not self.spec.fillable
         self.engine = Engine(
             EngineOptions(
                 landscape=landscape,
@@ -867,7 +865,7 @@ def main(argv: list[str] | None = None, environ: Mapping[str, str] | None = None
     configure_logging()
     # A worker SIGKILLed leaves its engine behind; the simulator follows its worker (real SGLang
     # relies on systemd's cgroup for that).
-    exit_with_parent(os.environ if environ is None else environ)
+    follow_parent(os.environ if environ is None else environ)
     ns = build_parser(env.version).parse_args(args)  # exits 2 on a bad flag, like SGLang
     configure_logging(str(ns.log_level))
     try:

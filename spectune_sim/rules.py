@@ -1,0 +1,122 @@
+"""The simulator's own statement of SGLang's rules (docs/sglang.md §1-2, read from the 0.5.x wheels).
+
+The simulator is a test double for the tuner: it must not import the tuner's rule code, or a bug
+there would be copied faithfully by the engine meant to catch it.  So the flag generations, the
+draft-tree bound and the topk-1 rewrite are written here again, from SGLang's behaviour, and
+`tests/test_simulator_rules.py` checks on a sample that both statements agree.
+
+- CUDA-graph flag names: <= 0.5.13 `--cuda-graph-max-bs`/`--cuda-graph-bs`; 0.5.16-0.5.19 the
+  `-decode` names with the old ones as aliases; >= 0.5.20 the `-decode` names only (the old ones
+  are then ambiguous prefixes and argparse exits 2).
+- topk 1: SGLang sets draft tokens to steps + 1 whatever was asked (a warning, no error).
+- A tree of `steps` and `topk` fills at most topk + (steps - 1)·topk² candidates, plus the root:
+  draft tokens - 1 <= topk + (steps - 1)·topk².  SGLang does not check it at start-up; the first
+  verify fails (`eagle_utils.organize_draft_results`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from typing import Protocol
+
+
+class GraphFlags(StrEnum):
+    """The three generations of SGLang's CUDA-graph flag names."""
+
+    LEGACY = "legacy"  # up to 0.5.15: --cuda-graph-max-bs / --cuda-graph-bs
+    ALIASED = "0.5.16"  # 0.5.16 .. 0.5.19: the -decode names, the old ones still accepted
+    DECODE_ONLY = "0.5.20"  # 0.5.20 on: the -decode names only
+
+
+_VERSION = re.compile(r"v?(\d+)\.(\d+)\.(\d+)")
+
+
+def graph_flags(version: str) -> GraphFlags:
+    """Which CUDA-graph flag names SGLang `version` (e.g. "0.5.23") accepts."""
+    m = _VERSION.match(version.strip())
+    if m is None:
+        raise ValueError(f"SPECTUNE_SIM_SGLANG_VERSION={version!r}: write a version such as 0.5.23")
+    v = (int(m.group(1)), int(m.group(2)), int(m.group(3)))
+    if v < (0, 5, 16):
+        return GraphFlags.LEGACY
+    if v < (0, 5, 20):
+        return GraphFlags.ALIASED
+    return GraphFlags.DECODE_ONLY
+
+
+def draft_token_limit(num_steps: int, topk: int) -> int:
+    """The most draft tokens (root included) SGLang can fill for a tree of this depth and width."""
+    return 1 + topk + (num_steps - 1) * topk * topk
+
+
+class DraftLike(Protocol):
+    """Anything with EAGLE's three tree settings (the tuner's SpecConfig is one)."""
+
+    @property
+    def num_steps(self) -> int: ...
+
+    @property
+    def topk(self) -> int: ...
+
+    @property
+    def num_draft_tokens(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """One EAGLE draft tree as the simulated server runs it; `cuda_graph_max_bs` None: the default."""
+
+    num_steps: int
+    topk: int
+    num_draft_tokens: int
+    cuda_graph_max_bs: int | None = None
+
+    @classmethod
+    def of(cls, config: DraftLike) -> DraftTree:
+        """The tree SGLang runs for these flags (topk 1 rewrites the draft tokens to steps + 1)."""
+        tree = cls(
+            num_steps=config.num_steps,
+            topk=config.topk,
+            num_draft_tokens=config.num_draft_tokens,
+            cuda_graph_max_bs=getattr(config, "cuda_graph_max_bs", None),
+        )
+        if tree.topk == 1 and tree.num_draft_tokens != tree.num_steps + 1:
+            return replace(tree, num_draft_tokens=tree.num_steps + 1)
+        return tree
+
+    @property
+    def fillable(self) -> bool:
+        """Whether SGLang can fill this many draft tokens (else the first verify fails)."""
+        return self.num_draft_tokens <= draft_token_limit(self.num_steps, self.topk)
+
+    @property
+    def label(self) -> str:
+        return f"{self.num_steps}/{self.topk}/{self.num_draft_tokens}"
+
+
+@dataclass(frozen=True)
+class TreeGrid:
+    """Every tree SGLang can run in these ranges (the default: steps 1-10, topk 1/2/4/8, 2-64 tokens).
+
+    Trees deeper than their draft tokens can use (topk > 1, steps > draft tokens - 1) are left
+    out: a selected node's ancestors score higher, so such a tree is the one of steps = draft
+    tokens - 1 with more draft passes, and never the fastest.
+    """
+
+    steps: range = range(1, 11)
+    topks: tuple[int, ...] = (1, 2, 4, 8)
+    draft_tokens: range = range(2, 65)
+
+    def iter_configs(self) -> Iterator[DraftTree]:
+        for s in self.steps:
+            for k in sorted(self.topks):
+                if k == 1:
+                    yield DraftTree(s, 1, s + 1)
+                    continue
+                low = max(self.draft_tokens.start, s + 1)
+                high = min(self.draft_tokens.stop - 1, draft_token_limit(s, k))
+                for n in range(low, high + 1):
+                    yield DraftTree(s, k, n)
