@@ -198,3 +198,21 @@ class LeaseGrant(Base):
     lease_id: Mapped[str] = mapped_column(String(36), primary_key=True)
     token_id: Mapped[int] = mapped_column(Integer)
     granted_at: Mapped[datetime] = mapped_column(DateTime)
+
+
+class WorkerIdentity(Base):
+    """Which worker token speaks for a worker id: bound on first use (api.services.identity).
+
+    A token bound by an admin (`token create --worker-id`) needs no row: its binding is on the
+    token.  Baselines, refusals and host health are kept per worker id, so they belong to the one
+    token that may use that id; when the id moves to another token (its holder was revoked), the
+    baselines measured before `moved_at` no longer count.
+    """
+
+    __tablename__ = "spectune_worker_identities"
+    __table_args__ = (Index("ix_worker_identity_token", "token_id"),)
+
+    worker_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    token_id: Mapped[int] = mapped_column(Integer)
+    bound_at: Mapped[datetime] = mapped_column(DateTime)
+    moved_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)

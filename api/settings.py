@@ -31,6 +31,9 @@ class Settings(BaseSettings):
     # A study whose search space holds more configurations is refused at creation (the tuner
     # scores every one of them on each ask; optimizer.spec.MAX_SPACE_CONFIGS says why).
     max_space_configs: int = Field(default=MAX_SPACE_CONFIGS, ge=1, le=10_000_000)
+    # How many worker ids one unbound worker token may speak for (each id is bound to the first
+    # token that uses it, api.services.identity).  A fleet gives every host its own token.
+    max_worker_ids_per_token: int = Field(default=64, ge=1, le=100_000)
     # Requests larger than this are refused with 413 before they are parsed.
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     # Running studies one token may have at once (admins too); creating one more answers 429

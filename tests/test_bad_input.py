@@ -400,9 +400,9 @@ def test_an_unbound_worker_token_acts_only_on_leases_it_was_given(api: Api, db_u
         nothing = api.client.post(f"/v1/leases/{missing}/{action}", headers=other, json=body)
         assert r.status_code == nothing.status_code == 404, (action, r.text)
         assert _error(r)["message"].replace(mine, missing) == _error(nothing)["message"]
-    # Asking for w1's work with the other token does not hand it w1's live lease to act on.
+    # Asking for w1's work with the other token is refused: w1 is the first token's (issue 18).
     again = api.client.post("/v1/workers/w1/lease", headers=other, json=INVENTORY)
-    assert again.status_code == 200
+    assert again.status_code == 403
     assert api.client.post(f"/v1/leases/{mine}/heartbeat", headers=other).status_code == 404
     # The token it was given to still works, and its report is the one recorded.
     assert api.post(f"/v1/leases/{mine}/heartbeat", "worker").status_code == 200

@@ -16,6 +16,7 @@ from api.auth import Principal
 from api.db import db_now, transaction
 from api.errors import NotFoundError
 from api.models import ApiToken, LeaseGrant, LeaseRow
+from api.services import identity
 
 
 def not_yours(lease_id: str) -> NotFoundError:
@@ -49,4 +50,9 @@ def may_act(s: Session, principal: Principal, lease: LeaseRow) -> bool:
     if principal.worker_id is not None:
         return lease.worker_id == principal.worker_id
     grant = s.get(LeaseGrant, lease.id)
-    return grant is not None and grant.token_id == principal.token_id
+    # The grant, and the worker id's identity (api.services.identity): both must be this token's.
+    return (
+        grant is not None
+        and grant.token_id == principal.token_id
+        and identity.may_act_as(s, principal, lease.worker_id)
+    )

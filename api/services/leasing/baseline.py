@@ -32,6 +32,9 @@ class BaselineLeases:
 
     def has_fresh(self, s: Session, worker_id: str, key: str, now: datetime) -> bool:
         since = now - timedelta(seconds=self.settings.baseline_max_age_s)
+        moved = records.baselines_valid_since(s, worker_id)
+        if moved is not None:
+            since = max(since, moved)
         found = s.scalars(
             select(BaselineRow.id).where(
                 BaselineRow.worker_id == worker_id, BaselineRow.baseline_key == key, BaselineRow.measured_at >= since

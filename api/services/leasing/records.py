@@ -15,7 +15,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from api.db import db_now
-from api.models import BaselineRow, EventRow, LeaseRow, TrialConfigRow, WorkerRow
+from api.models import BaselineRow, EventRow, LeaseRow, TrialConfigRow, WorkerIdentity, WorkerRow
 from api.services.leasing.states import ConfigState, LeaseKind, LeaseState
 from api.settings import Settings
 from optimizer.plan import server_settings
@@ -149,13 +149,17 @@ def event(s: Session, kind: str, lease: LeaseRow, detail: str) -> None:
     )
 
 
+def baselines_valid_since(s: Session, worker_id: str) -> datetime | None:
+    """Baselines of `worker_id` measured before this were a previous token's (api.services.identity)."""
+    row = s.get(WorkerIdentity, worker_id)
+    return None if row is None else row.moved_at
+
+
 def latest_baseline(s: Session, worker_id: str, key: str) -> BaselineRow | None:
-    return s.scalars(
-        select(BaselineRow)
-        .where(BaselineRow.worker_id == worker_id, BaselineRow.baseline_key == key)
-        .order_by(BaselineRow.measured_at.desc())
-        .limit(1)
-    ).first()
+    q = select(BaselineRow).where(BaselineRow.worker_id == worker_id, BaselineRow.baseline_key == key)
+    if (since := baselines_valid_since(s, worker_id)) is not None:
+        q = q.where(BaselineRow.measured_at >= since)
+    return s.scalars(q.order_by(BaselineRow.measured_at.desc()).limit(1)).first()
 
 
 def baseline_tok_s(row: BaselineRow) -> dict[int, float]:

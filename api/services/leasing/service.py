@@ -25,7 +25,7 @@ from api.context import ServiceContext
 from api.db import db_now
 from api.errors import BusyError, ConflictError, InvalidInputError, LeaseGoneError
 from api.models import LeaseRow, StudyRow, WorkerRow
-from api.services import grants
+from api.services import grants, identity
 from api.services import studies as study_svc
 from api.services.eligibility import requirements_unmet
 from api.services.leasing import records
@@ -62,6 +62,8 @@ class LeaseService:
     def lease(self, principal: Principal, worker_id: str, inventory: Inventory) -> LeaseOut | None:
         require_worker(principal, worker_id)
         with self.ctx.unit() as u, u.step() as s:
+            # Before anything is read or written as this worker: the id is this token's, or 403.
+            identity.claim(s, principal, worker_id, self.settings.max_worker_ids_per_token)
             now = db_now(s)
             worker = self._touch_worker(s, worker_id, inventory, now)
             current = self._active_lease_of(s, worker_id)
