@@ -60,7 +60,7 @@ class LevelAnswer:
 
 
 def best_by_level(
-    spec: StudySpec, trials: Sequence[FrozenTrial], *, chains_only: bool = False
+    spec: StudySpec, trials: Sequence[FrozenTrial], *, chains_only: bool = False, extra_var: float = 0.0
 ) -> dict[int, LevelAnswer]:
     """The best measured configuration at each concurrency level of the workload."""
     out: dict[int, LevelAnswer] = {}
@@ -69,7 +69,7 @@ def best_by_level(
         if chains_only and config.topk != 1:
             continue
         by_level = t.user_attrs["speedup_by_level"]
-        ivs = level_intervals(t.user_attrs.get("levels") or [], t.user_attrs.get("baseline_levels") or [])
+        ivs = level_intervals(t.user_attrs.get("levels") or [], t.user_attrs.get("baseline_levels") or [], extra_var)
         for level in spec.workload.concurrency:
             v = by_level.get(str(level))
             if v is None:

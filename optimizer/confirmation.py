@@ -22,17 +22,76 @@ from typing import Any
 from optuna.trial import FrozenTrial
 
 from optimizer import attrs as A
-from optimizer.analysis import Z95, Interval, level_intervals
+from optimizer.analysis import (
+    Z95,
+    Interval,
+    LaunchNoise,
+    Relaunch,
+    launch_noise,
+    level_intervals,
+    log_mean_variance,
+)
 from optimizer.objective import LevelResult, score
 from optimizer.spec import StudySpec
 
 CANDIDATE_WINDOW = 0.05
 
 
-def search_interval(spec: StudySpec, t: FrozenTrial) -> Interval | None:
+def search_interval(spec: StudySpec, t: FrozenTrial, extra_var: float = 0.0) -> Interval | None:
     """The 95% interval of a trial's objective as measured in the search."""
-    ivs = level_intervals(t.user_attrs.get("levels") or [], t.user_attrs.get("baseline_levels") or [])
-    return objective_interval(spec, float(t.value or 0.0), ivs)
+    ivs = level_intervals(t.user_attrs.get("levels") or [], t.user_attrs.get("baseline_levels") or [], extra_var)
+    return objective_interval(spec, float(t.value or 0.0), ivs, extra_var)
+
+
+def study_relaunches(
+    trials: Sequence[FrozenTrial],
+    baselines: Sequence[tuple[str, Sequence[Mapping[str, Any]]]],
+    confirmations: Sequence[tuple[str, Sequence[Mapping[str, Any]], Sequence[Mapping[str, Any]]]],
+) -> list[Relaunch]:
+    """The re-launches a study made anyway, as `launch_noise` reads them.
+
+    `baselines`: (host, levels) of every baseline launch of the study's baseline server;
+    `confirmations`: (configuration key, levels, paired baseline levels) of every completed
+    confirmation.  Each host's baselines group by level (x2: a speedup holds two launches);
+    each configuration's speedups (search and confirmations) group by level.  Saturated levels
+    say nothing about launches and are left out.
+    """
+    out: list[Relaunch] = []
+    for host, levels in baselines:
+        for lv in levels:
+            runs = lv.get("output_tok_s_runs") or []
+            w = log_mean_variance(runs)
+            if w is not None and not lv.get("saturated"):
+                out.append(Relaunch(f"base:{host}:{int(lv['concurrency'])}", float(lv["output_tok_s"]), w, 2.0))
+    speedups: list[tuple[str, Sequence[Mapping[str, Any]], Sequence[Mapping[str, Any]]]] = [
+        (str(t.user_attrs["config_key"]), t.user_attrs["levels"], t.user_attrs["baseline_levels"])
+        for t in A.measured_feasible(trials, A.LEVELS)
+        if t.user_attrs.get("config_key") and t.user_attrs.get("baseline_levels")
+    ]
+    for key, levels, base_levels in [*speedups, *confirmations]:
+        base = {int(b["concurrency"]): b for b in base_levels}
+        for lv in levels:
+            b = base.get(int(lv["concurrency"]))
+            if b is None or lv.get("saturated") or b.get("saturated"):
+                continue
+            vt, vb = (
+                log_mean_variance(lv.get("output_tok_s_runs") or []),
+                log_mean_variance(b.get("output_tok_s_runs") or []),
+            )
+            if vt is None or vb is None or float(b["output_tok_s"]) <= 0:
+                continue
+            ratio = float(lv["output_tok_s"]) / float(b["output_tok_s"])
+            out.append(Relaunch(f"speedup:{key}:{int(lv['concurrency'])}", ratio, vt + vb, 1.0))
+    return out
+
+
+def study_noise(
+    trials: Sequence[FrozenTrial],
+    baselines: Sequence[tuple[str, Sequence[Mapping[str, Any]]]],
+    confirmations: Sequence[tuple[str, Sequence[Mapping[str, Any]], Sequence[Mapping[str, Any]]]],
+) -> LaunchNoise:
+    """The study's launch-to-launch noise (`optimizer.analysis.launch_noise`) from its own re-launches."""
+    return launch_noise(study_relaunches(trials, baselines, confirmations))
 
 
 def overlaps(a: Interval | None, b: Interval | None, value_a: float, value_b: float) -> bool:
@@ -42,7 +101,9 @@ def overlaps(a: Interval | None, b: Interval | None, value_a: float, value_b: fl
     return a.high >= b.low and b.high >= a.low
 
 
-def candidates(trials: Sequence[FrozenTrial], top: int, spec: StudySpec | None = None) -> list[FrozenTrial]:
+def candidates(
+    trials: Sequence[FrozenTrial], top: int, spec: StudySpec | None = None, extra_var: float = 0.0
+) -> list[FrozenTrial]:
     """The distinct configurations worth confirming, best measured first (at most `top`).
 
     With the spec, only those whose search interval overlaps the leader's: one whose interval
@@ -61,7 +122,7 @@ def candidates(trials: Sequence[FrozenTrial], top: int, spec: StudySpec | None =
         if out and float(t.value or 0.0) < float(out[0].value or 0.0) * (1.0 - CANDIDATE_WINDOW):
             break
         if spec is not None:
-            iv = search_interval(spec, t)
+            iv = search_interval(spec, t, extra_var)
             if not out:
                 lead_iv = iv
             elif not overlaps(iv, lead_iv, float(t.value or 0.0), float(out[0].value or 0.0)):
@@ -121,27 +182,40 @@ def _iv(iv: Interval) -> dict[str, float]:
 
 
 def confirm_result(
-    spec: StudySpec, levels: Sequence[Mapping[str, Any]], baseline_levels: Sequence[Mapping[str, Any]]
+    spec: StudySpec,
+    levels: Sequence[Mapping[str, Any]],
+    baseline_levels: Sequence[Mapping[str, Any]],
+    extra_var: float = 0.0,
 ) -> Confirmed:
-    """The objective and its interval from one confirm measurement and its paired baseline."""
+    """The objective and its interval from one confirm measurement and its paired baseline.
+
+    `extra_var`: the study's launch-to-launch noise (`study_noise`), which one launch cannot show.
+    """
     base = {int(b["concurrency"]): float(b["output_tok_s"]) for b in baseline_levels}
     results = [
         LevelResult(int(lv["concurrency"]), float(lv["output_tok_s"]), lv.get("itl_ms_p99"), lv.get("ttft_ms_p99"))
         for lv in levels
     ]
     sc = score(spec.objective, [r for r in results if r.concurrency in base], base)
-    ivs = level_intervals(levels, baseline_levels)
-    return Confirmed(sc.value, objective_interval(spec, sc.value, ivs), sc.speedups, ivs, sc.violation)
+    ivs = level_intervals(levels, baseline_levels, extra_var)
+    return Confirmed(sc.value, objective_interval(spec, sc.value, ivs, extra_var), sc.speedups, ivs, sc.violation)
 
 
-def objective_interval(spec: StudySpec, value: float, ivs: Mapping[int, Interval]) -> Interval | None:
-    """Interval of the objective: one level's, or the geometric mean's (independent levels)."""
+def objective_interval(
+    spec: StudySpec, value: float, ivs: Mapping[int, Interval], extra_var: float = 0.0
+) -> Interval | None:
+    """Interval of the objective: one level's, or the geometric mean's.
+
+    The passes of different levels are independent, but a launch moves every level of it alike:
+    the `extra_var` part each level's interval holds is added back as fully correlated.
+    """
     if spec.objective.concurrency is not None:
         return ivs.get(spec.objective.concurrency)
     levels = spec.workload.concurrency
     if value <= 0 or any(level not in ivs for level in levels):
         return None
     var = sum((math.log(ivs[c].high / ivs[c].low) / (2 * Z95)) ** 2 for c in levels) / len(levels) ** 2
+    var += extra_var * (1.0 - 1.0 / len(levels))
     half = Z95 * math.sqrt(var)
     return Interval(value, value * math.exp(-half), value * math.exp(half))
 
@@ -206,3 +280,64 @@ def verdict(
         f"speculation does not pay here: the best of {measured} configurations measured is {label}, and "
         f"{evidence} ({how}); run without speculation"
     )
+
+
+def cost_key(config: Mapping[str, Any]) -> tuple[int, int, int]:
+    """How much a configuration costs to run: tokens verified per step, then draft work, then depth.
+
+    Fewer draft tokens mean less verify compute per batch and smaller graphs (docs/sglang.md
+    §13); steps x topk is the draft's work per step.
+    """
+    steps, topk, tokens = int(config["num_steps"]), int(config["topk"]), int(config["num_draft_tokens"])
+    return tokens, steps * topk, steps
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The answer among confirmed candidates: the cheapest of those tied with the best."""
+
+    winner: Mapping[str, Any]
+    best: Mapping[str, Any]  # the highest confirmed value
+    ties: list[Mapping[str, Any]]  # the others the winner cannot be told apart from
+
+    @property
+    def note(self) -> str | None:
+        if not self.ties:
+            return None
+        others = ", ".join(_label(c) for c in self.ties)
+        if self.winner is self.best:
+            return f"ties with {others} (overlapping 95% intervals); it is also the cheapest of them"
+        return f"ties with {others} (overlapping 95% intervals): the cheapest of the tied configurations is the answer"
+
+
+def _label(c: Mapping[str, Any]) -> str:
+    cfg = c["config"]
+    return f"{cfg['num_steps']}/{cfg['topk']}/{cfg['num_draft_tokens']} at {float(c['speedup']):.3f}x"
+
+
+def _interval_of(c: Mapping[str, Any]) -> Interval | None:
+    iv = c.get("speedup_interval")
+    return None if iv is None else Interval(float(c["speedup"]), float(iv["low"]), float(iv["high"]))
+
+
+def choose(confirmed: Sequence[Mapping[str, Any]]) -> Choice:
+    """The best confirmed candidate, or the cheapest one whose interval overlaps the best one's.
+
+    Entries are confirmation documents (`speedup`, `speedup_interval`, `config`, `trial_number`).
+    Without intervals nothing is tied: a tie needs evidence that the two cannot be told apart.
+    """
+    if not confirmed:
+        raise ValueError("nothing confirmed to choose from")
+    best = max(confirmed, key=lambda c: (float(c["speedup"]), -int(c["trial_number"])))
+    best_iv = _interval_of(best)
+    tied = [
+        c
+        for c in confirmed
+        if c is not best
+        and best_iv is not None
+        and (iv := _interval_of(c)) is not None
+        and iv.high >= best_iv.low
+        and best_iv.high >= iv.low
+    ]
+    winner = min([best, *tied], key=lambda c: (cost_key(c["config"]), -float(c["speedup"])))
+    return Choice(winner, best, [c for c in [best, *tied] if c is not winner])

@@ -27,7 +27,7 @@ from optimizer import answers, convergence, costs, deploy
 from optimizer import attrs as A
 from optimizer import confirmation as confirm
 from optimizer import study as opt
-from optimizer.analysis import Interval, level_intervals
+from optimizer.analysis import Interval, LaunchNoise, level_intervals
 from optimizer.budget import budget_used
 from optimizer.errors import StudyNotFoundError
 from optimizer.infeasible import known_to_fail, oom_points
@@ -306,11 +306,43 @@ def _finish(row: StudyRow, now: datetime, reason: str) -> None:
     log.info("study %s finished: %s", row.name, reason)
 
 
+def study_noise(s: Session, spec: StudySpec, trials: Sequence[FrozenTrial]) -> LaunchNoise:
+    """The launch-to-launch noise of this study's speedups, from the re-launches it made anyway.
+
+    Every baseline launch of its baseline server (any study's: same server, same workload) and
+    every completed confirmation (optimizer.confirmation.study_noise).
+    """
+    baselines = s.scalars(select(BaselineRow).where(BaselineRow.baseline_key == baseline_key(spec))).all()
+    rows = s.scalars(
+        select(LeaseRow).where(
+            LeaseRow.study_name == spec.name, LeaseRow.kind == "confirm", LeaseRow.state == "completed"
+        )
+    ).all()
+    return confirm.study_noise(
+        trials,
+        [(b.worker_id, b.metrics.get("levels") or []) for b in baselines],
+        [c for c in (_confirm_measurement(r) for r in rows) if c is not None],
+    )
+
+
+def _confirm_measurement(
+    r: LeaseRow,
+) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]] | None:
+    """(configuration key, levels, paired baseline levels) of a completed confirmation."""
+    result = r.result or {}
+    levels = (result.get("metrics") or {}).get("levels")
+    base = (result.get("confirmation") or {}).get("baseline_levels")
+    if not levels or not base:
+        return None
+    return str(r.config_key), levels, base
+
+
 def start_confirmation(s: Session, spec: StudySpec, now: datetime, trials: Sequence[FrozenTrial]) -> bool:
     """Queue one confirm lease per candidate; False when there is nothing to confirm."""
     if spec.confirmation.top <= 0:
         return False
-    chosen = confirm.candidates(list(trials), spec.confirmation.top, spec)
+    noise = study_noise(s, spec, trials)
+    chosen = confirm.candidates(list(trials), spec.confirmation.top, spec, noise.variance)
     if not chosen:
         return False
     capable = set(s.scalars(select(BaselineRow.worker_id).where(BaselineRow.baseline_key == baseline_key(spec))).all())
@@ -534,7 +566,6 @@ class StudyService:
                 .where(LeaseRow.study_name == name, LeaseRow.kind == "confirm")
                 .order_by(LeaseRow.created_at)
             ).all()
-            confirmations = _confirmations(confirm_rows)
             cost = study_cost(s, name)
             refusals = [
                 {"worker_id": e.worker_id, "at": e.at, "message": e.detail} for e in active_refusals(s, study=name)
@@ -551,9 +582,13 @@ class StudyService:
                 {"worker_id": w, "measured_at": b.measured_at, "tok_s": b.tok_s} for w, b in sorted(latest.items())
             ]
         counts, trials = self._trial_counts(name)
+        with self.ctx.sessions() as s:
+            noise = study_noise(s, spec, trials)
+        extra = noise.variance
+        confirmations = _confirmations(spec, confirm_rows, extra)
         best = opt.best_trial_of(trials)
-        best_doc = None if best is None else self._describe_best(spec, best)
-        winner = self._winner(spec, trials, best, best_doc, confirmations)
+        best_doc = None if best is None else self._describe_best(spec, best, extra)
+        winner = self._winner(spec, trials, best, best_doc, confirmations, extra)
         measured = len(A.measured_feasible(trials))
         if row.state != "running":
             phase = "done" if row.state == "finished" else row.state
@@ -587,7 +622,11 @@ class StudyService:
             "best": best_doc,
             "winner": winner,
             "confirmation": confirmations,
-            "best_by_level": {str(k): v.as_json() for k, v in answers.best_by_level(spec, trials).items()},
+            "best_by_level": {
+                str(k): v.as_json() for k, v in answers.best_by_level(spec, trials, extra_var=extra).items()
+            },
+            # Launch-to-launch noise in every interval shown, and what it was estimated from.
+            "launch_noise": noise.as_json(),
             "adaptive_spec": None if exported is None else exported.as_json(),
             "verdict": _verdict(winner, measured),
             # Launches and GPU-hours spent, by kind, next to SGLang's grid (optimizer.costs).
@@ -609,16 +648,22 @@ class StudyService:
         best: FrozenTrial | None,
         best_doc: dict[str, Any] | None,
         confirmations: list[dict[str, Any]],
+        extra_var: float = 0.0,
     ) -> dict[str, Any] | None:
-        """The recommended configuration: the best confirmed one, else the best measured one."""
+        """The recommended configuration: the best confirmed one, else the best measured one.
+
+        Confirmed candidates whose intervals overlap the best one's are a tie: the cheapest of
+        them is the answer (optimizer.confirmation.choose).
+        """
         done = [c for c in confirmations if c["state"] == "completed" and c.get("speedup") is not None]
         ok = [c for c in done if (c.get("violation") or 0.0) <= 0] or done
         # A saturated confirmation measured the host: any clean one comes first.
         ok = [c for c in ok if not c.get("saturated")] or ok
         if ok:
-            top = max(ok, key=lambda c: (float(c["speedup"]), -int(c["trial_number"])))
+            choice = confirm.choose(ok)
+            top = choice.winner
             t = next(t for t in trials if t.number == top["trial_number"])
-            doc = self._describe_best(spec, t)
+            doc = self._describe_best(spec, t, extra_var)
             doc |= {
                 "search_speedup": t.value,
                 "speedup": top["speedup"],
@@ -628,12 +673,17 @@ class StudyService:
                 "confirmed": True,
                 "confirmed_on": top["worker_id"],
                 "saturated": top.get("saturated") or {},
+                # Confirmed candidates the answer cannot be told apart from (overlapping intervals).
+                "ties": [
+                    {"trial_number": c["trial_number"], "config": c["config"], "speedup": c["speedup"]}
+                    for c in choice.ties
+                ],
+                "tie_note": choice.note,
             }
             return doc
         if best is None or best_doc is None:
             return None
-        ivs = level_intervals(best.user_attrs.get("levels") or [], best.user_attrs.get("baseline_levels") or [])
-        iv = confirm.objective_interval(spec, float(best.value or 0.0), ivs)
+        iv = confirm.search_interval(spec, best, extra_var)
         out: dict[str, Any] = best_doc | {
             "search_speedup": best.value,
             "speedup_interval": None if iv is None else {"low": iv.low, "high": iv.high},
@@ -649,7 +699,7 @@ class StudyService:
         return out
 
     @staticmethod
-    def _describe_best(spec: StudySpec, t: FrozenTrial) -> dict[str, Any]:
+    def _describe_best(spec: StudySpec, t: FrozenTrial, extra_var: float = 0.0) -> dict[str, Any]:
         config = SpecConfig.model_validate(t.user_attrs["config"])
         version = t.user_attrs.get("sglang_version") or DEFAULT_SGLANG_VERSION
         static = deploy.plan_deployment(spec, config, pays=True, exported=None, version=version)
@@ -663,7 +713,7 @@ class StudyService:
             "speedup_interval_by_level": {
                 str(c): {"low": iv.low, "high": iv.high}
                 for c, iv in level_intervals(
-                    t.user_attrs.get("levels") or [], t.user_attrs.get("baseline_levels") or []
+                    t.user_attrs.get("levels") or [], t.user_attrs.get("baseline_levels") or [], extra_var
                 ).items()
             },
             "levels": t.user_attrs.get("levels"),
@@ -718,8 +768,12 @@ class StudyService:
         return out
 
 
-def _confirmations(rows: Sequence[LeaseRow]) -> list[dict[str, Any]]:
-    """One entry per confirmed candidate: its latest attempt (a completed one wins)."""
+def _confirmations(spec: StudySpec, rows: Sequence[LeaseRow], extra_var: float = 0.0) -> list[dict[str, Any]]:
+    """One entry per confirmed candidate: its latest attempt (a completed one wins).
+
+    Intervals are recomputed from the stored passes with the study's launch noise as it stands
+    now (it grows with every re-launch the study makes), not as it was when each was reported.
+    """
     latest: dict[int, LeaseRow] = {}
     for r in rows:
         if r.trial_number is None:
@@ -729,7 +783,10 @@ def _confirmations(rows: Sequence[LeaseRow]) -> list[dict[str, Any]]:
             latest[r.trial_number] = r
     out = []
     for number, r in sorted(latest.items()):
-        info = (r.result or {}).get("confirmation") or {}
+        info = dict((r.result or {}).get("confirmation") or {})
+        measured = _confirm_measurement(r) if r.state == "completed" else None
+        if measured is not None:
+            info |= confirm.confirm_result(spec, measured[1], measured[2], extra_var).as_json()
         out.append(
             {
                 "trial_number": number,
@@ -785,7 +842,7 @@ def _verdict(winner: dict[str, Any] | None, measured: int) -> str:
     iv = winner.get("speedup_interval")
     interval = None if iv is None else Interval(float(winner["speedup"]), float(iv["low"]), float(iv["high"]))
     where = f" on {winner['confirmed_on']}" if winner.get("confirmed_on") else ""
-    return confirm.verdict(
+    text = confirm.verdict(
         float(winner["speedup"]),
         interval,
         label=label,
@@ -794,3 +851,4 @@ def _verdict(winner: dict[str, Any] | None, measured: int) -> str:
         where=where,
         saturated={int(k): v for k, v in (winner.get("saturated") or {}).items()},
     )
+    return f"{text}; {winner['tie_note']}" if winner.get("tie_note") else text

@@ -108,7 +108,8 @@ class ConfirmLeases:
             if body.outcome == "ok" and body.metrics is not None and base_row is not None:
                 levels = [lv.model_dump(mode="json") for lv in body.metrics.levels]
                 base_levels = base_row.metrics.get("levels", [])
-                result = confirm.confirm_result(spec, levels, base_levels)
+                noise = study_svc.study_noise(s, spec, trials)
+                result = confirm.confirm_result(spec, levels, base_levels, noise.variance)
                 stored: dict[str, Any] = {
                     **body.model_dump(mode="json"),
                     "confirmation": {

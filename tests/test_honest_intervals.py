@@ -1,0 +1,104 @@
+"""Honest intervals and decisive verdicts (issue 17 item 4).
+
+Intervals hold the launch-to-launch noise the study's own re-launches show, not only the noise
+inside one launch; overlapping candidates are a tie and the cheaper one is the answer.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+from optimizer.analysis import (
+    MIN_LAUNCH_SD,
+    PRIOR_LAUNCH_SD,
+    Relaunch,
+    launch_noise,
+    ratio_interval,
+)
+from optimizer.confirmation import choose, study_relaunches
+
+
+def _launch(rng: random.Random, true: float, launch_sd: float, pass_sd: float, passes: int = 3) -> list[float]:
+    """The passes of one launch: a launch-wide offset, then per-pass noise."""
+    level = true * math.exp(rng.gauss(0.0, launch_sd))
+    return [level * math.exp(rng.gauss(0.0, pass_sd)) for _ in range(passes)]
+
+
+def test_without_relaunches_the_prior_holds_the_place() -> None:
+    noise = launch_noise([])
+    assert noise.sd == PRIOR_LAUNCH_SD and noise.groups == 0
+
+
+def test_relaunches_of_a_noisy_server_raise_the_estimate_to_their_spread() -> None:
+    rng = random.Random(7)
+    data = []
+    for host in range(4):
+        for _ in range(3):  # three baseline launches per host
+            runs = _launch(rng, 1000.0 * (1 + host / 10), 0.03, 0.005)
+            m = sum(runs) / len(runs)
+            var = sum((r - m) ** 2 for r in runs) / (len(runs) - 1) / m**2 / len(runs)
+            data.append(Relaunch(f"base:h{host}:16", m, var, 2.0))
+    noise = launch_noise(data)
+    # Per speedup: two launches of sd 3% -> ~4.2%; a handful of groups, so within a band.
+    assert 0.025 < noise.sd < 0.065, noise
+    # Launches that agree perfectly cannot prove less than the floor.
+    same = [Relaunch("base:h:1", 1000.0, 0.0, 2.0) for _ in range(6)]
+    assert launch_noise(same).sd >= MIN_LAUNCH_SD
+
+
+def test_a_fresh_launch_lands_inside_the_interval_that_holds_launch_noise() -> None:
+    """The issue's symptom: 1.302 [1.277-1.328] re-measured at 1.375.  Measured side by side."""
+    rng = random.Random(3)
+    launch_sd, pass_sd, true = 0.025, 0.004, 1.3
+    narrow_hits = honest_hits = 0
+    trials = 400
+    for _ in range(trials):
+        base = _launch(rng, 1000.0, launch_sd, pass_sd)
+        cand = _launch(rng, 1000.0 * true, launch_sd, pass_sd)
+        narrow = ratio_interval(cand, base)
+        honest = ratio_interval(cand, base, extra_var=2 * launch_sd**2)
+        assert narrow is not None and honest is not None
+        narrow_hits += narrow.low <= true <= narrow.high
+        honest_hits += honest.low <= true <= honest.high
+    assert honest_hits / trials >= 0.9
+    assert narrow_hits / trials < 0.6  # what the pass spread alone claimed
+
+
+def test_study_relaunches_group_baselines_by_host_and_speedups_by_configuration() -> None:
+    lv = {"concurrency": 4, "output_tok_s": 100.0, "output_tok_s_runs": [99.0, 101.0]}
+    sat = {**lv, "saturated": "busy host"}
+    got = study_relaunches(
+        [],
+        [("w1", [lv]), ("w1", [lv]), ("w2", [sat])],
+        [("2-1-3", [{**lv, "output_tok_s": 130.0, "output_tok_s_runs": [129.0, 131.0]}], [lv])],
+    )
+    groups = sorted(r.group for r in got)
+    assert groups == ["base:w1:4", "base:w1:4", "speedup:2-1-3:4"]  # the saturated one says nothing
+    assert [r.weight for r in got if r.group.startswith("base")] == [2.0, 2.0]
+
+
+def _c(n: int, steps: int, topk: int, tokens: int, v: float, lo: float, hi: float) -> dict[str, object]:
+    return {
+        "trial_number": n,
+        "config": {"num_steps": steps, "topk": topk, "num_draft_tokens": tokens},
+        "speedup": v,
+        "speedup_interval": {"low": lo, "high": hi},
+    }
+
+
+def test_overlapping_candidates_are_a_tie_and_the_cheaper_one_is_the_answer() -> None:
+    # The issue's pair: 2/2/3 [1.220-1.241] vs 2/8/3 [1.191-1.232], and a clear loser.
+    a = _c(4, 2, 2, 3, 1.231, 1.220, 1.241)
+    b = _c(5, 2, 8, 3, 1.211, 1.191, 1.232)
+    loser = _c(6, 1, 1, 2, 1.10, 1.09, 1.11)
+    choice = choose([b, a, loser])
+    assert choice.winner is a and choice.ties == [b]  # 2/2/3 is both the best and cheaper
+    assert choice.note is not None and "2/8/3" in choice.note
+    c = _c(7, 3, 4, 8, 1.25, 1.225, 1.275)
+    choice = choose([a, c, loser])
+    assert choice.best is c and choice.winner is a, "tied: the cheaper 2/2/3 wins over 3/4/8"
+    assert choice.note is not None and "cheapest" in choice.note
+    apart = _c(8, 3, 4, 8, 1.40, 1.38, 1.42)
+    choice = choose([a, apart])
+    assert choice.winner is apart and choice.ties == [] and choice.note is None
