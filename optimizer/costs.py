@@ -55,6 +55,9 @@ class Cost:
     gpu_hours: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
     median_launch_gpu_hours: float | None = None
     grid_launches: int = len(grid_points()) + 1
+    # Passes added on warm confirmation servers to resolve an undecided answer (no launch; their
+    # time is in the confirmation's GPU-hours).
+    extra_passes: int = 0
 
     @property
     def total_launches(self) -> int:
@@ -77,6 +80,7 @@ class Cost:
             "gpu_hours_by_kind": dict(self.gpu_hours),
             "median_launch_gpu_hours": self.median_launch_gpu_hours,
             "bench_speculative_grid": {"launches": self.grid_launches, "gpu_hours": self.grid_gpu_hours},
+            "extra_passes": self.extra_passes,
             "summary": self.summary(),
         }
 
@@ -87,14 +91,16 @@ class Cost:
             f"({n['baselines']} baselines, {n['search']} search, {n['confirmation']} confirmation, "
             f"{n['failed']} failed)"
         )
+        if self.extra_passes:
+            parts += f"; {self.extra_passes} extra passes on warm servers to resolve the answer"
         grid = self.grid_gpu_hours
         if grid is not None:
             parts += f"; SGLang's bench_speculative grid: {self.grid_launches} launches, about {grid:.2f} GPU-hours"
         return parts
 
 
-def tally(launches: Iterable[Launch]) -> Cost:
-    cost = Cost()
+def tally(launches: Iterable[Launch], extra_passes: int = 0) -> Cost:
+    cost = Cost(extra_passes=extra_passes)
     per_launch: list[float] = []
     for la in launches:
         h = max(la.seconds, 0.0) * max(la.gpus, 1) / 3600.0

@@ -104,6 +104,24 @@ class Inventory(BaseModel):
     prompt_files: list[PromptFile] = Field(default_factory=list, max_length=1024)
 
 
+class Resolve(BaseModel):
+    """Measure more passes on the warm server while a confirmation straddles a decision.
+
+    Sent with a confirm lease (issue 17 item 4): after its levels, the worker keeps the server up
+    and adds passes at `levels` while the objective's 95% interval (against the paired baseline's
+    passes, widened by the study's launch noise `extra_var`) holds one of `thresholds`, until it
+    clears them, more passes could no longer clear them, or `max_passes` extra passes per level.
+    """
+
+    levels: list[Annotated[int, Field(ge=1, le=4096)]] = Field(max_length=64)
+    # The objective's level, or None: the geometric mean over `levels`.
+    objective_concurrency: int | None = None
+    baseline_runs: dict[str, list[Annotated[float, Field(ge=0, le=MAX_TOK_S)]]] = Field(max_length=64)
+    thresholds: list[Annotated[float, Field(gt=0, le=1000)]] = Field(max_length=16)
+    extra_var: float = Field(ge=0, le=10)
+    max_passes: int = Field(ge=0, le=1000)
+
+
 class LeaseOut(BaseModel):
     """A unit of work: one server launch and benchmark."""
 
@@ -119,6 +137,7 @@ class LeaseOut(BaseModel):
     server: ServerSettings
     workload: Workload
     config: SpecConfig | None = None
+    resolve: Resolve | None = None
 
 
 class HeartbeatOut(BaseModel):
@@ -180,6 +199,10 @@ class Metrics(BaseModel):
     sglang_version: Version | None = None
     # The end of the server's log, kept as a trial artifact next to the benchmark report.
     log_tail: str = Field(default="", max_length=20_000)
+    # Passes added on the warm server to resolve a confirmation (LeaseOut.resolve), per level,
+    # and why they stopped; they are in each level's `output_tok_s_runs` too.
+    extra_passes: int = Field(default=0, ge=0, le=100_000)
+    extra_passes_note: str | None = Field(default=None, max_length=500)
 
     @field_validator("effective")
     @classmethod

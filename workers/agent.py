@@ -51,6 +51,7 @@ from workers.ledger import LaunchLedger
 from workers.loadgen import LoadgenCancelled, LoadgenError, load_prompts, run_workload
 from workers.outbox import Outbox, deliver_pending
 from workers.redact import redact_report
+from workers.resolve import resolve
 
 log = logging.getLogger("spectune.worker.agent")
 
@@ -431,12 +432,17 @@ class Agent:
             return self._abandoned(run, heartbeat)
         if not levels:
             return _failed("benchmark_error", "the benchmark measured no concurrency level", log_tail=server.log_tail())
+        extra, note = 0, None
+        if lease.resolve is not None and not run.cancel.is_set() and len(levels) == len(lease.workload.concurrency):
+            levels, extra, note = self._resolve(run, server, lease, levels, prompts)
         metrics = Metrics(
             levels=levels,
             startup_s=server.startup_s,
             effective=dict(server.effective),
             sglang_version=self.settings.sglang_version,
             log_tail=server.log_tail(),
+            extra_passes=extra,
+            extra_passes_note=note,
         )
         if run.cancel.is_set() and not run.pruned:
             # Shutdown between the last level and here: the levels are complete measurements, but
@@ -444,6 +450,34 @@ class Agent:
             if len(levels) < len(lease.workload.concurrency):
                 return self._abandoned(run, heartbeat)
         return CompleteIn(outcome="ok", metrics=metrics)
+
+    def _resolve(
+        self, run: _LeaseRun, server: Server, lease: LeaseOut, levels: list[LevelMetrics], prompts: list[str]
+    ) -> tuple[list[LevelMetrics], int, str | None]:
+        """More passes on this warm server while the confirmation is undecided (workers/resolve.py)."""
+        assert lease.resolve is not None
+
+        def measure(concurrency: list[int], passes: int) -> list[LevelMetrics]:
+            workload = lease.workload.model_copy(
+                update={"concurrency": concurrency, "warmup_requests": 0, "repeats": passes}
+            )
+            return self._run_workload(
+                server.base_url,
+                workload,
+                prompts,
+                cancel=run.cancel,
+                request_timeout_s=self.settings.request_timeout_s,
+                engine_pids=lambda: sorted(group_members(server.pgid)),
+            )
+
+        try:
+            out, extra, note = resolve(lease.resolve, levels, lease.workload.repeats, measure)
+        except (LoadgenError, LoadgenCancelled) as e:
+            # The levels measured before stand; only the extra passes are lost.
+            log.warning("lease %s: extra passes stopped: %s", lease.lease_id, e)
+            return levels, 0, f"extra passes stopped: {e}"[:500]
+        log.info("lease %s: %d extra passes per level (%s)", lease.lease_id, extra, note)
+        return out, extra, note
 
     def _on_level(self, run: _LeaseRun, index: int, m: LevelMetrics) -> bool:
         lid = run.lease.lease_id

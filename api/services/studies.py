@@ -254,7 +254,9 @@ def study_cost(s: Session, name: str) -> costs.Cost:
     ).all()
     gpus = {w.id: len((w.inventory or {}).get("gpus") or []) for w in s.scalars(select(WorkerRow)).all()}
     out = []
+    extra = 0
     for r in rows:
+        extra += int(((r.result or {}).get("metrics") or {}).get("extra_passes") or 0)
         failure = (r.result or {}).get("failure") or {}
         if failure.get("kind") in ("refused", "lost"):
             continue  # nothing was launched for the study (a refusal, a worker shutting down)
@@ -263,7 +265,7 @@ def study_cost(s: Session, name: str) -> costs.Cost:
         assert r.leased_at is not None and r.finished_at is not None
         seconds = (r.finished_at - r.leased_at).total_seconds()
         out.append(costs.Launch(kind if ran else "failed", seconds, gpus.get(r.worker_id or "", 1) or 1))
-    return costs.tally(out)
+    return costs.tally(out, extra_passes=extra)
 
 
 def _levels_of(row: BaselineRow) -> list[dict[str, Any]]:
@@ -335,6 +337,41 @@ def _confirm_measurement(
     if not levels or not base:
         return None
     return str(r.config_key), levels, base
+
+
+def resolve_order(s: Session, spec: StudySpec, base: BaselineRow, lease: LeaseRow) -> dict[str, Any]:
+    """What a confirm lease's worker needs to measure more passes while the answer is undecided.
+
+    The thresholds: 1.0 (pays at all), 1.0 + min_gain (pays enough to matter), and the speedups
+    the study's other candidates confirmed (the runner-up).  The launch noise is read from the
+    baselines and confirmations (the search's trials are in Optuna's storage, which is not read
+    inside this transaction); the cap is EXTRA_PASSES_PER_REPEAT x the workload's repeats.
+    """
+    others = s.scalars(
+        select(LeaseRow).where(
+            LeaseRow.study_name == spec.name,
+            LeaseRow.kind == "confirm",
+            LeaseRow.state == "completed",
+            LeaseRow.trial_number != lease.trial_number,
+        )
+    ).all()
+    baselines = s.scalars(select(BaselineRow).where(BaselineRow.baseline_key == baseline_key(spec))).all()
+    noise = confirm.study_noise(
+        [],
+        [(b.worker_id, b.metrics.get("levels") or []) for b in baselines],
+        [c for c in (_confirm_measurement(r) for r in others) if c is not None],
+    )
+    thresholds = sorted({1.0, 1.0 + spec.budget.min_gain, *(float(r.speedup) for r in others if r.speedup)})
+    return {
+        "levels": list(spec.workload.concurrency),
+        "objective_concurrency": spec.objective.concurrency,
+        "baseline_runs": {
+            str(lv["concurrency"]): list(lv.get("output_tok_s_runs") or []) for lv in base.metrics.get("levels") or []
+        },
+        "thresholds": thresholds[:16],
+        "extra_var": noise.variance,
+        "max_passes": confirm.EXTRA_PASSES_PER_REPEAT * spec.workload.repeats,
+    }
 
 
 def start_confirmation(s: Session, spec: StudySpec, now: datetime, trials: Sequence[FrozenTrial]) -> bool:

@@ -60,7 +60,8 @@ class ConfirmLeases:
                 return self.baselines.new(s, spec, worker_id, now)
             info = dict(lease.payload.get("confirm") or {})
             info["baseline_id"] = base.id
-            claim(s, lease, worker_id, now, self.settings.lease_ttl_s, payload={**lease.payload, "confirm": info})
+            payload = {**lease.payload, "confirm": info, "resolve": study_svc.resolve_order(s, spec, base, lease)}
+            claim(s, lease, worker_id, now, self.settings.lease_ttl_s, payload=payload)
             log.info("lease %s: study %s confirms trial %s on %s", lease.id, spec.name, lease.trial_number, worker_id)
             return lease
         return None

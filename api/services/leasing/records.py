@@ -132,6 +132,7 @@ def lease_out(lease: LeaseRow, settings: Settings) -> LeaseOut:
             "server": p["server"],
             "workload": p["workload"],
             "config": p.get("config"),
+            "resolve": p.get("resolve"),
         }
     )
 
