@@ -33,10 +33,13 @@ pytestmark = pytest.mark.slow
 @contextlib.contextmanager
 def simulator(speed: float, log_path: Path) -> Iterator[tuple[str, int]]:
     """The simulated engine at `speed` (baseline server, metrics on); yields (url, process group)."""
-    args = ["--model-path", "sim/moe-pcie", "--max-running-requests", "16", "--cuda-graph-max-bs-decode", "16"]
+    args = [
+        "--model-path", "sim/moe-pcie", "--max-running-requests", "16", "--cuda-graph-max-bs-decode", "16",
+        "--enable-metrics",
+    ]  # fmt: skip
     env = {"SPECTUNE_SIM_TIME_SCALE": "0.002", "SPECTUNE_SIM_SPEED": str(speed)}
-    with sim_engine([*args, "--enable-metrics"], log_path=log_path, env=env) as served:
-        yield served
+    with sim_engine(args, log_path=log_path, env=env) as (url, pgid):
+        yield url, pgid
 
 
 @contextlib.contextmanager
