@@ -107,6 +107,7 @@ class Host:
     last_startup_s: float = 0.0
 
     def __post_init__(self) -> None:
+        self.noise = self.noise.scaled(self.landscape.noise_scale)
         self.clock_s = self.rng.uniform(0, 24 * 3600)
         self.start_clock = self.clock_s
 
@@ -120,6 +121,8 @@ class Host:
         drift = self.noise.drift_factor(self.seed, self.host_id, self.clock_s) * self.noise.host_factor(
             self.seed, self.host_id
         )
+        if config is not None:
+            drift *= self.noise.spec_host_factor(self.seed, self.host_id)
         for c in wl.levels:
             pr = predict(
                 ls,

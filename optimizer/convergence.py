@@ -15,6 +15,15 @@ After each result the study asks its fitted model (optimizer.perf_model) two que
 Both settled -> the study moves to confirmation and finishes, with a reason in words.  Before
 `MIN_MEASURED` configurations are measured the model has too little to stand on and the answer
 is always "not yet".
+
+The model's answer counts only while the model predicts well (optimizer.stop_rules): each result
+is checked against the prediction made before it was launched, and when the misses exceed the
+uncertainty the predictions stated, the study stops by the empirical rule instead (the incumbent
+held against the last launches).  The improvement-rate rule stops any study in which no launch
+has beaten the incumbent for long.  `Assessment.rule` says which rule settled it, and the reason
+says so in words.  Per-host offsets that a host's own baseline does not cancel are part of the
+noise the misfit expects (each host's mean residual is fitted as a shrunken offset), so a study
+on four hosts is not read as a worse model than one on two.
 """
 
 from __future__ import annotations
@@ -28,18 +37,23 @@ from optuna.trial import FrozenTrial
 from scipy.stats import norm
 
 from optimizer import attrs as A
+from optimizer import stop_rules as R
 from optimizer.analysis import level_intervals
 from optimizer.confirmation import objective_interval
-from optimizer.model_sampler import gain_over, objective_levels, observations_of, open_pool
-from optimizer.perf_model import Candidates, fit
+from optimizer.model_sampler import OpenPool, gain_over, objective_levels, observations_of, open_pool
+from optimizer.perf_model import MODEL_FLOOR, Candidates, FittedModel, fit
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
+from optimizer.stop_rules import StopRule
 
 P_MATTERS = 0.1
 MIN_MEASURED = 4
 TIGHT = 0.03
 # Floor on the incumbent's log-sd when it has no spread of its own (one pass).
 _INCUMBENT_FLOOR = 0.01
+# Launches after the incumbent's that the model rule wants before it stops: one look past the
+# best so far is evidence the model cannot give about itself.
+MODEL_HOLD = 1
 
 
 @dataclass(frozen=True)
@@ -52,17 +66,43 @@ class Assessment:
     best_chance_config: str | None
     misfit: float
     pays: bool | None  # None while unsettled
+    rule: StopRule | None = None  # which rule settled it; None while unsettled
+    check: R.PredictionCheck | None = None  # the model's prediction check, once there is a model
+
+    @property
+    def model_trusted(self) -> bool:
+        return self.check is None or self.check.trusted
 
     def as_json(self) -> dict[str, object]:
         return {
             "settled": self.settled,
             "reason": self.reason,
+            "rule": None if self.rule is None else self.rule.value,
             "measured": self.measured,
             "open_configs": self.open_configs,
             "best_chance": self.best_chance,
             "best_chance_config": self.best_chance_config,
             "misfit": self.misfit,
+            "model_trusted": self.model_trusted,
+            "prediction_rms_miss": None if self.check is None else self.check.rms_miss,
         }
+
+
+def host_misfit(
+    resid_log: np.ndarray, sd: np.ndarray, hosts: Sequence[str | None], host_sd: float = R.HOST_SD
+) -> float:
+    """How far the measurements lie from the model's fit, in its own sd, once each host's offset
+    is taken out (a random effect with prior sd `host_sd`: its mean residual, shrunk towards 0 by
+    how many results the host has).  Never below 1."""
+    e = np.asarray(resid_log, dtype=float)
+    w = 1.0 / np.asarray(sd, dtype=float) ** 2
+    adjusted = e.copy()
+    for h in set(hosts):
+        idx = np.array([x == h for x in hosts])
+        offset = float((e[idx] * w[idx]).sum() / (w[idx].sum() + 1.0 / host_sd**2))
+        adjusted[idx] -= offset
+    z = adjusted * np.sqrt(w)
+    return float(max(1.0, math.sqrt(float(np.mean(z**2)))))
 
 
 def assess(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Assessment:
@@ -75,46 +115,81 @@ def assess(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Assessment:
 
     if n < MIN_MEASURED:
         return unsettled(f"only {n} configurations measured; the model needs at least {MIN_MEASURED}")
-    model = fit(observations_of(trials), spec.search_space.num_steps.high)
-    if model is None:
-        return unsettled("the engine reports no accept length; the model cannot judge what is left")
-    levels, weights = objective_levels(spec)
-    # Misfit: how far the measured objectives lie from the model's fit, in its own sd.
-    mcfg = [SpecConfig.model_validate(t.user_attrs["config"]) for t in measured]
-    mean_m, sd_m = model.predict_log_speedup(Candidates.of(mcfg), levels, weights)
-    got = np.log(np.maximum([float(t.value or 0.0) for t in measured], 1e-9))
-    resid = (got - mean_m) / np.sqrt(sd_m**2 + 0.01**2)
-    misfit = float(max(1.0, math.sqrt(float(np.mean(resid**2)))))
+    history = R.launches(trials)
+    lead = R.lead(history, gain)
     best = max(measured, key=lambda t: float(t.value or 0.0))
     best_value = float(best.value or 0.0)
     pays_now = best_value > 1.0
     bar_value = max(best_value, 1.0)
-    bar = math.log(bar_value) + math.log1p(gain)
+    label = best.user_attrs.get("config_key")
     iv = objective_interval(
         spec,
         best_value,
         level_intervals(best.user_attrs.get("levels") or [], best.user_attrs.get("baseline_levels") or []),
     )
-    inc_sd = _INCUMBENT_FLOOR
-    if iv is not None and iv.low > 0 and pays_now:
-        inc_sd = max(inc_sd, math.log(iv.high / iv.low) / (2 * 1.96))
+    tight = iv is None or (iv.high / iv.low) ** 0.5 - 1.0 <= TIGHT
+    if pays_now and not tight and spec.confirmation.top <= 0:
+        return Assessment(
+            False,
+            f"{label} leads but its interval is wider than ±{100 * TIGHT:.0f}% and no confirmation is set",
+            n,
+            -1,
+            1.0,
+            None,
+            1.0,
+            None,
+        )
+    model = fit(observations_of(trials), spec.search_space.num_steps.high)
+    check = R.prediction_check(trials) if model is not None else None
     op = open_pool(spec, trials)
-    if op.configs:
-        cand = Candidates.of(op.configs)
-        if pays_now:
-            # Against the incumbent as the model sees it (its fit of every measurement), so
-            # what is uncertain for both alike cancels; the incumbent's own spread is added.
-            diff, sd = gain_over(spec, model, op.configs, mcfg[measured.index(best)])
-            z = (diff - math.log1p(gain)) / (sd * misfit)
-        else:
-            mean, sd = model.predict_log_speedup(cand, levels, weights)
-            z = (mean - bar) / (sd * misfit)
-        chance = norm.cdf(z) * (1.0 - op.p_fail)
-        i = int(np.argmax(chance))
-        top, top_key = float(chance[i]), op.configs[i].key
+    if model is not None:
+        floor = max(MODEL_FLOOR, check.excess_sd if check is not None and check.checked >= R.CHECK_MIN else 0.0)
+        top, top_key, misfit = _model_chance(spec, model, measured, best, op, gain, floor)
     else:
-        top, top_key = 0.0, None
-    label = best.user_attrs.get("config_key")
+        top, top_key, misfit = 1.0, None, 1.0
+    left = f"none of the {len(op.configs)} configurations left" if op.configs else "no configuration is left that"
+    incumbent = f"{label} ({best_value:.3f}x)" if pays_now else f"the baseline (best launched: {best_value:.3f}x)"
+
+    def settle(rule: StopRule, why: str) -> Assessment:
+        if pays_now:
+            reason = f"converged after {n} configurations ({rule.label}): {why}"
+        else:
+            reason = f"speculation does not pay ({rule.label}): after {n} configurations the best is {best_value:.3f}x; {why}"
+        return Assessment(True, reason, n, len(op.configs), top, top_key, misfit, pays_now, rule, check)
+
+    trusted = model is not None and (check is None or check.trusted)
+    if trusted and top < P_MATTERS and lead.since >= MODEL_HOLD:
+        beat = f"beat {label} ({best_value:.3f}x)" if pays_now else "beat the baseline"
+        return settle(
+            StopRule.MODEL,
+            f"{left} has a {100 * P_MATTERS:.0f}% chance to {beat} by more than {100 * gain:.0f}%",
+        )
+    quiet = f"none of the last {lead.since} launches beat {incumbent} by more than {100 * gain:.0f}%" + (
+        f" (best of them {lead.best_since:.3f}x)" if lead.since else ""
+    )
+    if not trusted and lead.since >= R.hold_needed(lead.found_at):
+        distrust = (
+            check.describe() if check is not None else "the engine reports no accept length, so there is no model"
+        )
+        return settle(StopRule.EMPIRICAL, f"{distrust}, not trusted; {quiet}")
+    if lead.since >= R.stall_needed(lead.found_at):
+        return settle(StopRule.IMPROVEMENT_RATE, f"{quiet}; the incumbent was found at launch {lead.found_at}")
+    if not trusted:
+        need = R.hold_needed(lead.found_at)
+        distrust = check.describe() if check is not None else "the engine reports no accept length"
+        return Assessment(
+            False,
+            f"{distrust}; the empirical rule waits for {need} launches without a gain over {incumbent} "
+            f"({lead.since} so far)",
+            n,
+            len(op.configs),
+            top,
+            top_key,
+            misfit,
+            None,
+            None,
+            check,
+        )
     if top >= P_MATTERS:
         return Assessment(
             False,
@@ -126,28 +201,50 @@ def assess(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Assessment:
             top_key,
             misfit,
             None,
-        )
-    tight = iv is None or (iv.high / iv.low) ** 0.5 - 1.0 <= TIGHT
-    if pays_now and not tight and spec.confirmation.top <= 0:
-        return Assessment(
-            False,
-            f"{label} leads but its interval is wider than ±{100 * TIGHT:.0f}% and no confirmation is set",
-            n,
-            len(op.configs),
-            top,
-            top_key,
-            misfit,
             None,
+            check,
         )
-    left = f"none of the {len(op.configs)} configurations left" if op.configs else "no configuration is left that"
-    if pays_now:
-        reason = (
-            f"converged after {n} configurations: {left} has a {100 * P_MATTERS:.0f}% chance to beat "
-            f"{label} ({best_value:.3f}x) by more than {100 * gain:.0f}%"
-        )
+    return Assessment(
+        False,
+        f"the model sees nothing left to beat {incumbent}; waiting for one launch after it",
+        n,
+        len(op.configs),
+        top,
+        top_key,
+        misfit,
+        None,
+        None,
+        check,
+    )
+
+
+def _model_chance(
+    spec: StudySpec,
+    model: FittedModel,
+    measured: Sequence[FrozenTrial],
+    best: FrozenTrial,
+    op: OpenPool,
+    gain: float,
+    floor_sd: float,
+) -> tuple[float, str | None, float]:
+    """The largest chance that an open configuration beats the bar by more than `gain`, which one,
+    and the model's misfit factor (host offsets taken out)."""
+    levels, weights = objective_levels(spec)
+    mcfg = [SpecConfig.model_validate(t.user_attrs["config"]) for t in measured]
+    mean_m, sd_m = model.predict_log_speedup(Candidates.of(mcfg), levels, weights)
+    got = np.log(np.maximum([float(t.value or 0.0) for t in measured], 1e-9))
+    misfit = host_misfit(got - mean_m, np.sqrt(sd_m**2 + 0.01**2), [t.user_attrs.get(A.WORKER_ID) for t in measured])
+    best_value = float(best.value or 0.0)
+    if not op.configs:
+        return 0.0, None, misfit
+    if best_value > 1.0:
+        # Against the incumbent as the model sees it (its fit of every measurement), so what is
+        # uncertain for both alike cancels.
+        diff, sd = gain_over(spec, model, op.configs, mcfg[list(measured).index(best)], floor_sd)
+        z = (diff - math.log1p(gain)) / (sd * misfit)
     else:
-        reason = (
-            f"speculation does not pay: after {n} configurations the best is {best_value:.3f}x and "
-            f"{left} has a {100 * P_MATTERS:.0f}% chance to beat the baseline by more than {100 * gain:.0f}%"
-        )
-    return Assessment(True, reason, n, len(op.configs), top, top_key, misfit, pays_now)
+        mean, sd = model.predict_log_speedup(Candidates.of(op.configs), levels, weights)
+        z = (mean - math.log1p(gain)) / (sd * misfit)
+    chance = norm.cdf(z) * (1.0 - op.p_fail)
+    i = int(np.argmax(chance))
+    return float(chance[i]), op.configs[i].key, misfit

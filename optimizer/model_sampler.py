@@ -127,16 +127,17 @@ def best_measured_trial(trials: Sequence[FrozenTrial]) -> FrozenTrial | None:
 
 
 def gain_over(
-    spec: StudySpec, model: FittedModel, pool: Sequence[SpecConfig], ref: SpecConfig
+    spec: StudySpec, model: FittedModel, pool: Sequence[SpecConfig], ref: SpecConfig, floor_sd: float = MODEL_FLOOR
 ) -> tuple[FloatArray, FloatArray]:
     """Mean and sd of log(candidate / incumbent) by the model (FittedModel.predict_gain).
 
-    The model's misspecification floor hits a near-copy of the incumbent as much as the
-    incumbent itself, so it grows with the distance between the two servers (`coords`).
+    The model's misspecification floor (`floor_sd` far from the incumbent; the convergence stop
+    passes what the model's own predictions missed by) hits a near-copy of the incumbent as much
+    as the incumbent itself, so it grows with the distance between the two servers (`coords`).
     """
     levels, weights = objective_levels(spec)
     dist = np.sqrt(((coords(pool) - coords([ref])) ** 2).sum(axis=1))
-    floor = MODEL_FLOOR * np.minimum(1.0, dist / 8.0)
+    floor = floor_sd * np.minimum(1.0, dist / 8.0)
     return model.predict_gain(Candidates.of(pool), Candidates.of([ref]), levels, weights, floor)
 
 
@@ -222,6 +223,9 @@ def propose(
     cand = Candidates.of(pool)
     levels, weights = objective_levels(spec)
     mean, sd = model.predict_log_speedup(cand, levels, weights)
+    # What the prediction claims about the value itself: the stop rule checks each result against
+    # it (optimizer.stop_rules), so it is stored apart from the sd the choice below is made with.
+    sd_value = sd
     best = best_measured_trial(trials)
     if best is not None and float(best.value or 0.0) > 1.0:
         # The question the convergence stop asks (optimizer.convergence): how much may each
@@ -249,7 +253,7 @@ def propose(
     return Proposal(
         config=cand.configs[i],
         predicted_speedup=float(math.exp(mean[i])),
-        predicted_sd=float(sd[i]),
+        predicted_sd=float(sd_value[i]),
         expected_improvement=float(ei[i]),
         observations=model.n_observations,
         p_fail=float(p_fail[i]),

@@ -140,6 +140,8 @@ class Engine:
             )
         )
         self._host = options.noise.host_factor(options.seed, options.host_id)
+        if options.spec is not None:
+            self._host *= options.noise.spec_host_factor(options.seed, options.host_id)
         self._cycle_cache: dict[int, tuple[float, bool]] = {}
         self._log_window_start = time.monotonic()
         self._log_window_tokens = 0

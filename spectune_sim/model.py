@@ -17,6 +17,7 @@ Equations (README.md has the derivation and the calibration):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import math
@@ -618,13 +619,29 @@ def _unit_hash(*parts: object) -> float:
 class NoiseModel:
     """Timing noise: a per-request lognormal factor, a per-host offset and a slow per-host drift.
 
-    Factors multiply durations (> 1 is slower).  `sigma` = 0 turns all of it off.
+    Factors multiply durations (> 1 is slower).  `sigma` = 0 turns all of it off.  The host
+    offset and the drift hit the baseline and a speculative server alike, so they cancel in the
+    speedup; `spec_host_sigma` is the part that does not: a per-host factor on speculative cycles
+    only (another driver, clock or interconnect that treats the draft and verify kernels
+    differently from a plain decode step), so identical configurations measure a different
+    speedup on each host.
     """
 
     sigma: float = 0.02
     host_sigma: float = 0.015
     drift_amplitude: float = 0.01
     drift_period_s: float = 6 * 3600.0
+    spec_host_sigma: float = 0.0
+
+    def scaled(self, factor: float) -> NoiseModel:
+        """The same model with `factor` times the timing noise and drift (Landscape.noise_scale)."""
+        return dataclasses.replace(self, sigma=self.sigma * factor, drift_amplitude=self.drift_amplitude * factor)
+
+    def spec_host_factor(self, seed: int, host_id: str) -> float:
+        if self.sigma == 0.0 or self.spec_host_sigma == 0.0:
+            return 1.0
+        u = min(max(_unit_hash("spec-host", seed, host_id), 1e-12), 1 - 1e-12)
+        return math.exp(self.spec_host_sigma * NormalDist().inv_cdf(u))
 
     def host_factor(self, seed: int, host_id: str) -> float:
         if self.sigma == 0.0:

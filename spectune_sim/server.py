@@ -204,7 +204,7 @@ class SimServer:
                 spec=self.spec,
                 plan=self.plan,
                 speed=env.speed,
-                noise=NoiseModel(sigma=env.noise),
+                noise=NoiseModel(sigma=env.noise).scaled(landscape.noise_scale),
                 seed=env.seed,
                 host_id=env.host_id,
                 decode_log_interval=max(1, int(resolved.values["decode_log_interval"])),

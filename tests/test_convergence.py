@@ -12,7 +12,7 @@ import pytest
 from optuna.distributions import IntDistribution
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
-from optimizer import convergence, costs, launch_cost
+from optimizer import convergence, costs, launch_cost, stop_rules
 from optimizer import study as opt
 from optimizer.infeasible import needs_at_least
 from optimizer.memory_boundary import PROBABLE_FAILURE, MemoryBoundary
@@ -20,6 +20,7 @@ from optimizer.model_sampler import NEAR_COPY, coords, open_pool, propose
 from optimizer.objective import CONSTRAINT_KEY
 from optimizer.space import SearchSpace, SpecConfig
 from optimizer.spec import parse_spec
+from optimizer.stop_rules import StopRule
 from spectune_sim.landscapes import LANDSCAPES
 from spectune_sim.model import true_optimum
 from tests.conftest import Api, small_spec
@@ -273,3 +274,80 @@ def test_launch_cost_is_fitted_from_measured_start_ups() -> None:
     # launch costs its start-up only.
     full, failing = cost.seconds([shallow, shallow], np.array([2.0, 2.0]), np.array([0.0, 1.0]))
     assert failing == pytest.approx(s_shallow) and full > failing
+
+
+# --- Stop rules that do not depend on the model's form (optimizer.stop_rules) -----------------
+
+ZIGZAG_RUN = [
+    SpecConfig(num_steps=6, topk=4, num_draft_tokens=16),  # the optimum, launched first
+    SpecConfig(num_steps=3, topk=1, num_draft_tokens=4),
+    SpecConfig(num_steps=5, topk=4, num_draft_tokens=8),
+    SpecConfig(num_steps=2, topk=1, num_draft_tokens=3),
+    SpecConfig(num_steps=7, topk=8, num_draft_tokens=40),
+]
+
+
+def _run_with_predictions(configs: list[SpecConfig], miss: float, hosts: int = 2) -> list[FrozenTrial]:
+    """zigzag-tiles results in launch order; each after the first carries the prediction the
+    sampler made before launching it: the measured value x `miss`, claiming a 2% log-sd."""
+    trials = []
+    for i, c in enumerate(configs):
+        value, a = attrs_for("zigzag-tiles", c)
+        a["worker_id"] = f"w{i % hosts}"
+        if i > 0:
+            a["model_prediction"] = {"speedup": value * miss, "log_sd": 0.02}
+        trials.append(_frozen(i, value, a))
+    return trials
+
+
+def test_a_model_that_mispredicts_is_distrusted_and_the_empirical_rule_stops_the_study() -> None:
+    trials = _run_with_predictions(ZIGZAG_RUN, miss=1.25)
+    check = stop_rules.prediction_check(trials)
+    assert not check.trusted and check.checked == 4 and check.rms_miss > 5, check
+    a = convergence.assess(spec(), trials)
+    assert a.settled and a.rule is StopRule.EMPIRICAL and a.pays is True, a.reason
+    assert a.reason.startswith("converged after 5 configurations (empirical rule)"), a.reason
+    assert "not trusted" in a.reason and "none of the last 4 launches beat s6-k4-n16" in a.reason, a.reason
+    assert a.as_json()["rule"] == "empirical" and a.as_json()["model_trusted"] is False
+
+
+def test_the_empirical_rule_waits_while_the_incumbent_is_new() -> None:
+    # The best launched second: three launches after it are not the four the rule wants.
+    short = _run_with_predictions([ZIGZAG_RUN[1], ZIGZAG_RUN[0], *ZIGZAG_RUN[2:]], miss=1.25)
+    b = convergence.assess(spec(), short)
+    assert not b.settled and b.rule is None, b.reason
+    assert "empirical rule waits for 4 launches" in b.reason and "(3 so far)" in b.reason, b.reason
+
+
+def test_a_model_that_predicts_within_its_uncertainty_is_not_overruled() -> None:
+    trials = _run_with_predictions(ZIGZAG_RUN, miss=1.0)
+    check = stop_rules.prediction_check(trials)
+    assert check.trusted and check.rms_miss < 1.0, check
+    a = convergence.assess(spec(), trials)
+    assert a.rule is not StopRule.EMPIRICAL and a.model_trusted, a.reason
+
+
+def test_a_later_gain_below_min_gain_does_not_restart_the_quiet_spell() -> None:
+    def launch(i: int, v: float) -> stop_rules.Launch:
+        return stop_rules.Launch(i, f"c{i}", v, None)
+
+    history = [launch(0, 1.5), launch(1, 1.6), launch(2, 1.605), launch(3, 0.0), launch(4, 1.2)]
+    lead = stop_rules.lead(history, 0.01)
+    assert (lead.found_at, lead.since, lead.best_since) == (2, 3, 1.605)
+    # Nothing above the baseline: the baseline is the incumbent, found at launch 0.
+    assert stop_rules.lead([launch(0, 0.9), launch(1, 1.005)], 0.01).found_at == 0
+    # A late find needs a longer quiet spell; the backstop is longer still.
+    assert stop_rules.hold_needed(2) == stop_rules.HOLD_MIN and stop_rules.hold_needed(12) == 6
+    assert stop_rules.stall_needed(12) == 12 > stop_rules.hold_needed(12)
+
+
+def test_host_offsets_are_noise_the_misfit_expects() -> None:
+    # Four hosts, each 2% off in its own direction, and a model that is right otherwise.
+    rng = np.random.default_rng(0)
+    hosts = [f"w{i % 4}" for i in range(16)]
+    offset = {"w0": 0.02, "w1": -0.02, "w2": 0.015, "w3": -0.015}
+    resid = np.array([offset[h] for h in hosts]) + rng.normal(0, 0.005, 16)
+    sd = np.full(16, 0.01)
+    assert convergence.host_misfit(resid, sd, hosts) < 1.3
+    # Unlabelled, the same residuals read as a model 1.5x worse than it says.
+    assert convergence.host_misfit(resid, sd, [None] * 16) > 1.5

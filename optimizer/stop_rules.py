@@ -1,0 +1,204 @@
+"""Evidence for stopping that does not depend on the model's functional form.
+
+The convergence stop (optimizer.convergence) asks the fitted model whether anything left can beat
+the incumbent.  That answer is only as good as the model's form: on an engine it cannot represent
+(acceptance that is not smooth in the draft position, a verify cost that steps at tiles) it either
+widens its uncertainty and never stops, or is confidently wrong.  The rules here look only at what
+was measured, in the order it was measured:
+
+* **prediction check**: every configuration the `auto` sampler proposes carries the model's
+  prediction, made before it was launched (`model_prediction`: speedup and the sd of its log).
+  Each result is compared with it in units of the uncertainty the prediction stated, widened by
+  the measurement's own spread and by what host-to-host offsets add (`HOST_SD`: a prediction
+  does not know which host will run it).  When the misses over the last `CHECK_WINDOW` results
+  are larger than that uncertainty allows (chi-square at `CHECK_LEVEL`), the model is not
+  trusted to say what is left, and the empirical rule decides instead.
+* **empirical rule** (the incumbent's lead over the last launches): with an untrusted model, stop
+  once none of the last k launches beat the incumbent by more than `min_gain`, where k grows with
+  how long the search took to find the incumbent (`hold_needed`): a search that found its best
+  late is still improving and needs a longer quiet spell to be judged done.
+* **improvement-rate rule**: whatever the model says, stop once no launch has beaten the
+  incumbent by more than `min_gain` for `stall_needed` launches (twice the quiet spell above):
+  a backstop so a model that keeps widening its uncertainty cannot run a study to its cap.
+
+All functions are pure: they take the trials (Optuna's FrozenTrial records) and return values.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from optuna.trial import FrozenTrial, TrialState
+from scipy.stats import chi2
+
+from optimizer import attrs as A
+from optimizer.analysis import level_intervals
+from optimizer.model_sampler import PREDICTION_ATTR  # the prediction stored at ask time
+
+# Results the prediction check looks back over, and the fewest it judges from.
+CHECK_WINDOW = 6
+CHECK_MIN = 3
+# The model is distrusted when the misses' mean square exceeds the chi-square quantile at this
+# level (1 in 20 for a model whose stated uncertainty is right).
+CHECK_LEVEL = 0.95
+# Log-sd of what a host adds to a speedup that its own baseline does not cancel (driver, clocks,
+# interconnect treating draft and verify kernels differently from a plain decode step).  Part of
+# the noise every comparison across hosts expects, so more hosts are not read as a worse model.
+HOST_SD = 0.012
+# A prediction that claims at most this log-sd is a confident one: how far the confident ones
+# missed (beyond measurement and host noise) is the model's own misspecification on this engine.
+CONFIDENT_SD = 0.05
+# Floor on a measurement's log-sd when its passes show no spread (one pass, or identical ones).
+MEASUREMENT_FLOOR = 0.005
+# The empirical rule's quiet spell: at least this many launches, and at least half the launches
+# it took to find the incumbent.
+HOLD_MIN = 4
+# The improvement-rate backstop: at least this many launches, and at least as many as it took to
+# find the incumbent.
+STALL_MIN = 8
+
+
+class StopRule(enum.StrEnum):
+    """Which rule settled the study (the conductor puts it into its finish reason)."""
+
+    MODEL = "model"  # the fitted model: nothing left is likely to beat the incumbent
+    EMPIRICAL = "empirical"  # the model failed its prediction check; the incumbent held against the last launches
+    IMPROVEMENT_RATE = "improvement_rate"  # no launch beat the incumbent for long, whatever the model says
+
+    @property
+    def label(self) -> str:
+        """As the finish reason says it: "(improvement-rate rule)"."""
+        return f"{self.value.replace('_', '-')} rule"
+
+
+@dataclass(frozen=True)
+class PredictionCheck:
+    """How well the model predicted results before they were measured."""
+
+    checked: int  # results in the window that had a prediction
+    rms_miss: float  # root mean square of the misses, in units of their stated uncertainty
+    trusted: bool
+    worst_config: str | None  # the result the model missed most, in the window
+    worst_miss: float  # that miss, signed, in units of its stated uncertainty
+    excess_sd: float  # log-sd of the confident predictions' misses beyond measurement and hosts (0 if none)
+
+    def describe(self) -> str:
+        if self.checked < CHECK_MIN:
+            return f"too few predicted results to check the model ({self.checked})"
+        return f"model predictions missed by {self.rms_miss:.1f} sd (rms) over the last {self.checked} results"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One configuration launched by the study, in the order its result arrived."""
+
+    number: int
+    config_key: str
+    value: float  # 0.0 for a launch that failed or broke a constraint
+    worker_id: str | None
+
+
+def launches(trials: Sequence[FrozenTrial]) -> list[Launch]:
+    """Every configuration launched by a lease of its own (not a duplicate answered from an earlier
+    trial, not one inferred to fail), finished, in the order its result arrived."""
+    out: list[tuple[Any, int, Launch]] = []
+    for t in trials:
+        ua = t.user_attrs
+        if t.state not in (TrialState.COMPLETE, TrialState.PRUNED) or A.DUPLICATE_OF in ua or A.INFERRED_FROM in ua:
+            continue
+        if A.CONFIG_KEY not in ua:
+            continue
+        feasible = t.state == TrialState.COMPLETE and not (t.constraints and any(v > 0 for v in t.constraints.values()))
+        value = float(t.value or 0.0) if feasible else 0.0
+        done = t.datetime_complete
+        out.append(
+            (
+                done.timestamp() if done is not None else math.inf,
+                t.number,
+                Launch(t.number, ua[A.CONFIG_KEY], value, ua.get(A.WORKER_ID)),
+            )
+        )
+    out.sort(key=lambda x: (x[0], x[1]))
+    return [x[2] for x in out]
+
+
+def measurement_sd(ua: Mapping[str, Any]) -> float:
+    """Log-sd of a trial's objective from its repeated passes (mean over its levels)."""
+    ivs = level_intervals(ua.get(A.LEVELS) or [], ua.get(A.BASELINE_LEVELS) or [])
+    sds = [math.log(iv.high / iv.low) / (2 * 1.96) for iv in ivs.values() if iv.low > 0]
+    if not sds:
+        return MEASUREMENT_FLOOR
+    # The objective is a mean of log speedups over the levels: its variance is the mean variance / n.
+    return max(MEASUREMENT_FLOOR, math.sqrt(sum(s * s for s in sds)) / len(sds))
+
+
+def prediction_check(trials: Sequence[FrozenTrial], host_sd: float = HOST_SD) -> PredictionCheck:
+    """Compare the last `CHECK_WINDOW` results with the predictions made before they were launched."""
+    by_number = {t.number: t for t in trials}
+    misses: list[tuple[float, str]] = []
+    excess: list[float] = []
+    for launch in launches(trials):
+        t = by_number[launch.number]
+        pred = t.user_attrs.get(PREDICTION_ATTR)
+        if not isinstance(pred, Mapping) or launch.value <= 0:
+            continue
+        speedup, sd = pred.get("speedup"), pred.get("log_sd")
+        if not isinstance(speedup, int | float) or not isinstance(sd, int | float) or speedup <= 0:
+            continue
+        stated = math.sqrt(float(sd) ** 2 + measurement_sd(t.user_attrs) ** 2 + host_sd**2)
+        miss = math.log(launch.value) - math.log(float(speedup))
+        misses.append((miss / stated, launch.config_key))
+        if float(sd) <= CONFIDENT_SD:
+            excess.append(miss**2 - measurement_sd(t.user_attrs) ** 2 - host_sd**2)
+    window = misses[-CHECK_WINDOW:]
+    if not window:
+        return PredictionCheck(0, 0.0, True, None, 0.0, 0.0)
+    recent = excess[-CHECK_WINDOW:]
+    excess_sd = math.sqrt(max(0.0, sum(recent) / len(recent))) if recent else 0.0
+    ms = sum(z * z for z, _ in window) / len(window)
+    worst = max(window, key=lambda x: abs(x[0]))
+    trusted = len(window) < CHECK_MIN or bool(ms <= chi2.ppf(CHECK_LEVEL, len(window)) / len(window))
+    return PredictionCheck(len(window), math.sqrt(ms), trusted, worst[1], worst[0], excess_sd)
+
+
+@dataclass(frozen=True)
+class Lead:
+    """The incumbent against the launches made after it was found."""
+
+    found_at: int  # 1-based position of the incumbent's launch among all launches (0: the baseline)
+    since: int  # launches after it, none of which beat it by more than min_gain
+    best_since: float  # the best value among them (0.0 when none)
+
+    def held(self, needed: int) -> bool:
+        return self.since >= needed
+
+
+def lead(history: Sequence[Launch], min_gain: float) -> Lead:
+    """Where the incumbent (the best launch, or the baseline 1.0x when nothing beats it) was found,
+    and how many launches since have failed to beat it by more than `min_gain`.
+
+    The incumbent is "found" at the last launch that beat the one before by more than `min_gain`:
+    a launch that beats it by less is within what the rule tolerates, and does not restart the count.
+    """
+    bar = 1.0
+    found = 0
+    for i, launch in enumerate(history):
+        if launch.value > bar * (1.0 + min_gain):
+            found = i + 1
+        bar = max(bar, launch.value)
+    since = history[found:]
+    return Lead(found_at=found, since=len(since), best_since=max((x.value for x in since), default=0.0))
+
+
+def hold_needed(found_at: int) -> int:
+    """Launches without an improvement the empirical rule wants: a search that found its best late
+    is still improving, so the quiet spell grows with it."""
+    return max(HOLD_MIN, math.ceil(found_at / 2))
+
+
+def stall_needed(found_at: int) -> int:
+    return max(STALL_MIN, found_at)
