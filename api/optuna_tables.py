@@ -7,6 +7,8 @@ schema directly (the major version is pinned) and never write it.
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from optuna.trial import TrialState
 from sqlalchemy import Engine, text
 
@@ -29,3 +31,20 @@ def trial_counts(engine: Engine) -> dict[str, dict[str, int]]:
 
 def empty_counts() -> dict[str, int]:
     return {s.name: 0 for s in TrialState}
+
+
+_STALE_RUNNING = text(
+    "SELECT s.study_name, t.number FROM trials t JOIN studies s ON s.study_id = t.study_id "
+    "WHERE t.state = 'RUNNING' AND (t.datetime_start IS NULL OR t.datetime_start <= :before) "
+    "ORDER BY s.study_name, t.number"
+)
+
+
+def running_trials_started_before(engine: Engine, before: datetime) -> dict[str, list[int]]:
+    """Trial numbers per study that are RUNNING and started at or before `before` (or never
+    stamped), in one query: what the orphan sweep looks at on every lease."""
+    out: dict[str, list[int]] = {}
+    with engine.connect() as conn:
+        for study, number in conn.execute(_STALE_RUNNING, {"before": before}):
+            out.setdefault(str(study), []).append(int(number))
+    return out

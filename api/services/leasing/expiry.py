@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
-from optuna.trial import TrialState
 from sqlalchemy import select
 
 from api.context import ServiceContext
 from api.db import db_now
 from api.models import LeaseRow, StudyRow
+from api.optuna_tables import running_trials_started_before
 from api.services import studies as study_svc
 from api.services.leasing.confirm import ConfirmLeases
 from api.services.leasing.records import HostHealth, event
@@ -80,17 +80,14 @@ class Expiry:
         """
         with self.ctx.sessions() as s:
             now = db_now(s)
-            names = list(s.scalars(select(StudyRow.name).where(StudyRow.state == StudyState.RUNNING)))
+            names = set(s.scalars(select(StudyRow.name).where(StudyRow.state == StudyState.RUNNING)))
+        # One query over every study (api.optuna_tables): loading each running study's trials
+        # through Optuna on every lease cost ~0.1 s per study, 30 s per lease at 300 studies.
         grace = timedelta(seconds=self.settings.orphan_grace_s)
+        stale = running_trials_started_before(self.ctx.rdb.engine, now - grace)
         storage = self.ctx.storage
-        for name in names:
-            try:
-                study_id = storage.get_study_id_from_name(name)
-            except KeyError:
-                continue
-            running = storage.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,))
-            old = [t for t in running if t.datetime_start is None or now - t.datetime_start >= grace]
-            if not old:
+        for name, old in sorted(stale.items()):
+            if name not in names:
                 continue
             with self.ctx.sessions() as s:
                 held = set(
@@ -103,7 +100,7 @@ class Expiry:
                     )
                 )
                 spec = study_svc.spec_of(s, name)
-            orphans = [t.number for t in old if t.number not in held]
+            orphans = [number for number in old if number not in held]
             for number in orphans:
                 log.warning("study %s: trial %d was asked but never leased; telling it FAIL", name, number)
                 message = "asked from Optuna but never leased (the API or database failed in between)"
