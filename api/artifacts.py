@@ -37,6 +37,21 @@ _PATH_FLAG = re.compile(r"(--[a-z-]*path[ =])([/~.]\S*)")
 REDACTED = "<host path>"
 
 
+# An absolute or home path anywhere in a message (not the `//` of a URL): `/srv/prompts/a.jsonl`.
+_ANY_PATH = re.compile(r"(?<![\w.:/~-])~?(?:/[\w.+@-]+)+/?")
+
+
+def paths_to_names(text: str) -> str:
+    """Every absolute path in a message replaced by its last part (`/srv/prompts/a.jsonl` ->
+    `a.jsonl`): a worker's refusal names the file or folder it missed, never where it looked."""
+
+    def name(m: re.Match[str]) -> str:
+        parts = [p for p in m.group().split("/") if p and p != "~"]
+        return parts[-1] if parts else REDACTED
+
+    return _ANY_PATH.sub(name, text)
+
+
 def redact_host_paths(text: str) -> str:
     """The log text with path-valued settings replaced by a placeholder."""
     text = _PATH_ASSIGNMENT.sub(lambda m: f"{m.group(1)}'{REDACTED}'", text)

@@ -28,7 +28,7 @@ import logging
 import re
 from collections.abc import Callable, Iterable
 from typing import cast
-from urllib.parse import parse_qs, quote
+from urllib.parse import parse_qs, quote, urlsplit
 
 import optuna_dashboard
 from a2wsgi import WSGIMiddleware
@@ -118,6 +118,11 @@ class DashboardGate:
             )
             await _send(send, 403, _json_error("forbidden", message), "application/json")
             return
+        problem = _bad_query(scope)
+        if problem is not None:
+            status, code, message = problem
+            await _send(send, status, _json_error(code, message), "application/json")
+            return
         if "accept-encoding" not in headers:
             # optuna-dashboard's static routes read the header without a default (KeyError, 500).
             scope = {**scope, "headers": [*scope["headers"], (b"accept-encoding", b"identity")]}
@@ -178,6 +183,26 @@ class _NoteRefresher:
         return result
 
 
+# optuna-dashboard parses these with int() and answers anything else with a 500 (`?after=abc`),
+# and an id beyond 64 bits reaches the database as an overflow; checked here first.
+_ID_IN_PATH = re.compile(r"/(?:api/studies|api/trials|csv|artifacts)/([0-9]+)(?:/|\Z)")
+_MAX_ID_DIGITS = 18
+
+
+def _bad_query(scope: Scope) -> tuple[int, str, str] | None:
+    """(status, code, message) for a dashboard request optuna-dashboard would answer with a 500."""
+    match = _ID_IN_PATH.match(scope["path"])
+    if match and len(match.group(1)) > _MAX_ID_DIGITS:
+        return 404, "not_found", f"no study or trial with id {match.group(1)[:24]}..."
+    if _STUDY_API.match(scope["path"].rstrip("/")):
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+        for value in query.get("after", []):
+            if not (value.isascii() and value.isdigit() and len(value) <= _MAX_ID_DIGITS):
+                message = f"after: {value[:40]!r} is not a trial count; send a whole number >= 0, e.g. ?after=0"
+                return 422, "invalid", message
+    return None
+
+
 def _cookie(headers: dict[str, str]) -> str | None:
     for part in headers.get("cookie", "").split(";"):
         key, _, value = part.strip().partition("=")
@@ -217,6 +242,25 @@ button {{ margin-top: 1rem; padding: .5rem 1.2rem; }}
 </style></head><body><main>{body}</main></body></html>"""
 
 
+def _foreign_origin(request: Request) -> str | None:
+    """The origin a browser says a POST came from, when it is not this site (else None).
+
+    `Origin` (every current browser sends it on a POST), else `Referer`; a request with neither
+    is not from a browser's cross-site form (curl, scripts) and is let through.  Hosts are
+    compared (host:port), not schemes, so a TLS-terminating proxy in front does not break it.
+    """
+    host = request.headers.get("host", "").lower()
+    origin = request.headers.get("origin")
+    if origin is not None:
+        if origin == "null" or urlsplit(origin).netloc.lower() != host:
+            return origin
+        return None
+    referer = request.headers.get("referer")
+    if referer is not None and urlsplit(referer).netloc.lower() != host:
+        return referer
+    return None
+
+
 def _safe_next(value: str | None) -> str:
     # Only same-site paths: an open redirect would turn the login page into a phishing aid.
     if value and value.startswith("/") and not value.startswith("//") and "\\" not in value:
@@ -252,6 +296,13 @@ def login_router() -> APIRouter:
         form = parse_qs((await request.body()).decode("utf-8", "replace"))
         token = (form.get("token") or [""])[0].strip()
         next_path = _safe_next((form.get("next") or [""])[0])
+        foreign = _foreign_origin(request)
+        if foreign is not None:
+            # Login CSRF: another site's page posting its own token would sign this browser in
+            # as that token's owner.  The cookie is SameSite=Strict; this closes the sign-in.
+            log.warning("dashboard sign-in refused: posted from %r", foreign[:200])
+            message = "sign-in refused: the form was sent from another site; sign in from this page"
+            return HTMLResponse(login_page(next_path, message), status_code=403)
         ctx: ServiceContext = request.app.state.ctx
         keeper: SessionKeeper = request.app.state.sessions
         try:

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from optuna.exceptions import StorageInternalError
@@ -220,9 +221,34 @@ def install_error_handlers(app: FastAPI, on_unhandled: Callable[[Request, Except
     async def _optimizer_error(request: Request, exc: OptimizerError) -> JSONResponse:
         return await _api_error(request, _from_optimizer(exc))
 
+    async def _unauthenticated(request: Request) -> JSONResponse | None:
+        """401 for a caller without a valid token, or None.
+
+        FastAPI parses a JSON body before it resolves dependencies, so a body that is not JSON
+        was answered 422 before the token was looked at: anyone could probe the API's parser.
+        The token is checked here first for such bodies (valid JSON reaches the dependencies,
+        which check the token before the fields).
+        """
+        ctx = getattr(request.app.state, "ctx", None)
+        if ctx is None or not request.url.path.startswith("/v1/"):
+            return None
+        from api.auth import authenticate
+
+        def check() -> None:
+            with ctx.sessions() as s:
+                authenticate(s, request.headers.get("authorization"))
+
+        try:
+            await run_in_threadpool(check)
+        except AuthError as e:
+            return await _api_error(request, e)
+        return None
+
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errors) and (denied := await _unauthenticated(request)):
+            return denied
         first = errors[0] if errors else {"loc": ("body",), "msg": "invalid request"}
         field = _loc(first.get("loc", ()))
         msg = str(first.get("msg", "invalid value"))
@@ -251,8 +277,10 @@ def install_error_handlers(app: FastAPI, on_unhandled: Callable[[Request, Except
     app.add_exception_handler(StorageInternalError, _db_error)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400:
+            if denied := await _unauthenticated(request):
+                return denied
             # FastAPI answers 400 when the body cannot be read as JSON at all, e.g. nested so
             # deeply that the parser gives up: to the client that is one more invalid body.
             message = "the request body could not be parsed: send a plain JSON object (not nested too deeply)"

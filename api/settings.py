@@ -17,7 +17,8 @@ class Settings(BaseSettings):
     # postgresql+psycopg://user@host/db.
     database_url: str = "sqlite:///./spectune.db"
     # A lease is lost when no heartbeat arrives before its deadline (database clock).
-    heartbeat_interval_s: float = Field(default=30.0, gt=0)
+    # Within what workers accept (spectune_protocol.MIN_HEARTBEAT_S..MAX_HEARTBEAT_S).
+    heartbeat_interval_s: float = Field(default=30.0, ge=0.05, le=3600.0)
     lease_ttl_s: float = Field(default=120.0, gt=0)
     # A trial Optuna handed out without a recorded lease (the API died in between) is told FAIL
     # after this long; asks take milliseconds.

@@ -2,6 +2,7 @@
 
     python -m benchmarks.api_load                       # the figures in benchmarks/README.md
     python -m benchmarks.api_load --workers 16 --rounds 2 --fill 200   # a quick look
+    python -m benchmarks.api_load --many-studies 300 --clients 40       # issue 18: many studies
 
 One `spectune server` process (uvicorn, one event loop) on a fresh Postgres database on
 127.0.0.1.  The workers are protocol-only: plain httpx coroutines with their own bound worker
@@ -16,6 +17,13 @@ by `--fill-workers` concurrent workers (lease + complete), recording how the lea
 includes Optuna's ask under the study lock) grows with the number of finished trials; then one
 worker takes `--probe` more leases at that size, and the user-facing reads (show, trials) are
 timed too.  Every loop is bounded by a count and by `--time-limit-s`.
+
+`--many-studies N` runs a third scenario instead (issue 18, "responsive under load"): N running
+studies, created by N/20 user tokens (the default per-user limit is 20 running studies), then
+`--clients` concurrent clients for `--duration-s`: a third are readers (`GET /v1/studies`, then
+one study's page), a tenth are probes (`GET /healthz`, ten a second each, as a load balancer
+would), the rest protocol-only workers (lease, heartbeat, complete).  It reports p50/p95/p99 per
+call and checks the issue's targets: `/healthz` p99 <= 100 ms, `GET /v1/studies` p95 <= 1 s.
 """
 
 from __future__ import annotations
@@ -90,6 +98,14 @@ class Timings:
                 f"| {op} | {len(xs)} | {pct(xs, 0.5) * 1e3:.1f} | {pct(xs, 0.99) * 1e3:.1f} | {max(xs) * 1e3:.1f} |"
             )
         return out
+
+
+def table95(t: Timings) -> list[str]:
+    out = ["| call | n | p50 ms | p95 ms | p99 ms | max ms |", "|---|---:|---:|---:|---:|---:|"]
+    for op, xs in sorted(t.samples.items()):
+        ms = [pct(xs, q) * 1e3 for q in (0.5, 0.95, 0.99)]
+        out.append(f"| {op} | {len(xs)} | {ms[0]:.1f} | {ms[1]:.1f} | {ms[2]:.1f} | {max(xs) * 1e3:.1f} |")
+    return out
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -210,6 +226,110 @@ async def run(args: argparse.Namespace, url: str, user: str, tokens: list[str]) 
     }  # fmt: skip
 
 
+STUDIES_PER_USER = 20  # api.settings: max_running_studies_per_user's default
+
+
+async def run_many(args: argparse.Namespace, url: str, users: list[str], tokens: list[str]) -> dict[str, Any]:
+    """Issue 18's scenario: many running studies, readers, probes and workers at once."""
+    limits = httpx.Limits(max_connections=args.clients + 8, max_keepalive_connections=args.clients + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=args.timeout_s, limits=limits) as client:
+        names = [f"many-{i:04d}" for i in range(args.many_studies)]
+        made = asyncio.Semaphore(8)
+
+        async def create(i: int, name: str) -> None:
+            headers = {"Authorization": f"Bearer {users[i // STUDIES_PER_USER]}"}
+            async with made:
+                r = await client.post("/v1/studies", json=spec(name, 50, "random"), headers=headers)
+            assert r.status_code == 201, r.text
+
+        t = time.monotonic()
+        await asyncio.gather(*(create(i, n) for i, n in enumerate(names)))
+        created_s = time.monotonic() - t
+        timings = Timings()
+        deadline = time.monotonic() + args.duration_s
+        uh = {"Authorization": f"Bearer {users[0]}"}
+        n_probes = max(1, args.clients // 10)
+        n_readers = max(1, args.clients // 3)
+        n_workers = max(1, args.clients - n_probes - n_readers)
+        rng = random.Random(1)
+
+        async def probe() -> None:
+            while time.monotonic() < deadline:
+                await timings.timed("GET /healthz", client.get("/healthz"))
+                await asyncio.sleep(0.1)
+
+        async def reader() -> None:
+            while time.monotonic() < deadline:
+                await timings.timed("GET /v1/studies", client.get("/v1/studies", headers=uh))
+                name = rng.choice(names)
+                await timings.timed("GET /v1/studies/{name}", client.get(f"/v1/studies/{name}", headers=uh))
+
+        async def worker(w: Worker) -> None:
+            while time.monotonic() < deadline:
+                lease = await w.lease()
+                if lease is None:
+                    await asyncio.sleep(0.5)
+                    continue
+                await w.call("heartbeat", lease["lease_id"])
+                await w.call("complete", lease["lease_id"], ok_report(w.rng))
+
+        workers = [Worker(client, f"w{i:03d}", tokens[i], timings, i) for i in range(n_workers)]
+        t = time.monotonic()
+        await asyncio.gather(
+            *(probe() for _ in range(n_probes)),
+            *(reader() for _ in range(n_readers)),
+            *(worker(w) for w in workers),
+        )
+        wall = time.monotonic() - t
+    return {
+        "studies": args.many_studies, "created_s": created_s, "wall_s": wall,
+        "clients": {"probes": n_probes, "readers": n_readers, "workers": n_workers},
+        "healthz_p99_ms": pct(timings.samples["GET /healthz"], 0.99) * 1e3,
+        "list_p95_ms": pct(timings.samples["GET /v1/studies"], 0.95) * 1e3,
+        "table": table95(timings), "errors": dict(timings.errors),
+    }  # fmt: skip
+
+
+def make_users(db_url: str, n: int) -> list[str]:
+    from api.auth import create_token
+    from api.db import make_engine, make_sessionmaker
+
+    engine = make_engine(db_url)
+    try:
+        factory = make_sessionmaker(engine)
+        return [create_token(factory, "user", f"load-user-{i:02d}")[1] for i in range(n)]
+    finally:
+        engine.dispose()
+
+
+def main_many(args: argparse.Namespace) -> int:
+    db_url, drop = create_database(args.pg_admin_dsn)
+    log = Path(f"/tmp/spectune-api-load-{os.getpid()}.log")
+    api = ApiProc("load", db_url, log, {"SPECTUNE_LEASE_TTL_S": "600", "SPECTUNE_HEARTBEAT_INTERVAL_S": "30"})
+    try:
+        _, tokens = make_tokens(db_url, args.clients)
+        users = make_users(db_url, -(-args.many_studies // STUDIES_PER_USER))
+        api.start()
+        result = asyncio.run(run_many(args, api.url, users, tokens))
+    finally:
+        api.signal(__import__("signal").SIGTERM)
+        drop()
+    c = result["clients"]
+    print(
+        f"{result['studies']} running studies (created in {result['created_s']:.0f} s), {args.clients} clients "
+        f"({c['probes']} probes, {c['readers']} readers, {c['workers']} workers) for {result['wall_s']:.0f} s"
+    )
+    print("\n".join(result["table"]))
+    print(f"errors: {result['errors'] or 'none'}")
+    healthz_ok = result["healthz_p99_ms"] <= 100.0
+    list_ok = result["list_p95_ms"] <= 1000.0
+    print(f"/healthz p99 {result['healthz_p99_ms']:.1f} ms (target <= 100): {'met' if healthz_ok else 'MISSED'}")
+    print(f"GET /v1/studies p95 {result['list_p95_ms']:.1f} ms (target <= 1000): {'met' if list_ok else 'MISSED'}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0 if healthz_ok and list_ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--workers", type=int, default=64)
@@ -222,9 +342,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-s", type=float, default=60.0, help="client time-out of one call")
     p.add_argument("--pg-admin-dsn", default="host=127.0.0.1 port=5432 user=postgres dbname=postgres")
     p.add_argument("--json", type=Path)
+    p.add_argument("--many-studies", type=int, default=0, help="run the many-studies scenario with this many")
+    p.add_argument("--clients", type=int, default=40, help="concurrent clients of the many-studies scenario")
+    p.add_argument("--duration-s", type=float, default=60.0, help="how long the many-studies clients run")
     args = p.parse_args(argv)
     os.environ["TZ"] = "UTC"
     time.tzset()
+    if args.many_studies > 0:
+        return main_many(args)
     db_url, drop = create_database(args.pg_admin_dsn)
     log = Path(f"/tmp/spectune-api-load-{os.getpid()}.log")
     api = ApiProc("load", db_url, log, {"SPECTUNE_LEASE_TTL_S": "600", "SPECTUNE_HEARTBEAT_INTERVAL_S": "30"})

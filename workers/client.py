@@ -228,9 +228,12 @@ class ApiClient:
         try:
             return model.model_validate_json(resp.content)
         except ValidationError as e:
+            first = e.errors()[0]
+            # The field's name, never its value: the value came from the API and is not trusted.
+            where = ".".join(str(p) for p in first["loc"]) or "body"
             raise ApiProtocolError(
                 f"{what}: the API's answer does not match this worker's protocol (upgrade spectune on "
-                f"one side): {e.error_count()} error(s), first: {e.errors()[0]['msg']}"
+                f"one side): {e.error_count()} error(s), first: {where}: {first['msg']}"
             ) from e
 
 

@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from spectune_protocol.printable import printable
 from workers.agent import EXIT_CONFIG, Agent, AgentSettings
 from workers.client import ApiClient, Backoff, make_http_client
 from workers.config import WorkerConfig, load_config, read_token
@@ -28,11 +29,27 @@ from workers.shutdown import ShutdownSignals
 log = logging.getLogger("spectune.worker.agent")
 
 
+class OneLineMessages(logging.Filter):
+    """Every message one line, with no terminal controls: what the API sends (a study name, a
+    message) cannot forge a log line or rewrite the reader's terminal.  Tracebacks, formatted
+    from `exc_info` after this, keep their lines."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        safe = printable(message)
+        if safe != message:
+            record.msg, record.args = safe, None
+        return True
+
+
 def _configure_logging() -> None:
     root = logging.getLogger()
     if not root.handlers:  # the CLI may have configured logging already
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per heartbeat is noise
+    for handler in root.handlers:
+        if not any(isinstance(f, OneLineMessages) for f in handler.filters):
+            handler.addFilter(OneLineMessages())
 
 
 def _force_exit(agent: Agent, signum: int) -> None:

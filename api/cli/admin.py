@@ -85,6 +85,22 @@ def db_upgrade(database_url: DbUrl = None) -> None:
     typer.echo("database schema is at head")
 
 
+def _create_token_file(output: Path) -> int:
+    """A new file for a token, mode 0600 from the start; never an existing file or a symlink.
+
+    O_EXCL: writing into an existing file (or through a symlink an attacker planted, e.g. in a
+    shared folder, pointing at a file of ours) would hand them the token or clobber the file.
+    Opened before the token is created, so a refused path leaves no orphan token behind.
+    """
+    try:
+        return os.open(output, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        kind = "a symlink" if output.is_symlink() else "a file"
+        fail(f"{output} is {kind} that already exists; the token is written only to a new file: pass a new path")
+    except OSError as e:
+        fail(f"cannot create {output}: {e.strerror}")
+
+
 @token_app.command("create")
 def token_create(
     role: Annotated[str, typer.Option(help="admin | user | worker")],
@@ -100,24 +116,27 @@ def token_create(
     from api.db import make_engine, make_sessionmaker
     from api.errors import ApiError
 
+    fd = None if output is None else _create_token_file(output)
     engine = make_engine(settings(database_url).database_url)
     try:
         _, token = create_token(make_sessionmaker(engine), role, name, worker_id)
-    except ApiError as e:
-        fail(e.message)
-    except Exception as e:  # noqa: BLE001
-        fail(f"cannot create the token ({e}); did you run `spectune db upgrade`?")
+    except BaseException as e:
+        if fd is not None and output is not None:
+            os.close(fd)
+            output.unlink(missing_ok=True)  # the empty file this command created, nothing else
+        if isinstance(e, ApiError):
+            fail(e.message)
+        if isinstance(e, Exception):
+            fail(f"cannot create the token ({e}); did you run `spectune db upgrade`?")
+        raise
     finally:
         engine.dispose()
-    if output is None:
+    if fd is None:
         typer.echo(token)
         return
     try:
-        # Created 0600 from the start: the token is never readable by others, not even briefly.
-        fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(token + "\n")
-        os.chmod(output, 0o600)
     except OSError as e:
         fail(f"cannot write the token to {output}: {e.strerror}")
     typer.echo(f"{role} token written to {output}")

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from api.cli.common import DEFAULT_API_URL, ApiUrl, Token, call, client, ensure_utc, fail
+from api.cli.common import DEFAULT_API_URL, ApiUrl, Token, call, client, ensure_utc, fail, say
 
 study_app = typer.Typer(no_args_is_help=True, help="Studies (talks to the API).")
 
@@ -48,7 +48,7 @@ def study_list(api_url: ApiUrl = DEFAULT_API_URL, token: Token = None) -> None:
     for st in call("GET", "/v1/studies", api_url, token):
         t = st["trials"]
         rows.append([st["name"], st["state"], st["model"], t.get("COMPLETE", 0), t.get("RUNNING", 0), t.get("FAIL", 0)])
-    typer.echo(table(["study", "state", "model", "complete", "running", "failed"], rows))
+    say(table(["study", "state", "model", "complete", "running", "failed"], rows))
 
 
 @study_app.command("show")
@@ -63,18 +63,18 @@ def study_show(
 
     shown = call("GET", f"/v1/studies/{name}", api_url, token)
     if as_json:
-        typer.echo(json.dumps(shown, indent=2, default=str))
+        typer.echo(json.dumps(shown, indent=2, default=str))  # JSON escapes controls itself
         return
     trials = call("GET", f"/v1/studies/{name}/trials", api_url, token)
-    typer.echo(study_summary(shown))
+    say(study_summary(shown))
     typer.echo("")
-    typer.echo(levels_table(shown))
+    say(levels_table(shown))
     typer.echo("")
-    typer.echo(trials_table(shown, trials))
+    say(trials_table(shown, trials))
     failures = failures_table(trials)
     if failures:
         typer.echo("")
-        typer.echo(failures)
+        say(failures)
 
 
 @study_app.command("watch")
@@ -96,14 +96,14 @@ def study_watch(
         shown = call("GET", f"/v1/studies/{name}", api_url, token)
         line = progress_line(shown)
         if line != last:
-            typer.echo(f"{time.strftime('%H:%M:%S', time.gmtime())}  {line}")
+            say(f"{time.strftime('%H:%M:%S', time.gmtime())}  {line}")
             last = line
         if shown["state"] != "running":
-            typer.echo(shown["verdict"])
+            say(shown["verdict"])
             if shown.get("cost"):
-                typer.echo(f"cost: {shown['cost']['summary']}")
+                say(f"cost: {shown['cost']['summary']}")
             if shown.get("deployment"):
-                typer.echo(shown["deployment"]["launch_command"])
+                say(shown["deployment"]["launch_command"])
             return
         if time.monotonic() + interval > deadline:
             typer.secho(f"study {name} is still running after {timeout:.0f} s", err=True, fg=typer.colors.YELLOW)

@@ -9,6 +9,8 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
+from spectune_protocol.printable import printable
+
 DbUrl = Annotated[
     str | None,
     typer.Option("--database-url", envvar="SPECTUNE_DATABASE_URL", help="default: sqlite:///./spectune.db"),
@@ -20,8 +22,14 @@ DEFAULT_API_URL = "http://127.0.0.1:8000"
 
 def fail(message: str) -> NoReturn:
     """Print `error: message` in red and exit with status 2 (an error the user can fix)."""
-    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
+    typer.secho(f"error: {printable(message, keep_newlines=True)}", err=True, fg=typer.colors.RED)
     raise typer.Exit(2)
+
+
+def say(text: str) -> None:
+    """Print text that holds what others stored (study names, failure messages a worker sent):
+    control characters are shown as escapes, so an escape sequence cannot rewrite the terminal."""
+    typer.echo(printable(text, keep_newlines=True))
 
 
 def version() -> str:

@@ -82,12 +82,27 @@ def rows(study: str, trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+# A spreadsheet reads a cell that starts with one of these as a formula (`=HYPERLINK(...)` in a
+# failure message a worker sent would become a live link, or worse).
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def cell(value: Any) -> Any:
+    """A CSV cell: text that a spreadsheet would run as a formula gets a leading `'`; numbers
+    (negative ones too) stay numbers."""
+    if value is None:
+        return ""
+    if isinstance(value, str) and value.startswith(_FORMULA_STARTS):
+        return "'" + value
+    return value
+
+
 def to_csv(study: str, trials: list[dict[str, Any]]) -> str:
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=COLUMNS, extrasaction="ignore", lineterminator="\n")
     w.writeheader()
     for r in rows(study, trials):
-        w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in COLUMNS})
+        w.writerow({k: cell(r.get(k)) for k in COLUMNS})
     return buf.getvalue()
 
 

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from api.artifacts import paths_to_names
 from api.context import ServiceContext
 from api.db import db_now
 from api.errors import ConflictError, LimitReachedError
@@ -605,7 +606,9 @@ class StudyService:
             ).all()
             cost = study_cost(s, name)
             refusals = [
-                {"worker_id": e.worker_id, "at": e.at, "message": e.detail} for e in active_refusals(s, study=name)
+                # Names, not host paths (rows stored before the API redacted them too).
+                {"worker_id": e.worker_id, "at": e.at, "message": paths_to_names(e.detail or "")}
+                for e in active_refusals(s, study=name)
             ]
             waiting = None if row.state != "running" else study_eligibility(s, spec).as_json()
             baseline_rows = s.scalars(

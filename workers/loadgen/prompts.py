@@ -71,16 +71,17 @@ def _read_prompt_file(name: str, prompt_dir: Path | None) -> str:
             f"prompt file {name!r} must be a plain file name inside the prompt folder "
             "(letters, digits, . _ -; no path separators, not starting with '.')"
         )
+    # Messages name the file, never the folder: they reach users in the study's `refused_by`.
     root = prompt_dir.resolve()
     path = (root / name).resolve()
     # A symlink inside the folder may not lead out of it either.
     if path.parent != root:
-        raise ValueError(f"prompt file {name!r} resolves outside the prompt folder {root}")
+        raise ValueError(f"prompt file {name!r} resolves outside this worker's prompt folder")
     if not path.is_file():
-        raise FileNotFoundError(f"prompt file {name!r} not found in {root}")
+        raise FileNotFoundError(f"prompt file {name!r} not found in this worker's prompt folder")
     size = path.stat().st_size
     if size > MAX_PROMPT_FILE_BYTES:
-        raise ValueError(f"prompt file {path} is {size} bytes; the limit is {MAX_PROMPT_FILE_BYTES}")
+        raise ValueError(f"prompt file {name!r} is {size} bytes; the limit is {MAX_PROMPT_FILE_BYTES}")
     return path.read_text(encoding="utf-8")
 
 

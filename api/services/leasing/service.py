@@ -20,6 +20,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from api.artifacts import paths_to_names
 from api.auth import Principal, require_role, require_worker
 from api.context import ServiceContext
 from api.db import db_now
@@ -267,7 +268,8 @@ class LeaseService:
                 kind = lease.kind
                 if body.failure is not None and body.failure.kind == "refused":
                     # A study fault: this worker is not offered the study again (_candidate_studies).
-                    records.event(s, records.LEASE_REFUSED, lease, body.failure.message[:2000])
+                    # Shown to users in the study's `refused_by`: names, not the host's paths.
+                    records.event(s, records.LEASE_REFUSED, lease, paths_to_names(body.failure.message)[:2000])
                     log.warning("worker %s refused lease %s of study %s: %s", lease.worker_id, lease.id,
                                 lease.study_name, body.failure.message)  # fmt: skip
             if kind == LeaseKind.BASELINE:
