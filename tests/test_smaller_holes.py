@@ -26,7 +26,8 @@ from pydantic import ValidationError
 from spectune_protocol import LeaseOut
 from spectune_protocol.printable import printable
 from tests.conftest import INVENTORY, Api, small_spec
-from tests.test_worker_agent import ApiServer, FakeApi, lease_body, running_agent, wait_for, write_config
+from tests.helpers import wait_for
+from tests.test_worker_agent import ApiServer, FakeApi, lease_body, running_agent, write_config
 from workers.loadgen.prompts import load_prompts
 from workers.main import OneLineMessages
 
@@ -207,7 +208,7 @@ def test_a_nan_heartbeat_interval_is_refused_without_a_single_beat(
     fake.queue = [lease_body("0" * 8 + "-0000-0000-0000-" + "0" * 12, heartbeat_interval_s=float("nan"))]
     lease_id = fake.queue[0]["lease_id"]
     with running_agent(write_config(tmp_path, server.url)):
-        wait_for(lambda: lease_id in fake.completed, what="the refusal")
+        wait_for("the refusal", lambda: lease_id in fake.completed)
     failure = fake.reports()[lease_id].failure
     assert failure is not None and failure.kind == "refused" and not failure.host_fault
     assert "heartbeat_interval_s" in failure.message
