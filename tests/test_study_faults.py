@@ -103,3 +103,94 @@ def test_an_admin_clears_a_workers_refusals(api: Api) -> None:
     lease = ask(api, "w1")
     assert lease is not None and lease["study"] == "remote-code"
     assert api.post("/v1/workers/w1/refusals/clear", "admin").json() == {"cleared": 0}
+
+
+# ------------------------------------------------------------------- issue 18: baselines the study breaks
+
+OOM = {"outcome": "failed", "failure": {"kind": "oom", "message": "CUDA out of memory: tried to allocate 2.0 GiB"}}
+BOGUS_DTYPE = {
+    "outcome": "failed",
+    "failure": {
+        "kind": "invalid_config",
+        "message": "SGLang rejected the value the study gave --dtype (exit code 2): launch_server.py: error: "
+        "argument --dtype: invalid choice: 'bogus'",
+    },
+}
+
+
+def _workers(api: Api) -> dict[str, Any]:
+    return {w["id"]: w for w in api.get("/v1/workers", "user").json()}
+
+
+def test_a_baseline_the_study_cannot_fit_is_charged_to_the_study_not_the_host(api: Api) -> None:
+    """`mem_fraction_static: 0.01`: three baseline OOMs quarantined a worker in ~6 s, and the same
+    baseline was handed out again after each."""
+    spec = small_spec("tiny-mem", model={**small_spec()["model"], "mem_fraction_static": 0.01})
+    assert api.post("/v1/studies", "user", spec).status_code == 201
+    first = ask(api, "w1")
+    assert (first["study"], first["kind"]) == ("tiny-mem", "baseline")
+    assert api.post(f"/v1/leases/{first['lease_id']}/complete", "worker", OOM).status_code == 200
+    # Not handed out again to that host, and nothing counted against it.
+    assert ask(api, "w1") is None
+    assert _workers(api)["w1"]["state"] == "ok"
+    shown = api.get("/v1/studies/tiny-mem", "user").json()
+    assert shown["state"] == "running"
+    assert [r["worker_id"] for r in shown["refused_by"]] == ["w1"]
+    assert "out of memory" in shown["refused_by"][0]["message"]
+    # On a second host the fault follows the study: it is stopped, saying why.
+    second = ask(api, "w2")
+    assert second["study"] == "tiny-mem"
+    assert api.post(f"/v1/leases/{second['lease_id']}/complete", "worker", OOM).status_code == 200
+    shown = api.get("/v1/studies/tiny-mem", "user").json()
+    assert shown["state"] == "stopped" and "oom" in shown["finish_reason"], shown["finish_reason"]
+    assert {w["state"] for w in _workers(api).values()} == {"ok"}
+    # Other studies are untouched: both hosts take the next one.
+    assert api.post("/v1/studies", "user", small_spec("innocent")).status_code == 201
+    assert ask(api, "w1")["study"] == "innocent"
+    assert ask(api, "w2")["study"] == "innocent"
+
+
+def test_a_value_the_engine_rejects_stops_the_study_at_once(api: Api) -> None:
+    """`extra_args: {"--dtype": "bogus"}` got a worker quarantined in under 1 s."""
+    spec = small_spec("bogus", model={**small_spec()["model"], "extra_args": {"--dtype": "bogus"}})
+    assert api.post("/v1/studies", "user", spec).status_code == 201
+    base = ask(api, "w1")
+    assert api.post(f"/v1/leases/{base['lease_id']}/complete", "worker", BOGUS_DTYPE).status_code == 200
+    shown = api.get("/v1/studies/bogus", "user").json()
+    assert shown["state"] == "stopped" and "--dtype" in shown["finish_reason"], shown["finish_reason"]
+    assert _workers(api)["w1"]["state"] == "ok"
+    assert ask(api, "w2") is None  # stopped: no other host launches it either
+    assert api.post("/v1/studies", "user", small_spec("next")).status_code == 201
+    assert ask(api, "w1")["study"] == "next"
+
+
+def test_a_fault_that_follows_the_host_across_studies_still_counts_against_it(api: Api) -> None:
+    """A host whose every baseline runs out of memory (another process holds its GPU) is sick."""
+    for name in ("a", "b"):
+        assert api.post("/v1/studies", "user", small_spec(name)).status_code == 201
+    failures = 0
+    while (got := ask(api, "w1")) is not None and failures < 10:
+        assert api.post(f"/v1/leases/{got['lease_id']}/complete", "worker", OOM).status_code == 200
+        failures += 1
+    # The first study's failure was charged to it; from the second study on, they follow the host.
+    assert _workers(api)["w1"]["state"] == "quarantined"
+    assert failures == 1 + 3  # SPECTUNE_QUARANTINE_AFTER
+    assert api.get("/v1/studies/a", "user").json()["state"] == "running"
+
+
+def test_argparse_rejecting_a_study_flag_is_the_studys_fault() -> None:
+    from workers.launcher import classify_exit
+
+    invalid = "launch_server.py: error: argument --dtype: invalid choice: 'bogus' (choose from 'auto', 'half')\n"
+    kind, host_fault, message = classify_exit(2, invalid, study_flags={"--dtype"})
+    assert (kind, host_fault) == ("invalid_config", False)
+    assert "model.extra_args" in message
+    # The same rejection of a flag the worker set itself (its version's names) is the host's.
+    assert classify_exit(2, invalid)[:2] == ("invalid_config", True)
+    bad_int = "launch_server.py: error: argument --chunked-prefill-size: invalid int value: 'x'\n"
+    assert classify_exit(2, bad_int, study_flags={"--chunked-prefill-size"})[:2] == ("invalid_config", False)
+    unknown = "launch_server.py: error: unrecognized arguments: --moe-runner-backend triton\n"
+    kind, host_fault, message = classify_exit(2, unknown, study_flags={"--moe-runner-backend"})
+    assert (kind, host_fault) == ("refused", False) and "--moe-runner-backend" in message
+    worker_flag = "launch_server.py: error: unrecognized arguments: --cuda-graph-max-bs-decode 8\n"
+    assert classify_exit(2, worker_flag, study_flags={"--dtype"})[:2] == ("invalid_config", True)

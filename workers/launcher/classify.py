@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import signal
+from collections.abc import Collection
 
 from spectune_protocol import FailureKind
 
@@ -17,6 +18,10 @@ from spectune_protocol import FailureKind
 _ARGPARSE_ERROR = re.compile(
     r"^.*\berror: (unrecognized arguments|ambiguous option|argument |the following arguments).*$", re.M
 )
+# "argument --dtype: invalid choice: 'bogus' (choose from ...)", "argument --tp-size: invalid int
+# value: 'x'": argparse names the flag whose value it rejected.
+_ARGPARSE_VALUE = re.compile(r"\berror: argument (--[A-Za-z0-9-]+)(?:/-\w+)?: (?:invalid|expected)")
+_ARGPARSE_UNKNOWN = re.compile(r"\berror: unrecognized arguments: (.*)$", re.M)
 _OOM = re.compile(
     r"^.*(CUDA out of memory|OutOfMemoryError|CUDA error: out of memory|cudaErrorMemoryAllocation"
     r"|Not enough memory\. Please try to increase --mem-fraction-static).*$",
@@ -53,15 +58,48 @@ def describe_returncode(returncode: int) -> str:
     return f"exit code {returncode}"
 
 
-def classify_exit(returncode: int, log_tail: str) -> tuple[FailureKind, bool, str]:
+def _study_flag_fault(line: str, study_flags: Collection[str], how: str) -> tuple[FailureKind, bool, str] | None:
+    """An argparse rejection of a flag the *study* chose (its `model.extra_args`): a study fault.
+
+    A value SGLang rejects (`--dtype bogus`: invalid choice) is wrong wherever it runs: the
+    configuration is invalid, never the host.  A study flag this SGLang does not know is this
+    host's version declining what the study asks: `refused`, so the study goes elsewhere and the
+    host is not charged.  (Seen: `--dtype bogus` quarantined a worker in under a second.)
+    """
+    value = _ARGPARSE_VALUE.search(line)
+    if value is not None and value.group(1) in study_flags:
+        return (
+            "invalid_config",
+            False,
+            f"SGLang rejected the value the study gave {value.group(1)} ({how}): {line}. Fix the study's "
+            "model.extra_args (see `python -m sglang.launch_server --help` for the accepted values)",
+        )
+    unknown = _ARGPARSE_UNKNOWN.search(line)
+    if unknown is not None:
+        named = {tok.split("=", 1)[0] for tok in unknown.group(1).split() if tok.startswith("--")}
+        if named and named <= set(study_flags):
+            return (
+                "refused",
+                False,
+                f"this host's SGLang does not know the study's flag(s) {', '.join(sorted(named))} ({how}): {line}. "
+                "Run the study on hosts whose SGLang has them, or remove them from model.extra_args",
+            )
+    return None
+
+
+def classify_exit(returncode: int, log_tail: str, study_flags: Collection[str] = ()) -> tuple[FailureKind, bool, str]:
     """(kind, host_fault, message) for a server that exited with `returncode` before it was ready.
 
+    `study_flags` are the flags the lease's study chose (`ServerSettings.extra_args`): argparse
+    rejecting one of those is the study's fault, not the host's (`_study_flag_fault`).
     A server that dies after readiness is reported as `crash` by the caller whatever this says;
     the message is still the best description of the cause.
     """
     how = describe_returncode(returncode)
     if returncode == 2:
         line = _last(_ARGPARSE_ERROR, log_tail)
+        if line is not None and (study := _study_flag_fault(line, study_flags, how)) is not None:
+            return study
         if line is not None:
             return (
                 "invalid_config",

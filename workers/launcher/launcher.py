@@ -264,7 +264,7 @@ class Launcher:
                 rc = child.process.wait()
                 self._stop_child(child)  # its children may outlive it; the tail is complete afterwards
                 tail = read_tail(child.log_path)
-                kind, host_fault, message = classify_exit(rc, tail)
+                kind, host_fault, message = classify_exit(rc, tail, study_flags=settings.extra_args.keys())
                 logger.warning("server died during start-up after %.1f s: %s", elapsed, message)
                 raise LaunchError(kind, message, log_tail=tail, host_fault=host_fault)
             if result.outcome is Outcome.TIMEOUT:

@@ -3,26 +3,41 @@
 A worker gets a baseline lease for a study when it has no baseline for the study's baseline key
 younger than `baseline_max_age_s` (so drift does not pose as speedup), and before each
 confirmation (confirm.py pairs them).
+
+A baseline that fails for what the *study* asks (out of memory with its `mem_fraction_static`, a
+value of its `extra_args` the engine rejects, a start-up that cannot finish) is charged to the
+study, never to the host (issue 18: three such failures quarantined a worker in 6 s, and the same
+baseline was handed out again each time).  See `BaselineLeases.charge_study`.
 """
 
 from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from api.context import Unit
 from api.db import db_now
-from api.models import BaselineRow, LeaseRow
+from api.models import BaselineRow, EventRow, LeaseRow, StudyRow
 from api.services import studies as study_svc
 from api.services.leasing import records
-from api.services.leasing.records import HostHealth, counts_against_host, event
-from api.services.leasing.states import LeaseKind, LeaseState, end
+from api.services.leasing.records import CONFIG_FAILURES, HostHealth, counts_against_host, event
+from api.services.leasing.states import LeaseKind, LeaseState, StudyState, end
 from api.settings import Settings
 from optimizer.spec import StudySpec
-from spectune_protocol import CompleteIn, CompleteOut
+from spectune_protocol import CompleteIn, CompleteOut, Failure
+
+# Event kind of a baseline that failed for what its study asks (charge_study).
+BASELINE_STUDY_FAULT = "baseline_study_fault"
+# A study whose baseline failed so on this many hosts is stopped: the fault follows the study.
+STOP_AFTER_HOSTS = 2
+
+
+def is_study_fault(failure: Failure) -> bool:
+    """Did the study's own settings make the server fail (not the host, not the worker)?"""
+    return failure.kind in CONFIG_FAILURES and not failure.host_fault
 
 
 class BaselineLeases:
@@ -82,9 +97,65 @@ class BaselineLeases:
                 self.health.success(s, lease.worker_id)
             else:
                 assert body.failure is not None
-                if counts_against_host(body.failure.kind):
+                if is_study_fault(body.failure):
+                    self.charge_study(s, spec, lease, body.failure, now)
+                elif counts_against_host(body.failure.kind):
                     reason = f"baseline failed: {body.failure.kind}: {body.failure.message}"
                     self.health.failure(s, lease.worker_id, reason)
             if late:
                 event(s, "late_report_kept", lease, "baseline reported after its lease expired")
             return CompleteOut(lease_id=lease.id, state=lease.state)
+
+    def charge_study(self, s: Session, spec: StudySpec, lease: LeaseRow, failure: Failure, now: datetime) -> None:
+        """A baseline failed for what its study asks: the study pays, the host does not.
+
+        * The study is not offered to this worker again (a refusal, listed under `refused_by` with
+          the reason; it ends when the worker's config changes or an admin clears it).
+        * It is stopped, with the reason, when the fault follows the study: at once for a value the
+          engine rejects (`invalid_config`: wrong on every host), or once its baseline failed so on
+          STOP_AFTER_HOSTS hosts (memory and start-up time depend on the host's GPUs).
+        * Only a fault that follows the host across studies counts against the host: when this
+          worker's baseline of *another* study failed so since its last completed lease, this is
+          counted as a host failure and the study is not blamed.
+        """
+        worker_id = lease.worker_id
+        assert worker_id is not None
+        detail = f"the study's baseline failed on this host: {failure.kind}: {failure.message}"[:2000]
+        last_ok = s.scalar(
+            select(func.max(LeaseRow.finished_at)).where(
+                LeaseRow.worker_id == worker_id, LeaseRow.state == LeaseState.COMPLETED
+            )
+        )
+        others_q = select(EventRow.study_name).where(
+            EventRow.kind == BASELINE_STUDY_FAULT, EventRow.worker_id == worker_id, EventRow.study_name != spec.name
+        )
+        if last_ok is not None:
+            others_q = others_q.where(EventRow.at >= last_ok)
+        others = set(s.scalars(others_q))
+        event(s, BASELINE_STUDY_FAULT, lease, detail)
+        if others:
+            reason = f"baselines of {len(others) + 1} studies failed in a row on this host; last: {detail}"
+            self.health.failure(s, worker_id, reason)
+            return
+        event(s, records.LEASE_REFUSED, lease, detail)
+        s.flush()
+        hosts = set(
+            s.scalars(
+                select(EventRow.worker_id).where(
+                    EventRow.kind == BASELINE_STUDY_FAULT, EventRow.study_name == spec.name
+                )
+            )
+        )
+        if failure.kind != "invalid_config" and len(hosts) < STOP_AFTER_HOSTS:
+            return
+        row = s.get(StudyRow, spec.name)
+        if row is None or row.state != StudyState.RUNNING:
+            return
+        row.state = StudyState.STOPPED.value
+        row.finished_at = now
+        where = "the engine rejects its settings" if failure.kind == "invalid_config" else f"on {len(hosts)} hosts"
+        row.finish_reason = (
+            f"stopped: its baseline failed ({where}): {failure.kind}: {failure.message[:120]}; fix the study's model "
+            "settings and create it again"
+        )[:256]
+        event(s, "study_stopped_by_its_fault", lease, row.finish_reason)
