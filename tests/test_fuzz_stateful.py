@@ -116,6 +116,42 @@ def specs(draw: st.DrawFn, example: int) -> dict[str, Any]:
     return spec
 
 
+# What a hostile (or careless) user puts in a spec (issue 18): spaces too large to enumerate,
+# values beyond what the code accepts, option-like words that would read as another flag.
+HOSTILE_SPEC_CHANGES: list[tuple[str, Any]] = [
+    ("search_space", {"num_steps": {"low": 1, "high": 4}, "topk": [1, 2], "num_draft_tokens": {"low": 2, "high": 2000}}),
+    ("search_space", {"num_steps": {"low": 1, "high": 64}, "topk": list(range(1, 65)),
+                      "num_draft_tokens": {"low": 2, "high": 1024}, "cuda_graph_max_bs": list(range(1, 65))}),
+    ("search_space", {"num_steps": {"low": 4, "high": 1}, "topk": [], "num_draft_tokens": {"low": -5, "high": 8}}),
+    ("model.extra_args", {"--dtype": "--host"}),
+    ("model.extra_args", {"--dtype": "--host=0.0.0.0"}),
+    ("model.extra_args", {"--model-path": "/etc"}),
+    ("model.extra_args", {"--dtype": "-x"}),
+    ("model.extra_args", {"--dtype": "bogus"}),
+    ("model.mem_fraction_static", 0.01),
+    ("model.mem_fraction_static", NAN),
+    ("model.tp_size", 0),
+    ("model.tp_size", 10**9),
+    ("model.page_size", 2**63),
+    ("workload.num_prompts", 10**9),
+    ("workload.output_len", 0),
+    ("workload.repeats", 10**6),
+    ("budget.max_trials", 10**9),
+    ("placement", {f"label{i}": "x" for i in range(500)}),
+    ("placement", {"rack": "r1\nforged"}),
+]  # fmt: skip
+
+
+def hostile(spec: dict[str, Any], change: tuple[str, Any]) -> dict[str, Any]:
+    where, value = change
+    *path, key = where.split(".")
+    node = spec
+    for part in path:
+        node = node.setdefault(part, {})
+    node[key] = value
+    return spec
+
+
 wild_tok_s = st.sampled_from([0.0, -1.0, NAN, INF, 1e300, 5e-324, 1e-3, 1e9])
 sound_tok_s = st.floats(min_value=1.0, max_value=5000.0)
 
@@ -187,6 +223,7 @@ progress_bodies = st.fixed_dictionaries(
 
 class Server:
     url: str = ""
+    # admin, user, worker, and "impostor": a second worker token, as a stolen one would be.
     tokens: dict[str, str] = {}
 
 
@@ -217,6 +254,14 @@ class LeaseFuzz(RuleBasedStateMachine):
         self.workers = [f"fz{self.example}-w{i}" for i in range(2)]
         models = [f"fz{self.example}-target", f"fz{self.example}-draft"]
         self.inventory = {"hostname": "fuzz", "sglang_version": "0.5.23", "models": models}
+        # Leases handed to this example's workers and not yet ended: the impostor must never get one.
+        self.live: set[str] = set()
+        self.impostor_id = f"fz{self.example}-imp"
+        # The workers' ids are bound to the worker token by its first lease (nothing to do yet:
+        # 204), so the impostor meets ids that are taken, as it would on a real fleet.
+        for worker_id in self.workers:
+            r = self.call("POST", f"/v1/workers/{worker_id}/lease", "worker", self.inventory)
+            assert r.status_code == 204, r.text[:300]
 
     def call(self, method: str, path: str, role: str | None, body: Any = None) -> httpx.Response:
         return _send(self.client, method, path, None if role is None else Server.tokens[role], body)
@@ -227,7 +272,20 @@ class LeaseFuzz(RuleBasedStateMachine):
     def create_study(self, spec: st.DataObject) -> str:
         body = spec.draw(specs(self.example))
         r = self.call("POST", "/v1/studies", "user", body)
-        assert r.status_code in (201, 422), r.text[:300]
+        # 429: the token's running studies are at SPECTUNE_MAX_RUNNING_STUDIES_PER_USER.
+        assert r.status_code in (201, 422, 429), r.text[:300]
+        if r.status_code == 201:
+            self.created.append(body["name"])
+        return str(body["name"])
+
+    @rule(target=studies, spec=st.data(), change=st.sampled_from(HOSTILE_SPEC_CHANGES))
+    def create_hostile_study(self, spec: st.DataObject, change: tuple[str, Any]) -> str:
+        """A spec a hostile user writes: refused (422, naming the field) or stored and harmless."""
+        body = hostile(spec.draw(specs(self.example)), change)
+        r = self.call("POST", "/v1/studies", "user", body)
+        assert r.status_code in (201, 422, 429), r.text[:300]
+        if r.status_code == 422:
+            assert r.json()["error"]["message"], r.text[:300]
         if r.status_code == 201:
             self.created.append(body["name"])
         return str(body["name"])
@@ -277,6 +335,7 @@ class LeaseFuzz(RuleBasedStateMachine):
             return None
         doc = r.json()
         assert doc["lease_id"] not in self.closed, f"lease {doc['lease_id']} handed out again after it ended"
+        self.live.add(doc["lease_id"])
         try:
             LeaseOut.model_validate(doc)  # what the worker does first with every lease
         except ValueError as e:
@@ -306,6 +365,7 @@ class LeaseFuzz(RuleBasedStateMachine):
         assert r.status_code in (200, 409, 410, 422), r.text[:300]
         if r.status_code == 200:
             self.closed.add(lease["lease_id"])
+            self.live.discard(lease["lease_id"])
 
     @rule(lease=consumes(held), kind=st.sampled_from(["refused", "invalid_config"]))
     def refuse(self, lease: Any, kind: str) -> None:
@@ -318,6 +378,7 @@ class LeaseFuzz(RuleBasedStateMachine):
         )
         assert r.status_code in (200, 409, 410), r.text[:300]
         self.closed.add(lease["lease_id"])
+        self.live.discard(lease["lease_id"])
 
     @precondition(lambda self: bool(self.created))
     @rule()
@@ -335,6 +396,60 @@ class LeaseFuzz(RuleBasedStateMachine):
             r = self.call("POST", f"/v1/leases/{doc['lease_id']}/complete", "worker", report)
             assert r.status_code == 200, r.text[:300]
             self.closed.add(doc["lease_id"])
+            self.live.discard(doc["lease_id"])
+
+    # -------------------------------------------------------------- a stolen worker token
+
+    @rule(worker=st.integers(0, 1))
+    def impostor_leases_as_another_worker(self, worker: int) -> None:
+        """Another token asking as a bound worker id: refused, and the id's inventory kept."""
+        inventory = {**self.inventory, "hostname": "impostor", "models": []}
+        r = self.call("POST", f"/v1/workers/{self.workers[worker]}/lease", "impostor", inventory)
+        assert r.status_code == 403, r.text[:300]
+
+    @rule(lease=held, data=st.data())
+    def impostor_acts_on_another_workers_lease(self, lease: Any, data: st.DataObject) -> None:
+        """Heartbeat, progress and forged reports on a lease handed to another token: 404 (422
+        for a body that fails the protocol), and the lease is untouched."""
+        if lease is None:
+            return
+        lid = lease["lease_id"]
+        for op, body in (
+            ("heartbeat", None),
+            ("progress", data.draw(progress_bodies)),
+            ("complete", data.draw(reports(lease["workload"]["concurrency"]))),
+            (
+                "complete",
+                {"outcome": "failed", "failure": {"kind": "refused", "message": "forged", "host_fault": False}},
+            ),
+            ("complete", {"outcome": "failed", "failure": {"kind": "crash", "message": "forged", "host_fault": True}}),
+        ):
+            r = self.call("POST", f"/v1/leases/{lid}/{op}", "impostor", body)
+            assert r.status_code in (404, 422), (op, r.status_code, r.text[:300])
+        if lid in self.live:
+            # Its own worker can still act on it.
+            r = self.call("POST", f"/v1/leases/{lid}/heartbeat", "worker")
+            assert r.status_code in (200, 409, 410), r.text[:300]
+
+    @rule(data=st.data())
+    def impostor_works_as_itself(self, data: st.DataObject) -> None:
+        """What a stolen token may do (lease as an id of its own, report what it likes) never
+        hands it another worker's lease, and its wild reports are refused or contained."""
+        r = self.call("POST", f"/v1/workers/{self.impostor_id}/lease", "impostor", self.inventory)
+        assert r.status_code in (200, 204), r.text[:300]
+        if r.status_code == 204:
+            return
+        doc = r.json()
+        assert doc["lease_id"] not in self.live, "the impostor was handed a lease another worker holds"
+        body = data.draw(reports(doc["workload"]["concurrency"]))
+        r = self.call("POST", f"/v1/leases/{doc['lease_id']}/complete", "impostor", body)
+        assert r.status_code in (200, 409, 410, 422), r.text[:300]
+        if r.status_code != 200:
+            # Refused: end it as a worker would, so it does not wait out its deadline.
+            refusal = {"outcome": "failed", "failure": {"kind": "refused", "message": "fuzz", "host_fault": False}}
+            r = self.call("POST", f"/v1/leases/{doc['lease_id']}/complete", "impostor", refusal)
+            assert r.status_code in (200, 409, 410), r.text[:300]
+        self.closed.add(doc["lease_id"])
 
     # -------------------------------------------------------------- the end of an example
 
@@ -367,11 +482,23 @@ def fuzz_server(pg_template: str, tmp_path_factory: pytest.TempPathFactory) -> I
     log = tmp_path_factory.mktemp("stateful-fuzz") / "api.log"
     with pg_clone(pg_template, "spectune_sfuzz") as db_url:
         Server.tokens = make_tokens(db_url)
+        Server.tokens["impostor"] = _make_worker_token(db_url, "fuzz-impostor")
         # No quarantine: the fuzzer's failure reports would soon park its two workers.
         env = {"SPECTUNE_QUARANTINE_AFTER": "100000", "SPECTUNE_MAX_BODY_BYTES": str(256 * 1024)}
         with api_server(db_url, log_path=log, env=env) as url:
             Server.url = url
             yield log
+
+
+def _make_worker_token(url: str, name: str) -> str:
+    from api.auth import create_token
+    from api.db import make_engine, make_sessionmaker
+
+    engine = make_engine(url)
+    try:
+        return create_token(make_sessionmaker(engine), "worker", name)[1]
+    finally:
+        engine.dispose()
 
 
 def test_stateful_fuzz_never_breaks_a_study_or_the_fleet(fuzz_server: Path) -> None:
