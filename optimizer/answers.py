@@ -98,11 +98,14 @@ class AdaptiveExport:
         }
 
 
-def adaptive_export(spec: StudySpec, trials: Sequence[FrozenTrial]) -> AdaptiveExport | None:
-    """SGLang's adaptive config from the per-level answers; None with a single level."""
+def adaptive_export(spec: StudySpec, trials: Sequence[FrozenTrial], extra_var: float = 0.0) -> AdaptiveExport | None:
+    """SGLang's adaptive config from the per-level answers; None with a single level.
+
+    `extra_var`: the study's launch noise, in the intervals that decide where speculation pays.
+    """
     if len(spec.workload.concurrency) < 2:
         return None
-    winners = best_by_level(spec, trials)
+    winners = best_by_level(spec, trials, extra_var=extra_var)
     if len(winners) < len(spec.workload.concurrency):
         return AdaptiveExport(False, "not every concurrency level has a measurement yet", None, [], {})
     trees = [a for a in winners.values() if a.pays and a.config.topk != 1]
@@ -110,7 +113,7 @@ def adaptive_export(spec: StudySpec, trials: Sequence[FrozenTrial]) -> AdaptiveE
     slots = winners
     reason = "the per-level winners are chains (topk 1): SGLang's adaptive mode can switch between them"
     if trees:
-        chains = best_by_level(spec, trials, chains_only=True)
+        chains = best_by_level(spec, trials, chains_only=True, extra_var=extra_var)
         missing = [c for c in spec.workload.concurrency if c not in chains]
         if missing:
             return AdaptiveExport(

@@ -1,18 +1,22 @@
 """The answer as a server to deploy: the exact SGLang command for the load the user serves.
 
 A trial's server is sized for the benchmark (graphs only for the measured batch sizes, max
-running requests = the largest level); deployed like that it would serve 1 or 4 requests at a
-time.  The deployed server is sized by the study's `serving` section instead, and without one it
-caps nothing below SGLang's own defaults: with speculation SGLang itself caps running requests
-at 48 (and graphs at that), so the command says 48; without speculation it leaves both flags to
-SGLang (docs/sglang.md "Resolution rules", "CUDA graphs").
+running requests = the largest level).  The deployed server is sized by the study's `serving`
+section, whose envelope the trials run with too.  Without one, the command admits only what
+was measured (issue 17 item 3): with speculation it is sized to the measured loads (at most the
+largest measured concurrency running, CUDA graphs up to it), and says so, because SGLang's own
+default with speculation (48 running requests, graphs up to 48) would serve batches nobody
+measured, where speculation may lose (verify cost grows with batch x draft tokens).  Without
+speculation there is nothing to prove: both flags stay SGLang's (docs/sglang.md "Resolution
+rules", "CUDA graphs").  Every answer states the load range it was proven on.
 
 Three shapes of answer (`mode`):
 
 * `static`: the winner's steps / topk / draft tokens;
 * `adaptive`: SGLang's `--speculative-adaptive` with a per-batch-size config, when the objective
   spans several levels, the per-level winners differ and fit SGLang's adaptive rules
-  (`optimizer.answers`);
+  (`optimizer.answers`); also when no single configuration pays over every level but a chain
+  pays at some: speculation there, steps 0 where it does not pay;
 * `no_speculation`: the verdict is "speculation does not pay here": the same server without it.
 
 Model paths are registry names at the API; the command carries a clearly marked placeholder
@@ -59,10 +63,27 @@ def deployment_settings(spec: StudySpec, config: SpecConfig | None) -> tuple[Ser
     if config is None:
         # No speculation, no envelope: SGLang sizes both from GPU memory; pinning anything would cap it.
         return base.model_copy(update={"cuda_graph_max_bs": None, "cuda_graph_bs": None}), False
-    running = max(SPEC_DEFAULT_MAX_RUNNING_REQUESTS, max(spec.workload.concurrency), tuned or 0)
+    # No envelope: admit only the loads measured (see the module docstring).
+    running = max(max(spec.workload.concurrency), tuned or 0)
     return base.model_copy(
         update={"max_running_requests": running, "cuda_graph_max_bs": tuned or running, "cuda_graph_bs": None}
     ), True
+
+
+def load_note(spec: StudySpec, speculation: bool) -> str:
+    """The load range an answer was proven on, and what the command admits beyond it."""
+    levels = ", ".join(map(str, spec.workload.concurrency))
+    proven = f"proven at concurrency {levels}"
+    if not speculation:
+        return proven
+    if spec.serving is not None:
+        return f"{proven}, on servers with the serving envelope ({spec.serving.max_running_requests} running requests)"
+    top = max(spec.workload.concurrency)
+    return (
+        f"{proven}; no serving section, so the command admits at most {top} running requests, the most the "
+        f"study measured (SGLang's default with speculation, {SPEC_DEFAULT_MAX_RUNNING_REQUESTS}, would run "
+        "batches nobody measured); add serving.max_running_requests to the spec to tune for more"
+    )
 
 
 @dataclass(frozen=True)
@@ -73,6 +94,9 @@ class Deployment:
     version: str
     reason: str
     adaptive_config: dict[str, Any] | None = None
+    # The levels it was measured at, and what the command admits beyond them (`load_note`).
+    proven_levels: tuple[int, ...] = ()
+    load_note: str = ""
 
     @property
     def speculation(self) -> bool:
@@ -119,6 +143,8 @@ class Deployment:
             "pin_max_running_requests": self.pin_max_running_requests,
             "adaptive_config": self.adaptive_config,
             "adaptive_file": ADAPTIVE_FILE if self.mode == "adaptive" else None,
+            "proven_levels": list(self.proven_levels),
+            "load_note": self.load_note,
             # Placeholders for model paths; `spectune study best --worker-config` fills them in.
             "launch_command": self.command(),
         }
@@ -132,6 +158,8 @@ class Deployment:
             version=str(doc["sglang_version"]),
             reason=str(doc.get("reason") or ""),
             adaptive_config=doc.get("adaptive_config"),
+            proven_levels=tuple(int(c) for c in doc.get("proven_levels") or ()),
+            load_note=str(doc.get("load_note") or ""),
         )
 
 
@@ -143,9 +171,34 @@ def plan_deployment(
     exported: AdaptiveExport | None,
     version: str,
 ) -> Deployment | None:
-    """What to deploy for this answer; None before anything was measured."""
+    """What to deploy for this answer; None before anything was measured.
+
+    Without a configuration that pays over every level, a chain that pays at some levels is
+    deployed adaptively (steps 0 at the others); only when none pays anywhere is the answer the
+    server without speculation.
+    """
     if winner is None:
         return None
+    levels = tuple(spec.workload.concurrency)
+    adaptive = _adaptive_steps(spec, exported)
+    if adaptive is not None and exported is not None and exported.config is not None:
+        settings, pin = deployment_settings(spec, SpecConfig(num_steps=adaptive, topk=1, num_draft_tokens=adaptive + 1))
+        off = sorted(int(k) for k, v in exported.config.items() if v["candidate_steps"] == [0])
+        if pays:
+            reason = (
+                "the best steps differ between concurrency levels: SGLang's adaptive mode switches between them "
+                f"by batch size ({exported.reason})"
+            )
+        else:
+            on = sorted(int(k) for k in exported.config if int(k) not in off)
+            reason = (
+                f"no configuration pays over every level, but speculation pays at concurrency "
+                f"{', '.join(map(str, on))}: SGLang's adaptive mode drafts there and switches speculation off "
+                f"(steps 0) at {', '.join(map(str, off))} ({exported.reason})"
+            )
+        return Deployment(
+            "adaptive", settings, pin, version, reason, exported.config, levels, load_note(spec, speculation=True)
+        )
     if not pays:
         settings, pin = deployment_settings(spec, None)
         return Deployment(
@@ -154,21 +207,21 @@ def plan_deployment(
             pin,
             version,
             "speculation does not pay here: the same server without speculation",
-        )
-    adaptive = _adaptive_steps(spec, exported)
-    if adaptive is not None and exported is not None:
-        settings, pin = deployment_settings(spec, SpecConfig(num_steps=adaptive, topk=1, num_draft_tokens=adaptive + 1))
-        return Deployment(
-            "adaptive",
-            settings,
-            pin,
-            version,
-            "the best steps differ between concurrency levels: SGLang's adaptive mode switches between them "
-            f"by batch size ({exported.reason})",
-            exported.config,
+            None,
+            levels,
+            load_note(spec, speculation=False),
         )
     settings, pin = deployment_settings(spec, winner)
-    return Deployment("static", settings, pin, version, "the winner's configuration at every load")
+    return Deployment(
+        "static",
+        settings,
+        pin,
+        version,
+        "the winner's configuration at every measured load",
+        None,
+        levels,
+        load_note(spec, speculation=True),
+    )
 
 
 def _adaptive_steps(spec: StudySpec, exported: AdaptiveExport | None) -> int | None:

@@ -69,13 +69,22 @@ def test_trials_run_with_the_serving_pool_but_capture_only_the_benchmarked_sizes
     assert server_settings(s, None).max_running_requests == 128  # the baseline too: like with like
 
 
-def test_without_a_serving_section_nothing_is_capped_below_sglangs_defaults() -> None:
+def test_without_a_serving_section_the_command_admits_only_the_measured_loads() -> None:
     s = spec()
     dep = plan_deployment(s, TREE, pays=True, exported=None, version="0.5.23")
     assert dep is not None
     args = argv(dep.command())
-    # With speculation SGLang itself caps running requests at 48 (and graphs at that).
-    assert flag(args, "--max-running-requests") == "48" and flag(args, "--cuda-graph-max-bs-decode") == "48"
+    # SGLang's default with speculation (48 running, graphs to 48) would serve batches nobody
+    # measured: the command is sized to the largest measured level, and says so.
+    assert flag(args, "--max-running-requests") == "4" and flag(args, "--cuda-graph-max-bs-decode") == "4"
+    assert dep.proven_levels == (1, 4)
+    assert "proven at concurrency 1, 4" in dep.load_note and "at most 4 running requests" in dep.load_note
+    assert "serving.max_running_requests" in dep.load_note
+    assert Deployment.from_json(dep.as_json()).load_note == dep.load_note
+    served = plan_deployment(
+        spec(serving={"max_running_requests": 64}), TREE, pays=True, exported=None, version="0.5.23"
+    )
+    assert served is not None and "serving envelope (64 running requests)" in served.load_note
     big = spec(workload={"concurrency": [1, 64]})
     settings, pinned = deployment_settings(big, TREE)
     assert pinned and settings.max_running_requests == 64 and settings.cuda_graph_max_bs == 64
@@ -132,7 +141,7 @@ def test_per_level_winners_that_differ_deploy_sglangs_adaptive_mode(tmp_path: Pa
     text = dep.command(models={"tgt": "/m/t", "drf": "/m/d"})
     args = argv(text)
     assert flag(args, "--speculative-adaptive-config") == ADAPTIVE_FILE and "--speculative-adaptive" in args
-    assert flag(args, "--speculative-eagle-topk") == "1" and flag(args, "--max-running-requests") == "48"
+    assert flag(args, "--speculative-eagle-topk") == "1" and flag(args, "--max-running-requests") == "16"
     # As printed, the lines before the server write the config file SGLang reads.
     setup = "\n".join(text.splitlines()[:-1])
     subprocess.run(["bash", "-c", setup], cwd=tmp_path, check=True)
@@ -149,3 +158,31 @@ def test_per_level_winners_that_differ_deploy_sglangs_adaptive_mode(tmp_path: Pa
     exported_same = adaptive_export(s, same)
     flat = plan_deployment(s, deep, pays=True, exported=exported_same, version="0.5.23")
     assert flat is not None and flat.mode == "static"
+
+
+def test_a_chain_that_pays_at_part_of_the_load_is_deployed_adaptively() -> None:
+    """The issue's MoE on PCIe: ~4% at concurrency 1 with a chain, a loss at 8: not "does not pay"."""
+    s = spec(workload={"concurrency": [1, 8]})
+    chain = SpecConfig(num_steps=2, topk=1, num_draft_tokens=3)
+    trials = [_trial(0, chain, {1: 1.04, 8: 0.93})]
+    with_spread = trials[0].user_attrs
+    with_spread["levels"] = [
+        {"concurrency": 1, "output_tok_s": 104.0, "output_tok_s_runs": [103.9, 104.0, 104.1]},
+        {"concurrency": 8, "output_tok_s": 93.0, "output_tok_s_runs": [92.9, 93.0, 93.1]},
+    ]
+    with_spread["baseline_levels"] = [
+        {"concurrency": 1, "output_tok_s": 100.0, "output_tok_s_runs": [99.9, 100.0, 100.1]},
+        {"concurrency": 8, "output_tok_s": 100.0, "output_tok_s_runs": [99.9, 100.0, 100.1]},
+    ]
+    exported = adaptive_export(s, trials)
+    assert exported is not None and exported.config == {"1": {"candidate_steps": [2]}, "8": {"candidate_steps": [0]}}
+    # Over both levels it does not pay (geometric mean ~0.98): still, speculation where it pays.
+    dep = plan_deployment(s, chain, pays=False, exported=exported, version="0.5.23")
+    assert dep is not None and dep.mode == "adaptive" and dep.speculation
+    assert "pays at concurrency 1" in dep.reason and "off (steps 0) at 8" in dep.reason
+    args = argv(dep.command())
+    assert flag(args, "--speculative-num-steps") == "2" and "--speculative-adaptive" in args
+    # Where it pays nowhere, the answer is the server without speculation.
+    losing = [_trial(0, chain, {1: 0.97, 8: 0.93})]
+    none = plan_deployment(s, chain, pays=False, exported=adaptive_export(s, losing), version="0.5.23")
+    assert none is not None and none.mode == "no_speculation"

@@ -121,11 +121,12 @@ def test_server_args_for_trial_and_baseline() -> None:
     i = args.index("--cuda-graph-bs-decode")
     assert args[i + 1 : i + 3] == ["1", "8"] and "--cuda-graph-max-bs-decode" not in args
     assert "--cuda-graph-max-bs" not in args
-    # The server to deploy captures every size up to SGLang's own speculative cap (no serving section).
+    # The server to deploy captures every size up to the largest measured load (no serving section:
+    # it admits only what was measured, issue 17).
     deploy = build_server_args(
         deployment_settings(spec, cfg)[0], version="0.5.23", model_path="/m/t", draft_model_path="/m/d"
     )
-    assert deploy[deploy.index("--cuda-graph-max-bs-decode") + 1] == "48" and "--cuda-graph-bs-decode" not in deploy
+    assert deploy[deploy.index("--cuda-graph-max-bs-decode") + 1] == "8" and "--cuda-graph-bs-decode" not in deploy
     assert args[args.index("--speculative-draft-model-path") + 1] == "/m/d"
     legacy = build_server_args(base, version="0.5.13", model_path="/m/t", draft_model_path=None)
     assert "--cuda-graph-bs" in legacy and not any(a.startswith("--speculative") for a in legacy)

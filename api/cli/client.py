@@ -197,6 +197,8 @@ def study_best(
         typer.echo(command)
         if not deployment.speculation:
             typer.echo(f"# {shown['verdict']}", err=True)
+        if deployment.load_note:
+            typer.echo(f"# {deployment.load_note}", err=True)
     else:
         out = {
             "study": name,

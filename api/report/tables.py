@@ -45,6 +45,8 @@ def study_summary(shown: dict[str, Any]) -> str:
     if dep:
         lines.append(f"deploy   ({dep['mode'].replace('_', ' ')}: {dep['reason']})")
         lines += [f"         {line}" for line in dep["launch_command"].splitlines()]
+        if dep.get("load_note"):
+            lines.append(f"load     {dep['load_note']}")
     cost = shown.get("cost")
     if cost:
         lines.append(f"cost     {cost['summary']}")

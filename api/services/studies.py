@@ -634,7 +634,7 @@ class StudyService:
             phase = "done" if row.state == "finished" else row.state
         else:
             phase = "confirmation" if confirmations else "search"
-        exported = answers.adaptive_export(spec, trials)
+        exported = answers.adaptive_export(spec, trials, extra)
         pays = _winner_pays(winner)
         deployment = deploy.plan_deployment(
             spec,
@@ -668,7 +668,7 @@ class StudyService:
             # Launch-to-launch noise in every interval shown, and what it was estimated from.
             "launch_noise": noise.as_json(),
             "adaptive_spec": None if exported is None else exported.as_json(),
-            "verdict": _verdict(winner, measured),
+            "verdict": _verdict(winner, measured, deployment),
             # Launches and GPU-hours spent, by kind, next to SGLang's grid (optimizer.costs).
             "cost": cost.as_json(),
             # Workers that refused what this study asks (a study fault: they are not offered it
@@ -874,9 +874,17 @@ def _winner_pays(winner: dict[str, Any] | None) -> bool:
     return confirm.pays(value, None if iv is None else Interval(value, float(iv["low"]), float(iv["high"])))
 
 
-def _verdict(winner: dict[str, Any] | None, measured: int) -> str:
+def _verdict(winner: dict[str, Any] | None, measured: int, deployment: deploy.Deployment | None = None) -> str:
     if winner is None or winner.get("speedup") is None:
         return "no result yet"
+    if (
+        deployment is not None
+        and deployment.mode == "adaptive"
+        and not _winner_pays(winner)
+        and not winner.get("saturated")
+    ):
+        # No configuration pays over every level, but one pays at some: the answer follows the load.
+        return f"speculation pays at part of the load: {deployment.reason}"
     c = winner["config"]
     label = f"steps {c['num_steps']} / topk {c['topk']} / draft tokens {c['num_draft_tokens']} (trial {winner['trial_number']})"
     iv = winner.get("speedup_interval")
