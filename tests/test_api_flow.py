@@ -76,8 +76,10 @@ def test_rest_session_end_to_end(api: Api, db_url: str) -> None:
     assert iv["low"] < 1.05 < iv["high"] and iv["high"] - iv["low"] < 0.1
     cmd = shown["best"]["launch_command"]
     assert "--speculative-num-steps 3" in cmd and "--speculative-eagle-topk 1" in cmd
-    # Deployed without a serving section: SGLang's own speculative cap of 48, not the benchmarked 1.
-    assert "--speculative-num-draft-tokens 4" in cmd and "--cuda-graph-max-bs-decode 48" in cmd
+    # Deployed without a serving section: it admits only the load measured (concurrency 1), and says so.
+    assert "--speculative-num-draft-tokens 4" in cmd and "--cuda-graph-max-bs-decode 1" in cmd
+    assert "--max-running-requests 1 " in cmd + " "
+    assert "at most 1 running requests" in shown["deployment"]["load_note"]
 
     trials = api.get("/v1/studies/e2e/trials", "user").json()
     done = [t for t in trials if t["state"] == "COMPLETE"]

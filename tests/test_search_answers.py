@@ -27,9 +27,10 @@ def test_per_level_answers_and_a_later_study_starts_from_them(api: Api) -> None:
     if exported["config"] is not None:
         assert set(exported["config"]) == {"1", "16"}
         assert "--speculative-adaptive" in exported["server_args"]
-    # Deployed without a serving section: nothing capped below SGLang's speculative default of 48.
-    assert "--cuda-graph-max-bs-decode 48" in shown["winner"]["launch_command"]
-    assert "--max-running-requests 48" in shown["winner"]["launch_command"]
+    # Deployed without a serving section: sized to the largest measured load, and saying so.
+    assert "--cuda-graph-max-bs-decode 16" in shown["winner"]["launch_command"]
+    assert "--max-running-requests 16" in shown["winner"]["launch_command"]
+    assert "proven at concurrency 1, 16" in shown["deployment"]["load_note"]
     assert shown["deployment"]["mode"] in ("static", "adaptive", "no_speculation")
 
     # Same model, same hardware: the next study tries the previous answers first.
