@@ -237,3 +237,66 @@ def _adaptive_steps(spec: StudySpec, exported: AdaptiveExport | None) -> int | N
         return None
     args = exported.server_args
     return int(args[args.index("--speculative-num-steps") + 1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Proving the command: the envelopes a confirmation launches (issue 17 items 1-2)
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """One server a confirmation may launch to prove a configuration's deployment."""
+
+    settings: ServerSettings
+    note: str  # how it differs from the printed envelope ("" for the printed one itself)
+
+
+def deployment_envelopes(spec: StudySpec, config: SpecConfig) -> list[Envelope]:
+    """The deployments to try for `config`, the printed one first, then smaller graph envelopes.
+
+    A smaller graph envelope only where the serving envelope leaves it to us: with
+    `serving.max_batch` set the user pinned the captured sizes, so there is nothing to lower.
+    Smaller means graphs up to the largest measured level (the sizes the study measured), then
+    only the measured levels themselves (the tuning envelope, which started in the search).
+    Max running requests never changes: it is the load the user asked to serve.
+    """
+    printed, _ = deployment_settings(spec, config)
+    out = [Envelope(printed, "")]
+    if spec.serving is not None and spec.serving.max_batch is not None:
+        return out
+    top = max(spec.workload.concurrency)
+    if printed.cuda_graph_max_bs is not None and printed.cuda_graph_max_bs > top and config.cuda_graph_max_bs is None:
+        out.append(
+            Envelope(
+                printed.model_copy(update={"cuda_graph_max_bs": top}),
+                f"CUDA graphs up to batch {top} (the largest measured level) instead of "
+                f"{printed.cuda_graph_max_bs}: larger batches run without graphs",
+            )
+        )
+    if config.cuda_graph_max_bs is None:
+        levels = tuple(spec.workload.concurrency)
+        out.append(
+            Envelope(
+                printed.model_copy(update={"cuda_graph_max_bs": top, "cuda_graph_bs": levels}),
+                f"CUDA graphs only for the measured batch sizes {', '.join(map(str, levels))}: other batches are "
+                "padded up to the next of them, or run without graphs above",
+            )
+        )
+    return out
+
+
+def deployment_failure(kind: str, message: str) -> str:
+    """Why a deployment did not start, in the user's terms (OOM at graph capture, KV pool, time-out)."""
+    text = message.lower()
+    if kind == "oom":
+        if "graph" in text or "capture" in text:
+            where = "out of GPU memory while capturing CUDA graphs"
+        elif "kv" in text or "token_to_kv_pool" in text or "memory pool" in text:
+            where = "out of GPU memory for the KV cache pool"
+        else:
+            where = "out of GPU memory at start-up"
+    elif kind == "launch_timeout":
+        where = "did not become ready before the start-up time-out"
+    else:
+        where = f"failed to start ({kind})"
+    return where

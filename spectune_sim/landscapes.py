@@ -442,9 +442,32 @@ NOISY_8B = dataclasses.replace(
     calibration=(),
 )
 
+# mem-tight's engine with less room outside the static pool (a bigger runtime reserve: another
+# process, a larger activation workspace): the tuning envelope (graphs for the measured batch
+# sizes only) fits every configuration, the deployed one (graphs up to 48 running requests) only
+# the smallest, as in issue 17's 14B-on-48 GB case.  Graphs up to 16 fit again.
+DEPLOY_TIGHT = dataclasses.replace(
+    MEM_TIGHT,
+    name="deploy-tight",
+    summary="mem-tight with 1.1 GB for CUDA graphs: tuning fits, graphs up to 48 do not",
+    modelled_on="mem-tight with a 2.5 GB runtime reserve (assumption)",
+    runtime_reserve_gb=2.5,
+    calibration=(),
+)
+
 LANDSCAPES: dict[str, Landscape] = {
     ls.name: ls
-    for ls in (MOE_PCIE, DENSE_8B_H100, NO_GAIN, MEM_TIGHT, ZIGZAG_TILES, DRAFT_MEM_CLIFF, TWO_PEAKS, NOISY_8B)
+    for ls in (
+        MOE_PCIE,
+        DENSE_8B_H100,
+        NO_GAIN,
+        MEM_TIGHT,
+        ZIGZAG_TILES,
+        DRAFT_MEM_CLIFF,
+        TWO_PEAKS,
+        NOISY_8B,
+        DEPLOY_TIGHT,
+    )  # fmt: skip
 }
 
 
