@@ -85,6 +85,38 @@ def db_upgrade(database_url: DbUrl = None) -> None:
     typer.echo("database schema is at head")
 
 
+@db_app.command("repair-trial")
+def db_repair_trial(
+    study: Annotated[str, typer.Argument(help="the study's name")],
+    number: Annotated[int, typer.Argument(help="the trial's number (`spectune study trials`)")],
+    quarantine: Annotated[
+        str | None,
+        typer.Option(help="also quarantine the trial, with this reason (e.g. a forged measurement)"),
+    ] = None,
+    database_url: DbUrl = None,
+) -> None:
+    """Repair a trial whose stored record holds values that fail today's checks.
+
+    Removes those values (the originals are kept in the event log) and quarantines the trial when
+    its configuration or measurements were among them, or when --quarantine gives a reason: a
+    quarantined trial reads as failed and is never a study's best.
+    """
+    from api.db import make_engine, make_sessionmaker
+    from api.errors import ApiError
+    from api.services.trial_records import repair_trial
+
+    ensure_utc()
+    engine = make_engine(settings(database_url).database_url)
+    try:
+        done = repair_trial(make_sessionmaker(engine), study, number, quarantine)
+    except ApiError as e:
+        fail(e.message)
+    finally:
+        engine.dispose()
+    for line in done or ["nothing to repair: every stored value passes today's checks"]:
+        typer.echo(f"trial {number} of {study}: {line}")
+
+
 def _create_token_file(output: Path) -> int:
     """A new file for a token, mode 0600 from the start; never an existing file or a symlink.
 

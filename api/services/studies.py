@@ -22,6 +22,7 @@ from api.errors import ConflictError, LimitReachedError
 from api.models import BaselineRow, LeaseRow, StudyRow, TrialConfigRow, WorkerRow
 from api.optuna_tables import empty_counts, trial_counts
 from api.services import eligibility as elig
+from api.services import trial_records
 from api.services.leasing.records import active_refusals, lease_payload, new_lease_row
 from api.services.leasing.states import LeaseKind
 from optimizer import answers, convergence, costs, deploy
@@ -99,7 +100,8 @@ def study_trials(storage: optuna.storages.BaseStorage, name: str) -> list[Frozen
     Read before our write transaction opens: on SQLite, calling Optuna while we hold the write
     lock would wait for ourselves (api/db.py install_sqlite_transactions).
     """
-    return storage.get_all_trials(storage.get_study_id_from_name(name), deepcopy=False)
+    # Screened: a stored value that fails today's checks can never make a reader raise.
+    return trial_records.screened(storage.get_all_trials(storage.get_study_id_from_name(name), deepcopy=False))
 
 
 def maybe_finish(s: Session, spec: StudySpec, now: datetime, trials: Sequence[FrozenTrial]) -> None:
@@ -540,7 +542,10 @@ class StudyService:
 
     def _trial_counts(self, name: str) -> tuple[dict[str, int], list[FrozenTrial]]:
         study = optuna.load_study(study_name=name, storage=self.ctx.storage)
-        trials = study.get_trials(deepcopy=False)
+        with self.ctx.sessions() as s:
+            quarantine = trial_records.quarantined(s, name)
+        # Every reader of the document gets screened trials (api.services.trial_records).
+        trials = trial_records.screened(study.get_trials(deepcopy=False), quarantine)
         counts = {state.name: 0 for state in TrialState}
         for t in trials:
             counts[t.state.name] += 1
@@ -674,6 +679,13 @@ class StudyService:
             # Workers that refused what this study asks (a study fault: they are not offered it
             # again, and it counts nothing against them).
             "refused_by": refusals,
+            # Trials whose stored record holds values that fail today's checks: shown without
+            # them (`spectune db repair-trial` removes them for good).
+            "flagged_trials": [
+                {"number": t.number, "problems": t.user_attrs[trial_records.PROBLEMS_ATTR]}
+                for t in trials
+                if trial_records.PROBLEMS_ATTR in t.user_attrs
+            ],
             # Running studies: which workers can take it, and a warning naming the requirement none meets.
             "eligibility": waiting,
             # None until something was measured; then whether the deployed command speculates.
@@ -789,6 +801,7 @@ class StudyService:
                     "worker_id": ua.get("worker_id"),
                     "failure_kind": ua.get("failure_kind"),
                     "failure_message": ua.get("failure_message"),
+                    "record_problems": ua.get(trial_records.PROBLEMS_ATTR),
                     "duplicate_of": ua.get("duplicate_of"),
                     # Not launched: needs at least the memory of this trial, which ran out of it.
                     "inferred_from": ua.get("inferred_from"),

@@ -1,0 +1,151 @@
+"""A study document can always be read (issue 18, item 4).
+
+Seen: one report with `metrics.sglang_version: "garbage"` was stored, and from then on
+`GET /v1/studies/{name}`, stop and resume answered 500 and `study show/best/export/report` failed;
+nothing could repair it.  Reports are refused at the door now (tests/test_trust_boundaries.py);
+these tests write bad values straight into the database, as an older version or a bug could have,
+and read the study with a fresh API process (Optuna's cache would otherwise hold the good value).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi.testclient import TestClient
+from sqlalchemy import create_engine, text
+
+from tests.conftest import Api, make_settings, make_tokens, small_spec
+from tests.test_api_flow import lease, ok_metrics
+
+
+@contextmanager
+def fresh_api(db_url: str, tmp_path: Path) -> Iterator[Api]:
+    from api.app import create_app
+
+    settings = make_settings(db_url, artifact_dir=str(tmp_path / "artifacts"))
+    with TestClient(create_app(settings)) as client:
+        yield Api(client, make_tokens(db_url))
+
+
+def _measured_study(api: Api) -> int:
+    """A study with one measured trial; returns its number."""
+    assert api.post("/v1/studies", "user", small_spec("records")).status_code == 201
+    base = lease(api).json()
+    assert api.post(f"/v1/leases/{base['lease_id']}/complete", "worker", ok_metrics(90.0)).status_code == 200
+    trial = lease(api).json()
+    report = ok_metrics(120.0, sglang_version="0.5.23")
+    assert api.post(f"/v1/leases/{trial['lease_id']}/complete", "worker", report).status_code == 200
+    return int(trial["trial_number"])
+
+
+def _store(db_url: str, number: int, key: str, value: Any) -> None:
+    """Overwrite one stored attribute of trial `number`, as a bug or an older version could have."""
+    engine = create_engine(db_url)
+    with engine.begin() as conn:
+        trial_id = conn.execute(text("SELECT trial_id FROM trials WHERE number = :n"), {"n": number}).scalar_one()
+        conn.execute(
+            text("UPDATE trial_user_attributes SET value_json = :v WHERE trial_id = :t AND key = :k"),
+            {"v": json.dumps(value), "t": trial_id, "k": key},
+        )
+    engine.dispose()
+
+
+def _stored(db_url: str, number: int) -> dict[str, Any]:
+    engine = create_engine(db_url)
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT a.key, a.value_json FROM trial_user_attributes a JOIN trials t ON t.trial_id = a.trial_id "
+                "WHERE t.number = :n"
+            ),
+            {"n": number},
+        ).all()
+    engine.dispose()
+    return {k: json.loads(v) for k, v in rows}
+
+
+def _readable(api: Api) -> dict[str, Any]:
+    """Every read of the study answers, and so do stop and resume."""
+    shown = api.get("/v1/studies/records", "user")
+    assert shown.status_code == 200, shown.text
+    assert api.get("/v1/studies/records/trials", "user").status_code == 200
+    assert api.get("/v1/studies", "user").status_code == 200
+    assert api.post("/v1/studies/records/stop", "user").status_code == 200
+    assert api.post("/v1/studies/records/resume", "user").status_code == 200
+    doc: dict[str, Any] = shown.json()
+    return doc
+
+
+def _trial(api: Api, number: int) -> dict[str, Any]:
+    trials = {t["number"]: t for t in api.get("/v1/studies/records/trials", "user").json()}
+    return trials[number]
+
+
+def test_a_bad_stored_version_still_renders_with_the_trial_flagged(api: Api, db_url: str, tmp_path: Path) -> None:
+    number = _measured_study(api)
+    _store(db_url, number, "sglang_version", "garbage")
+    with fresh_api(db_url, tmp_path) as fresh:
+        doc = _readable(fresh)
+        assert [f["number"] for f in doc["flagged_trials"]] == [number]
+        assert "sglang_version" in doc["flagged_trials"][0]["problems"][0]
+        # The measurement itself is sound: it is still the best, with the default version's command.
+        assert doc["best"]["trial_number"] == number and doc["best"]["sglang_version"] == "0.5.23"
+        assert _trial(fresh, number)["record_problems"]
+        # The report renders too.
+        from api.report import build_report, load_from_database
+
+        assert "records" in build_report(load_from_database(db_url, "records")).html
+
+
+def test_an_unreadable_measurement_reads_as_a_failed_trial(api: Api, db_url: str, tmp_path: Path) -> None:
+    number = _measured_study(api)
+    _store(db_url, number, "config", {"num_steps": "many"})
+    _store(db_url, number, "levels", [{"concurrency": 1, "output_tok_s": "fast"}])
+    with fresh_api(db_url, tmp_path) as fresh:
+        doc = _readable(fresh)
+        assert doc["best"] is None or doc["best"]["trial_number"] != number
+        trial = _trial(fresh, number)
+        assert (trial["state"], trial["failure_kind"]) == ("FAIL", "quarantined")
+        assert "unreadable" in trial["failure_message"]
+
+
+def spectune_db(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "api.cli", "db", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_an_admin_repairs_or_quarantines_a_trial_record(api: Api, db_url: str, tmp_path: Path) -> None:
+    number = _measured_study(api)
+    _store(db_url, number, "sglang_version", "garbage")
+    r = spectune_db("repair-trial", "records", str(number), "--database-url", db_url)
+    assert r.returncode == 0, r.stderr
+    assert "removed sglang_version" in r.stdout and "quarantined" not in r.stdout
+    stored = _stored(db_url, number)
+    assert "sglang_version" not in stored and stored["levels"]  # the rest is untouched
+    engine = create_engine(db_url)
+    with engine.connect() as conn:
+        kept = conn.execute(
+            text("SELECT detail FROM spectune_events WHERE kind = 'trial_record_repaired'")
+        ).scalar_one()
+    engine.dispose()
+    assert "garbage" in kept  # the original value is kept
+    with fresh_api(db_url, tmp_path) as fresh:
+        assert _readable(fresh)["flagged_trials"] == []
+    # Nothing left to repair; a trial known to be wrong is quarantined by reason.
+    again = spectune_db("repair-trial", "records", str(number), "--database-url", db_url)
+    assert again.returncode == 0 and "nothing to repair" in again.stdout
+    q = spectune_db("repair-trial", "records", str(number), "--quarantine", "forged baseline", "--database-url", db_url)
+    assert q.returncode == 0 and "quarantined: forged baseline" in q.stdout
+    with fresh_api(db_url, tmp_path) as fresh:
+        doc = _readable(fresh)
+        assert doc["best"] is None or doc["best"]["trial_number"] != number
+        trial = _trial(fresh, number)
+        assert trial["state"] == "FAIL" and "forged baseline" in trial["failure_message"]
+    # A trial that does not exist is one clear line.
+    missing = spectune_db("repair-trial", "records", "999", "--database-url", db_url)
+    assert missing.returncode == 2 and "has no trial 999" in missing.stderr and "Traceback" not in missing.stderr
