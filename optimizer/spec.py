@@ -10,7 +10,7 @@ import math
 import re
 from typing import Annotated, Literal
 
-from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from optimizer.errors import SpecError
 from optimizer.space import SearchSpace, SpecConfig
@@ -147,10 +147,38 @@ class Workload(BaseModel):
     concurrency: list[int] = Field(default_factory=lambda: [1], max_length=MAX_CONCURRENCY_LEVELS)
     warmup_requests: int = Field(default=4, ge=0, le=10_000)
     repeats: int = Field(default=3, ge=1, le=100)
-    # Fixed: greedy decoding and ignore_eos make every request exactly output_len tokens long and
+    # Output lengths: "fixed" (every request output_len tokens), "uniform" (each request draws
+    # from output_len_min..output_len), or "dataset" (the lengths the prompt file records: an
+    # explicit output_len / max_tokens, or the recorded reply's length; output_len for records
+    # without one).  Drawn with a fixed seed: the baseline and every trial send the same requests.
+    output_len_source: Literal["fixed", "uniform", "dataset"] = "fixed"
+    output_len_min: int | None = Field(default=None, ge=1, le=32768)
+    # Input lengths: None sends the prompts as they are; else each prompt is cut or repeated to a
+    # length drawn from input_len_min..input_len (estimated tokens, 4 characters a token).
+    input_len: int | None = Field(default=None, ge=1, le=131072)
+    input_len_min: int | None = Field(default=None, ge=1, le=131072)
+    # Open loop: requests arrive at this rate (req/s, Poisson arrivals with a fixed seed, as
+    # `sglang.bench_serving --request-rate`), each concurrency level capping the requests in
+    # flight (its --max-concurrency).  None: closed loop, `concurrency` requests always in flight.
+    request_rate: float | None = Field(default=None, gt=0, le=100_000)
+    # Fixed: greedy decoding and ignore_eos make every request exactly its output length long and
     # acceptance reproducible (docs/sglang.md §9).
     temperature: Literal[0] = 0
     ignore_eos: Literal[True] = True
+
+    @model_validator(mode="after")
+    def _lengths(self) -> Workload:
+        if self.output_len_source == "uniform":
+            low = self.output_len_min
+            if low is None or low > self.output_len:
+                raise ValueError(
+                    "output_len_source 'uniform' needs output_len_min <= output_len (the range drawn from)"
+                )
+        elif self.output_len_min is not None:
+            raise ValueError("output_len_min is only used with output_len_source 'uniform'")
+        if self.input_len_min is not None and (self.input_len is None or self.input_len_min > self.input_len):
+            raise ValueError("input_len_min needs input_len, and input_len_min <= input_len")
+        return self
 
     @field_validator("concurrency")
     @classmethod
@@ -173,6 +201,28 @@ class Workload(BaseModel):
                 "prompts is 'builtin:<set>' or a plain file name inside the worker's prompt folder (no path)"
             )
         return v
+
+
+def describe_workload(w: Workload) -> str:
+    """The workload measured, in one line (the study document, `show` and the report state it)."""
+    if w.output_len_source == "uniform":
+        out = f"output {w.output_len_min}-{w.output_len} tokens (uniform)"
+    elif w.output_len_source == "dataset":
+        out = f"output lengths from the dataset ({w.output_len} where it records none)"
+    else:
+        out = f"output {w.output_len} tokens"
+    if w.input_len is None:
+        inp = "inputs as written"
+    elif w.input_len_min is None:
+        inp = f"inputs ~{w.input_len} tokens"
+    else:
+        inp = f"inputs ~{w.input_len_min}-{w.input_len} tokens (uniform)"
+    levels = ", ".join(str(c) for c in w.concurrency)
+    if w.request_rate is None:
+        load = f"closed loop at concurrency {levels}"
+    else:
+        load = f"open loop: Poisson arrivals at {w.request_rate:g} req/s, at most {levels} in flight"
+    return f"{w.prompts}; {inp}; {out}; {load}; {w.num_prompts} requests x {w.repeats} passes"
 
 
 class Objective(BaseModel):

@@ -28,6 +28,7 @@ from spectune_sim.model import (
     depth_acceptance,
     prefill_ms,
     sample_accept_tokens,
+    scaled_acceptance,
 )
 from spectune_sim.rules import DraftTree, draft_token_limit
 
@@ -87,6 +88,8 @@ class Request:
     correct_drafts: int = 0
     finish_reason: dict[str, object] | None = None
     acc: AcceptAccumulator | None = None
+    # This request's acceptance per depth (the landscape's, scaled by what its prompt asks).
+    rates: tuple[float, ...] = ()
     first_token_at: float | None = None
     finished_at: float | None = None
 
@@ -160,7 +163,11 @@ class Engine:
     def expected_accept_length(self) -> float:
         return accept_length(self._rates) if self.o.spec is not None else 1.0
 
-    def submit(self, prompt_tokens: int, max_new_tokens: int, *, ignore_eos: bool) -> Request:
+    def submit(
+        self, prompt_tokens: int, max_new_tokens: int, *, ignore_eos: bool, reject_scale: float = 1.0
+    ) -> Request:
+        """Queue a request; `reject_scale` (model.text_reject_scale of its prompt) makes its drafts
+        more often right (code, maths) or leaves the landscape's chat calibration (1.0)."""
         noise = self.o.noise
         stop_after = max_new_tokens
         if not ignore_eos:
@@ -174,8 +181,9 @@ class Engine:
             created=time.monotonic(),
             noise_log=0.0 if noise.sigma == 0 else self._rng.gauss(0.0, noise.sigma),
         )
+        req.rates = self._rates if reject_scale == 1.0 else scaled_acceptance(self._rates, round(reject_scale, 3))
         if noise.sigma == 0.0:
-            req.acc = AcceptAccumulator(self._rates)
+            req.acc = AcceptAccumulator(req.rates)
         if max_new_tokens <= 0:
             self._finish(req, {"type": "length", "length": 0})
             return req
@@ -246,7 +254,7 @@ class Engine:
                 if self.o.spec is None:
                     gained = 1
                 else:
-                    gained = req.acc.next() if req.acc is not None else sample_accept_tokens(self._rates, self._rng)
+                    gained = req.acc.next() if req.acc is not None else sample_accept_tokens(req.rates, self._rng)
                     req.verify_ct += 1
                     self.counters.verify_calls += 1
                     self._log_window_verify += 1

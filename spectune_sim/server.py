@@ -55,6 +55,7 @@ from spectune_sim.model import (
     check_memory,
     graph_plan,
     startup_phases,
+    text_reject_scale,
 )
 from spectune_sim.rules import DraftTree
 
@@ -629,7 +630,8 @@ def build_app(sim: SimServer) -> Starlette:
             outs = await asyncio.gather(*(_collect(sim, r) for r in reqs))
             errors = [o for o in outs if "error" in o]
             return JSONResponse(errors[0], status_code=500) if errors else JSONResponse(outs)
-        req = sim.engine.submit(prompts, max_new, ignore_eos=ignore_eos)
+        scale = text_reject_scale(text) if isinstance(text, str) else 1.0
+        req = sim.engine.submit(prompts, max_new, ignore_eos=ignore_eos, reject_scale=scale)
         if not stream:
             out = await _collect(sim, req)
             return JSONResponse(out, status_code=500 if "error" in out else 200)

@@ -58,10 +58,15 @@ def write_worker_config(
     env: dict[str, str] | None = None,
     *,
     startup_s: float = 60,
+    prompt_files: dict[str, str] | None = None,
 ) -> WorkerProc:
-    """`root/name/worker.toml` for a worker on the simulator; `models` maps registry names to landscapes."""
+    """`root/name/worker.toml` for a worker on the simulator; `models` maps registry names to landscapes;
+    `prompt_files` (name -> content) fill its prompt folder."""
     wdir = root / name
     (wdir / "models").mkdir(parents=True, exist_ok=True)
+    (wdir / "prompts").mkdir(exist_ok=True)
+    for file, content in (prompt_files or {}).items():
+        (wdir / "prompts" / file).write_text(content)
     registry = {}
     for model, landscape in models.items():
         path = wdir / "models" / landscape
@@ -74,7 +79,7 @@ def write_worker_config(
             api_url=api_url,
             worker_id=name,
             models=registry,
-            top={"outbox_dir": "outbox", "idle_poll_s": 0.2, "idle_poll_max_s": 1},
+            top={"outbox_dir": "outbox", "prompt_dir": "prompts", "idle_poll_s": 0.2, "idle_poll_max_s": 1},
             engine={"log_dir": "logs"},
             engine_env={**SIM_ENV, "SPECTUNE_SIM_HOST_ID": name, **(env or {})},
             timeouts={

@@ -463,7 +463,7 @@ def test_builtin_chat_prompts_ship_with_the_package() -> None:
     assert len(prompts) >= 64
     assert len(set(prompts)) == len(prompts)
     assert all(p.strip() for p in prompts)
-    with pytest.raises(FileNotFoundError, match="no built-in prompt set 'nope'; available: chat"):
+    with pytest.raises(FileNotFoundError, match="no built-in prompt set .nope.; available: chat, code"):
         load_prompts("builtin:nope", None)
     with pytest.raises(ValueError, match="named like 'builtin:chat'"):
         load_prompts("builtin:../chat", None)

@@ -149,8 +149,9 @@ def test_report_from_the_database_embeds_every_plot(tmp_path: Path, sqlite_templ
     assert r.returncode == 0, r.stderr
     text = out.read_text()
     images = _images(text)
-    # speedup at 1 and at 4, acceptance, cycle split, history, concurrency (two levels), start-up, failures (OOM)
-    assert len(images) == 8, len(images)
+    # speedup at 1 and at 4, acceptance, cycle split, history, concurrency (two levels), start-up,
+    # per-user against per-GPU throughput, failures (OOM)
+    assert len(images) == 9, len(images)
     for img in images:
         assert img.startswith(PNG_MAGIC) and len(img) > 10_000
     for anchor in (
@@ -160,6 +161,7 @@ def test_report_from_the_database_embeds_every_plot(tmp_path: Path, sqlite_templ
         "plot-concurrency",
         "plot-startup",
         "plot-failures",
+        "plot-tradeoff",
     ):
         assert f'id="{anchor}"' in text
     # Self-contained: nothing is fetched when the file is opened.
@@ -178,13 +180,24 @@ def test_report_from_the_database_embeds_every_plot(tmp_path: Path, sqlite_templ
     assert fit is not None and fit.draft_step_ms > 0 and fit.r2 > 0.8
     assert sorted(p.name for p in plots_dir.iterdir()) == sorted(
         f"{n}.png"
-        for n in ("speedup", "speedup-c4", "acceptance", "cycle", "history", "concurrency", "startup", "failures")
+        for n in (
+            "speedup",
+            "speedup-c4",
+            "acceptance",
+            "cycle",
+            "history",
+            "concurrency",
+            "startup",
+            "tradeoff",
+            "failures",
+        )
     )
     # Every plot says which level it draws; the caption about levels comes from the study's own data.
     assert "Speedup at concurrency 1 against steps" in text and "Speedup at concurrency 4 against steps" in text
     assert "the lowest level; the objective is the geometric mean over 1, 4" in text
     assert "shrinks as concurrency grows" not in text
     assert "The best configuration" in text
+    assert f"Workload measured: {shown['workload']}" in text
 
 
 def test_report_through_the_api_and_clear_errors(api: Any, tmp_path: Path) -> None:

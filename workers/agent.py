@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from optimizer.sglang import ServerSettings
+from optimizer.spec import Workload
 from spectune_protocol import CompleteIn, Failure, FailureKind, Inventory, LeaseOut, LevelMetrics, Metrics, ProgressIn
 from workers.client import (
     ApiClient,
@@ -48,7 +49,8 @@ from workers.heartbeat import Heartbeat
 from workers.inventory import describe
 from workers.launcher.processes import group_members
 from workers.ledger import LaunchLedger
-from workers.loadgen import LoadgenCancelled, LoadgenError, load_prompts, run_workload
+from workers.loadgen import LoadgenCancelled, LoadgenError, run_workload
+from workers.loadgen.plan import RequestPlan, load_requests
 from workers.outbox import Outbox, deliver_pending
 from workers.redact import redact_report
 from workers.resolve import resolve
@@ -105,7 +107,7 @@ class ServerLauncher(Protocol):
 
 
 RunWorkload = Callable[..., list[LevelMetrics]]
-LoadPrompts = Callable[[str, Path | None], list[str]]
+LoadRequests = Callable[[Workload, Path | None], RequestPlan]
 
 
 @dataclass(frozen=True)
@@ -192,7 +194,7 @@ class Agent:
         inventory: Inventory,
         settings: AgentSettings,
         run_workload: RunWorkload = run_workload,
-        load_prompts: LoadPrompts = load_prompts,
+        load_requests: LoadRequests = load_requests,
         stop_event: threading.Event | None = None,
         backoff: Backoff | None = None,
         ledger: LaunchLedger | None = None,
@@ -203,7 +205,7 @@ class Agent:
         self.inventory = inventory
         self.settings = settings
         self._run_workload = run_workload
-        self._load_prompts = load_prompts
+        self._load_requests = load_requests
         self.stop_event = stop_event or threading.Event()
         self._idle = backoff or Backoff(initial_s=settings.idle_poll_s, max_s=settings.idle_poll_max_s)
         self._idle_attempt = 0
@@ -368,7 +370,7 @@ class Agent:
             log.warning("lease %s refused: %s", lid, refusal)
             return _failed("refused", refusal)
         try:
-            prompts = self._load_prompts(lease.workload.prompts, self.settings.prompt_dir)
+            plan = self._load_requests(lease.workload, self.settings.prompt_dir)
         except (ValueError, OSError, LoadgenError) as e:
             return _failed("refused", f"prompt set {lease.workload.prompts!r}: {e}")
         if run.cancel.is_set():
@@ -407,7 +409,8 @@ class Agent:
             levels = self._run_workload(
                 server.base_url,
                 lease.workload,
-                prompts,
+                plan.prompts,
+                output_lens=plan.output_lens,
                 cancel=run.cancel,
                 on_level=lambda i, m: self._on_level(run, i, m),
                 request_timeout_s=self.settings.request_timeout_s,

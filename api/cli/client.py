@@ -60,6 +60,7 @@ def study_show(
 ) -> None:
     """The study, its best configuration, and a table of its trials with the key metrics."""
     from api.report.tables import failures_table, levels_table, study_summary, trials_table
+    from api.report.tradeoff import tradeoff_table
 
     shown = call("GET", f"/v1/studies/{name}", api_url, token)
     if as_json:
@@ -69,6 +70,11 @@ def study_show(
     say(study_summary(shown))
     typer.echo("")
     say(levels_table(shown))
+    tradeoff = tradeoff_table(shown, trials)
+    if tradeoff:
+        typer.echo("")
+        typer.echo("Per-user against per-GPU throughput across the levels (* = the Pareto front):")
+        say(tradeoff)
     typer.echo("")
     say(trials_table(shown, trials))
     failures = failures_table(trials)

@@ -13,6 +13,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from api.report.analysis import CycleFit, Point
+from api.report.tradeoff import Series
 
 DPI = 110
 FEASIBLE, INFEASIBLE, BEST, GRID, PRUNED = "#1f77b4", "#d62728", "#ff7f0e", "#dddddd", "#7f7f7f"
@@ -189,6 +190,33 @@ def history(pts: list[Point], objective: str) -> Figure:
     ax.set_xlabel("trial")
     ax.set_ylabel(objective)
     ax.set_title("Search progress")
+    ax.legend(fontsize=8)
+    ax.grid(color=GRID)
+    return fig
+
+
+def tradeoff(all_series: list[Series], front: set[tuple[str, int]], limits: str | None) -> Figure:
+    """Per-user tok/s (x) against total tok/s per GPU (y), one curve per configuration across its
+    levels (labelled by concurrency); the Pareto front ringed; levels over a latency limit crossed."""
+    fig = Figure(figsize=(8, 5))
+    ax = fig.subplots()
+    styles = {"baseline": ("k--", 1.5), "winner": ("-", 2.5), "runner-up": ("-", 1.0)}
+    for s in all_series:
+        fmt, width = styles[s.role]
+        xs = [p.per_user_tok_s for p in s.points]
+        ys = [p.tok_s_per_gpu for p in s.points]
+        (line,) = ax.plot(xs, ys, fmt, marker="o", linewidth=width, label=s.label)
+        for p in s.points:
+            ax.annotate(f"c={p.concurrency}", (p.per_user_tok_s, p.tok_s_per_gpu), fontsize=7,
+                        textcoords="offset points", xytext=(4, 4))  # fmt: skip
+            if p.over_limits:
+                ax.plot([p.per_user_tok_s], [p.tok_s_per_gpu], "x", color=INFEASIBLE, markersize=11, mew=2)
+            if (s.label, p.concurrency) in front:
+                ax.plot([p.per_user_tok_s], [p.tok_s_per_gpu], "o", mfc="none", mec=BEST, markersize=13, mew=2)
+    ax.set_xlabel("tok/s per user (each request's decode speed)")
+    ax.set_ylabel("total output tok/s per GPU")
+    title = "Per-user against per-GPU throughput across the measured levels"
+    ax.set_title(title if not limits else f"{title}\n(latency limits: {limits}; x = over a limit)", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(color=GRID)
     return fig

@@ -15,7 +15,7 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from api.report import analysis as an
-from api.report import plots
+from api.report import plots, tradeoff
 from api.report.source import StudyData
 
 
@@ -98,6 +98,17 @@ def _plots(data: StudyData, pts: list[an.Point], level: int) -> list[Plot]:
             ("startup", "Start-up time per configuration",
              "Launch to ready, including CUDA-graph capture: the price of every restart.",
              plots.startup_times(pts))
+        )  # fmt: skip
+    found = tradeoff.series(data.shown, data.trials)
+    if found:
+        limits = tradeoff.limits_text(data.shown)
+        wanted.append(
+            ("tradeoff", "Per-user against per-GPU throughput (the Pareto front)",
+             "Each curve is one configuration across the concurrency levels measured (c=…): per-user tok/s "
+             "falls and total tok/s per GPU rises with concurrency.  Baseline (no speculation) dashed, the "
+             "winner bold, the runner-ups thin; ringed points are the Pareto front (no other point is better "
+             "in both)" + (f"; crossed points break the objective's latency limits ({limits})." if limits else "."),
+             plots.tradeoff(found, tradeoff.pareto(found), limits))
         )  # fmt: skip
     kinds = an.failures_by_kind(data.trials)
     if kinds:
@@ -199,6 +210,7 @@ def build_report(data: StudyData, *, generated_at: datetime | None = None) -> Re
 <p class="sub">{_e(model["target"])} with draft {_e(model["draft"])}, tp {_e(model.get("tp_size", 1))} ·
 state {_e(state)} · trials: {_e(counts)} · generated {when}</p>
 <p class="verdict">{_e(shown["verdict"])}</p>
+<p class="sub">Workload measured: {_e(shown.get("workload") or "not recorded")}</p>
 <p class="sub">Cost: {_e((shown.get("cost") or {}).get("summary") or "not recorded")}</p>
 <h2>The winner</h2>{_winner(shown)}
 <h2>Why</h2>

@@ -28,6 +28,8 @@ def study_summary(shown: dict[str, Any]) -> str:
         f"study    {shown['name']}: {spec['model']['target']} + {spec['model']['draft']}, {state}",
         f"verdict  {shown['verdict']}",
     ]
+    if shown.get("workload"):
+        lines.append(f"workload {shown['workload']}")
     warning = (shown.get("eligibility") or {}).get("warning")
     if warning:
         lines.append(f"WARNING  {warning}")
@@ -61,9 +63,7 @@ def trials_table(shown: dict[str, Any], trials: list[dict[str, Any]]) -> str:
         c = t.get("config") or {}
         p = pts.get(t["number"])
         at: dict[str, Any] = next((lv for lv in t.get("levels") or [] if lv.get("concurrency") == level), {})
-        note = t.get("failure_kind")
-        if t.get("duplicate_of") is not None:
-            note = f"= trial {t['duplicate_of']}"
+        note = trial_note(t)
         rows.append(
             [
                 t["number"],
@@ -81,6 +81,38 @@ def trials_table(shown: dict[str, Any], trials: list[dict[str, Any]]) -> str:
         )
     headers = ["#", "state", "steps/topk/tok", "speedup", f"tok/s@{level}", "AL", "rate", "itl p99", "start s"]
     return table([*headers, "worker", "note"], rows)
+
+
+_SOURCES = {"warm_start": "warm start", "prior_study": "from an earlier study", "grid": "grid", "list": "listed"}
+
+
+def trial_note(t: dict[str, Any]) -> str | None:
+    """What the trials table says about a trial beyond its numbers: why it ended, or where it came from."""
+    if t.get("duplicate_of") is not None:
+        return f"= trial {t['duplicate_of']}"
+    if t.get("inferred_from") is not None:
+        return f"not launched: OOM like trial {t['inferred_from']}"
+    if t.get("failure_kind"):
+        return str(t["failure_kind"])
+    pruned = t.get("pruned")
+    if pruned:
+        after = pruned.get("after_concurrency")
+        return "pruned" if after is None else f"pruned after c={after}"
+    source = t.get("source")
+    return _SOURCES.get(str(source), str(source)) if source else None
+
+
+def shorten(text: str, width: int) -> str:
+    """`text` in at most `width` characters: whole sentences, else whole words, marked with '…'."""
+    text = " ".join(text.split())
+    if len(text) <= width:
+        return text
+    head = text[: width - 1]
+    end = max(head.rfind(". "), head.rfind("; "))
+    if end > width // 2:
+        return head[: end + 1] + " …"
+    space = head.rfind(" ")
+    return (head[:space] if space > width // 2 else head) + "…"
 
 
 def progress_line(shown: dict[str, Any]) -> str:
@@ -143,8 +175,8 @@ def failures_table(trials: list[dict[str, Any]], width: int = 100) -> str | None
     rows = []
     for t in sorted(trials, key=lambda t: t["number"]):
         if t.get("failure_kind"):
-            msg = " ".join(str(t.get("failure_message") or "").split())
-            rows.append([t["number"], t["failure_kind"], msg[:width] + ("…" if len(msg) > width else "")])
+            rows.append([t["number"], t["failure_kind"], shorten(str(t.get("failure_message") or ""), width)])
         elif t.get("pruned"):
-            rows.append([t["number"], "pruned", str(t["pruned"].get("reason") or "")[:width]])
+            # The reason whole: it is one sentence that says why (it was cut mid-sentence at 100).
+            rows.append([t["number"], "pruned", " ".join(str(t["pruned"].get("reason") or "").split())])
     return table(["#", "why", "message"], rows) if rows else None

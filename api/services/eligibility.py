@@ -2,7 +2,8 @@
 
 A study that no worker can take would otherwise sit at "0 launched" in silence: its target or
 draft is in no worker's registry, no worker carries its placement labels, none has the GPUs its
-tensor parallelism needs, or every worker that could take it is quarantined.  Workers send their
+tensor parallelism needs, its workload's prompt file is in no worker's prompt folder, or every
+worker that could take it is quarantined.  Workers send their
 inventory with every lease call (at least once per idle poll), so the answer is as fresh as the
 fleet table: nothing is stored, and nothing has to expire.
 
@@ -46,7 +47,20 @@ def requirements_unmet(spec: StudySpec, inventory: Mapping[str, Any]) -> list[st
     # A worker that cannot see its GPUs (no NVML, a simulated engine) is not turned away for it.
     if n is not None and n < spec.model.tp_size:
         out.append("gpus")
+    if not has_prompt_file(spec, inventory):
+        out.append("prompts")
     return out
+
+
+def has_prompt_file(spec: StudySpec, inventory: Mapping[str, Any]) -> bool:
+    """The worker's prompt folder holds the workload's file (a built-in set every worker has).
+
+    A worker older than the `prompt_files` inventory field is not turned away: it refuses at
+    the lease instead, as before.
+    """
+    name = spec.workload.prompts
+    files = inventory.get("prompt_files")
+    return name.startswith("builtin:") or files is None or name in files
 
 
 @dataclass(frozen=True)
@@ -107,13 +121,15 @@ def eligibility(spec: StudySpec, workers: Sequence[WorkerView]) -> Eligibility:
         "models": _models_text(spec, workers),
         "placement": _placement_text(spec, workers),
         "gpus": _gpus_text(spec, workers),
+        "prompts": f"no worker's prompt folder holds {spec.workload.prompts} (put it in the prompt_dir of the "
+        "workers that should run it and restart them)",
     }
     unmet = [r for r in per_requirement if all(r in requirements_unmet(spec, w.inventory) for w in workers)]
     if unmet:
         text = "; ".join(per_requirement[r] for r in unmet)
     else:
         unmet = ["combination"]
-        text = "each requirement is met by some worker, but no single worker meets models, placement and GPU count"
+        text = "each requirement is met by some worker, but no single worker meets models, placement, GPU count and prompt file"
     return Eligibility([], [], unmet, f"no registered worker can take this study: {text}")
 
 

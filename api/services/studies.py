@@ -36,7 +36,7 @@ from optimizer.infeasible import known_to_fail, oom_points
 from optimizer.model_sampler import space_configs
 from optimizer.plan import baseline_key
 from optimizer.space import SpecConfig
-from optimizer.spec import StudySpec, validate_spec
+from optimizer.spec import StudySpec, describe_workload, validate_spec
 
 log = logging.getLogger("spectune.api.studies")
 
@@ -659,6 +659,8 @@ class StudyService:
             "created_at": row.created_at,
             "finished_at": row.finished_at,
             "spec": row.spec,
+            # The traffic every baseline and trial of this study measured, in words.
+            "workload": describe_workload(spec.workload),
             "trials": counts,
             "configurations_launched": launched,
             "baselines_measured": baselines_measured,

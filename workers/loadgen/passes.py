@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable, Coroutine, Sequence
+from time import perf_counter
 
 import httpx
 
@@ -37,13 +38,21 @@ async def run_workers(
     phase: str,
     claim: Claim,
     cancel: threading.Event | None,
+    output_lens: Sequence[int] | None = None,
+    arrivals: Sequence[float] | None = None,
 ) -> list[tuple[int, RequestResult]]:
     """Run ``workers`` concurrent streams until ``claim`` runs past ``count``.
+
+    ``output_lens[j]``, when given, is prompt j's output length (else ``output_len`` for all).
+    ``arrivals[i]``, when given (open loop), is when request i arrives, in seconds after this
+    call: it is sent then, or as soon as one of the ``workers`` streams is free (the level's cap
+    on requests in flight, as bench_serving's --max-concurrency).
 
     Returns (request index, result) for every request these workers ran, in completion order.
     Raises the first request's LoadgenError, or LoadgenCancelled once ``cancel`` is set.
     """
     done: list[tuple[int, RequestResult]] = []
+    start = perf_counter()
 
     async def worker() -> None:
         for _ in range(count):  # each turn claims one of `count` indices: bounded
@@ -51,11 +60,15 @@ async def run_workers(
             if i >= count:
                 return
             j = i % len(prompts)
+            if arrivals is not None:
+                wait = start + arrivals[i] - perf_counter()
+                if wait > 0:
+                    await asyncio.sleep(wait)  # a cancel stops the task here too (run_tasks)
             result = await stream_generate(
                 client,
                 url,
                 prompts[j],
-                output_len=output_len,
+                output_len=output_len if output_lens is None else output_lens[j],
                 timeout_s=timeout_s,
                 label=f"request {i + 1}/{count} ({phase}, prompt #{j})",
             )

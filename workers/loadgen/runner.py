@@ -25,6 +25,7 @@ from optimizer.spec import Workload
 from spectune_protocol import LevelMetrics
 from workers.loadgen.http1 import CONNECT_TIMEOUT_S, make_client
 from workers.loadgen.passes import CANCEL_POLL_S, in_request_order, raise_if_cancelled, run_workers
+from workers.loadgen.plan import arrival_offsets
 from workers.loadgen.saturation import LevelWatch, engine_probe
 from workers.loadgen.shards import ShardPool, available_cpus
 from workers.loadgen.stats import PassResult, summarize_level
@@ -118,11 +119,16 @@ def _watch(
     concurrency: int,
     pool: ShardPool | None,
     engine_pids: Callable[[], Sequence[int]] | None = None,
+    open_loop: bool = False,
 ) -> Callable[[], LevelWatch]:
     """The load checks of one level: this process, the pool's shards, the engine's /metrics and processes."""
     probe = engine_probe(client, base_url)
     return lambda: LevelWatch(
-        concurrency, pids=lambda: [] if pool is None else pool.pids, engine=probe, engine_pids=engine_pids
+        concurrency,
+        pids=lambda: [] if pool is None else pool.pids,
+        engine=probe,
+        engine_pids=engine_pids,
+        open_loop=open_loop,
     )
 
 
@@ -136,8 +142,14 @@ def run_workload(
     request_timeout_s: float = 600.0,
     processes: int | None = None,
     engine_pids: Callable[[], Sequence[int]] | None = None,
+    output_lens: Sequence[int] | None = None,
 ) -> list[LevelMetrics]:
     """Measure every concurrency level of ``workload`` in order; blocking (runs its own event loop).
+
+    ``output_lens[j]``: prompt j's output length (workers/loadgen/plan.py), else the workload's
+    ``output_len`` for every request.  With ``workload.request_rate`` (open loop) requests arrive
+    on a Poisson schedule and each level caps the requests in flight; such levels run on this
+    thread's event loop (no generator processes: the schedule has one clock).
 
     ``on_level(index, metrics)`` is called after each level (from the loop's thread, with no
     request in flight); returning False stops before the next level (the API said prune).
@@ -167,6 +179,7 @@ def run_workload(
             timeout_s=request_timeout_s,
             per_level=per_level,
             engine_pids=engine_pids,
+            output_lens=output_lens,
         )
     )
 
@@ -181,7 +194,13 @@ async def _run_workload(
     timeout_s: float,
     per_level: Callable[[int], int],
     engine_pids: Callable[[], Sequence[int]] | None = None,
+    output_lens: Sequence[int] | None = None,
 ) -> list[LevelMetrics]:
+    if output_lens is not None and (len(output_lens) != len(prompts) or min(output_lens, default=1) < 1):
+        raise ValueError("output_lens needs one positive length per prompt")
+    open_loop = workload.request_rate is not None
+    if open_loop:
+        per_level = lambda _c: 1  # noqa: E731 - one clock for the arrival schedule
     _check_args(
         prompts,
         min(workload.concurrency),
@@ -196,7 +215,9 @@ async def _run_workload(
     async with make_client(timeout_s) as client:
         # One pool for the whole workload, sized for its largest level; it starts on first use.
         pool = (
-            ShardPool(pool_size, base_url=base_url, prompts=prompts, request_timeout_s=timeout_s)
+            ShardPool(
+                pool_size, base_url=base_url, prompts=prompts, request_timeout_s=timeout_s, output_lens=output_lens
+            )
             if pool_size > 1
             else None
         )
@@ -207,14 +228,19 @@ async def _run_workload(
                 if pool is not None and procs > 1:
                     run = _sharded_runner(pool, procs, concurrency, workload.output_len, cancel)
                 else:
-                    run = _local_runner(client, base_url, prompts, concurrency, workload.output_len, timeout_s, cancel)
+                    run = _local_runner(
+                        client, base_url, prompts, concurrency, workload.output_len, timeout_s, cancel,
+                        output_lens=output_lens, request_rate=workload.request_rate,
+                    )  # fmt: skip
                 metrics = await _measure_level(
                     run,
                     concurrency,
                     workload.num_prompts,
                     workload.warmup_requests,
                     workload.repeats,
-                    watch=_watch(client, base_url, concurrency, pool if procs > 1 else None, engine_pids),
+                    watch=_watch(
+                        client, base_url, concurrency, pool if procs > 1 else None, engine_pids, open_loop=open_loop
+                    ),
                 )
                 results.append(metrics)
                 if on_level is not None and not on_level(index, metrics):
@@ -275,12 +301,22 @@ def _local_runner(
     output_len: int,
     timeout_s: float,
     cancel: threading.Event | None,
+    *,
+    output_lens: Sequence[int] | None = None,
+    request_rate: float | None = None,
 ) -> PassRunner:
     url = base_url.rstrip("/") + "/generate"
 
     async def run_pass(count: int, phase: str) -> PassResult:
         raise_if_cancelled(cancel)
         next_index = 0
+        # Open loop: one Poisson schedule per pass of a level, the same for the baseline, every
+        # trial and a re-measurement (named by the phase, without the "again" note).
+        arrivals = (
+            None
+            if request_rate is None
+            else arrival_offsets(request_rate, count, key=f"{phase.split(' (again')[0]}/{count}")
+        )
 
         def claim() -> int:
             nonlocal next_index
@@ -299,6 +335,8 @@ def _local_runner(
             phase=phase,
             claim=claim,
             cancel=cancel,
+            output_lens=output_lens,
+            arrivals=arrivals,
         )
         wall_s = perf_counter() - started
         return PassResult(wall_s=wall_s, requests=in_request_order(done, count, phase))

@@ -144,8 +144,11 @@ class LevelWatch:
         pids: Callable[[], Sequence[int]] = lambda: (),
         engine: EngineProbe | None = None,
         engine_pids: Callable[[], Sequence[int]] | None = None,
+        open_loop: bool = False,
     ) -> None:
         self.concurrency = concurrency
+        # Open loop (a request rate): fewer requests in flight than the cap is the load asked for.
+        self.open_loop = open_loop
         self._pids = pids
         self._engine = engine
         self._engine_pids = engine_pids
@@ -252,7 +255,7 @@ class LevelWatch:
             c.engine_running_mean = sum(self._running) / len(self._running)
             c.engine_queued_max = max(self._queued)
             streams = min(self.concurrency, min((len(p.requests) for p in passes), default=self.concurrency))
-            if c.engine_running_mean < MIN_ENGINE_RUNNING_SHARE * streams:
+            if not self.open_loop and c.engine_running_mean < MIN_ENGINE_RUNNING_SHARE * streams:
                 c.reasons.append(
                     f"the engine ran {c.engine_running_mean:.1f} requests on average at concurrency "
                     f"{self.concurrency}: the load generator did not keep them in flight"

@@ -71,11 +71,13 @@ def shard_main(
     base_url: str,
     prompts: Sequence[str],
     request_timeout_s: float,
+    output_lens: Sequence[int] | None = None,
 ) -> None:
     """Entry point of a shard process (multiprocessing target; spawn context)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        asyncio.run(_serve(conn, counter, base_url.rstrip("/") + "/generate", prompts, request_timeout_s))
+        url = base_url.rstrip("/") + "/generate"
+        asyncio.run(_serve(conn, counter, url, prompts, request_timeout_s, output_lens))
     finally:
         conn.close()
 
@@ -109,6 +111,7 @@ async def _serve(
     url: str,
     prompts: Sequence[str],
     timeout_s: float,
+    output_lens: Sequence[int] | None = None,
 ) -> None:
     inbox = _Inbox(conn)
     loop = asyncio.get_running_loop()
@@ -144,6 +147,7 @@ async def _serve(
                     client=client,
                     url=url,
                     prompts=prompts,
+                    output_lens=output_lens,
                     count=order.count,
                     workers=order.workers,
                     output_len=order.output_len,

@@ -82,6 +82,7 @@ class ShardPool:
         prompts: Sequence[str],
         request_timeout_s: float,
         start_timeout_s: float = START_TIMEOUT_S,
+        output_lens: Sequence[int] | None = None,
     ) -> None:
         if processes < 2:
             raise ValueError(f"a shard pool needs at least 2 processes, got {processes}; use one event loop instead")
@@ -90,6 +91,8 @@ class ShardPool:
         self.size = processes
         self._base_url = base_url
         self._prompts = list(prompts)
+        # Per-prompt output lengths (a dataset's or drawn ones); None: the pass's output_len.
+        self._output_lens = None if output_lens is None else list(output_lens)
         self._request_timeout_s = request_timeout_s
         self._start_timeout_s = start_timeout_s
         self._ctx = multiprocessing.get_context("spawn")
@@ -122,7 +125,7 @@ class ShardPool:
             parent_conn, child_conn = self._ctx.Pipe(duplex=True)
             process = self._ctx.Process(
                 target=shard_main,
-                args=(child_conn, counter, self._base_url, self._prompts, self._request_timeout_s),
+                args=(child_conn, counter, self._base_url, self._prompts, self._request_timeout_s, self._output_lens),
                 name=f"spectune-loadgen-{k}",
                 daemon=True,  # never outlive the parent's interpreter
             )

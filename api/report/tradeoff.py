@@ -1,0 +1,132 @@
+"""The trade-off a user chooses on: per-user tok/s against total tok/s per GPU, across the levels.
+
+Each measured concurrency level of a configuration is one point: how fast each user's tokens
+arrive (per-user tok/s) against what the GPUs deliver in total (output tok/s divided by tp_size).
+Raising concurrency moves along a curve, down in per-user speed and up in total; speculation
+shifts the curve.  Drawn for the baseline (no speculation), the winner and the runner-ups, with
+the Pareto front over every point (no other point is better in both), as vLLM's sweep and
+aiconfigurator plot it; points over the objective's latency limits are marked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from api.report.tables import table
+
+RUNNER_UPS = 2
+
+
+@dataclass(frozen=True)
+class TradeoffPoint:
+    concurrency: int
+    per_user_tok_s: float
+    tok_s_per_gpu: float
+    # Which of the objective's latency limits this level breaks ([]: none, or no limits).
+    over_limits: tuple[str, ...] = ()
+
+
+@dataclass
+class Series:
+    label: str
+    role: str  # baseline | winner | runner-up
+    points: list[TradeoffPoint] = field(default_factory=list)
+
+
+def _limits(shown: dict[str, Any]) -> dict[str, float]:
+    objective = shown["spec"].get("objective") or {}
+    out = {}
+    if objective.get("max_p99_itl_ms") is not None:
+        out["itl_ms_p99"] = float(objective["max_p99_itl_ms"])
+    if objective.get("max_p99_ttft_ms") is not None:
+        out["ttft_ms_p99"] = float(objective["max_p99_ttft_ms"])
+    return out
+
+
+def limits_text(shown: dict[str, Any]) -> str | None:
+    names = {"itl_ms_p99": "ITL p99", "ttft_ms_p99": "TTFT p99"}
+    parts = [f"{names[k]} <= {v:g} ms" for k, v in _limits(shown).items()]
+    return " and ".join(parts) or None
+
+
+def _points(levels: Sequence[dict[str, Any]], tp: int, limits: dict[str, float]) -> list[TradeoffPoint]:
+    out = []
+    for lv in sorted(levels, key=lambda lv: int(lv.get("concurrency", 0))):
+        user, total = lv.get("per_user_tok_s"), lv.get("output_tok_s")
+        if user is None or total is None:
+            continue
+        over = tuple(k for k, v in limits.items() if lv.get(k) is not None and float(lv[k]) > v)
+        out.append(TradeoffPoint(int(lv["concurrency"]), float(user), float(total) / tp, over))
+    return out
+
+
+def _config_label(t: dict[str, Any]) -> str:
+    c = t.get("config") or {}
+    return f"#{t['number']} {c.get('num_steps')}/{c.get('topk')}/{c.get('num_draft_tokens')}"
+
+
+def series(shown: dict[str, Any], trials: Sequence[dict[str, Any]]) -> list[Series]:
+    """Baseline, winner and runner-ups (by speedup), each across the levels it measured."""
+    tp = max(1, int(shown["spec"]["model"].get("tp_size") or 1))
+    limits = _limits(shown)
+    measured = [
+        t for t in trials
+        if t.get("state") == "COMPLETE" and t.get("feasible") and t.get("levels") and t.get("speedup") is not None
+        and t.get("duplicate_of") is None
+    ]  # fmt: skip
+    measured.sort(key=lambda t: -float(t["speedup"]))
+    winner_no = (shown.get("winner") or {}).get("trial_number")
+    winner = next((t for t in measured if t["number"] == winner_no), measured[0] if measured else None)
+    out: list[Series] = []
+    base_levels = (winner or {}).get("baseline_levels") or []
+    if base_levels:
+        out.append(Series("baseline (no speculation)", "baseline", _points(base_levels, tp, limits)))
+    if winner is not None:
+        out.append(Series(f"winner {_config_label(winner)}", "winner", _points(winner["levels"], tp, limits)))
+    for t in [t for t in measured if t is not winner][:RUNNER_UPS]:
+        out.append(Series(f"runner-up {_config_label(t)}", "runner-up", _points(t["levels"], tp, limits)))
+    return [s for s in out if s.points]
+
+
+def pareto(all_series: Sequence[Series]) -> set[tuple[str, int]]:
+    """(series label, concurrency) of the points no other point beats in both per-user and per-GPU tok/s.
+
+    Points over a latency limit are not candidates: they are not a choice the user can make.
+    """
+    pts = [(s.label, p) for s in all_series for p in s.points if not p.over_limits]
+    front = set()
+    for label, p in pts:
+        dominated = any(
+            q.per_user_tok_s >= p.per_user_tok_s
+            and q.tok_s_per_gpu >= p.tok_s_per_gpu
+            and (q.per_user_tok_s > p.per_user_tok_s or q.tok_s_per_gpu > p.tok_s_per_gpu)
+            for _, q in pts
+        )
+        if not dominated:
+            front.add((label, p.concurrency))
+    return front
+
+
+def tradeoff_table(shown: dict[str, Any], trials: Sequence[dict[str, Any]]) -> str | None:
+    """`study show`'s text form: one row per configuration and level; `*` marks the Pareto front."""
+    found = series(shown, trials)
+    if not found:
+        return None
+    front = pareto(found)
+    rows = [
+        [
+            s.label,
+            p.concurrency,
+            f"{p.per_user_tok_s:.1f}",
+            f"{p.tok_s_per_gpu:.1f}",
+            "*" if (s.label, p.concurrency) in front else None,
+            ", ".join(p.over_limits) or None,
+        ]
+        for s in found
+        for p in s.points
+    ]
+    limits = limits_text(shown)
+    note = f"\n(latency limits: {limits}; a level over one is not on the front)" if limits else ""
+    return table(["configuration", "level", "tok/s per user", "tok/s per GPU", "front", "over limit"], rows) + note
