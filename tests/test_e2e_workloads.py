@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from tests.conftest import small_spec
-from tests.e2e_support import Cluster, cluster, wait_for
+from tests.e2e_support import Cluster, cluster
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -437,7 +437,7 @@ class Agent:
             return _failed("benchmark_error", "the benchmark measured no concurrency level", log_tail=server.log_tail())
         extra, note = 0, None
         if lease.resolve is not None and not run.cancel.is_set() and len(levels) == len(lease.workload.concurrency):
-            levels, extra, note = self._resolve(run, server, lease, levels, prompts)
+            levels, extra, note = self._resolve(run, server, lease, levels, plan)
         metrics = Metrics(
             levels=levels,
             startup_s=server.startup_s,
@@ -455,7 +455,7 @@ class Agent:
         return CompleteIn(outcome="ok", metrics=metrics)
 
     def _resolve(
-        self, run: _LeaseRun, server: Server, lease: LeaseOut, levels: list[LevelMetrics], prompts: list[str]
+        self, run: _LeaseRun, server: Server, lease: LeaseOut, levels: list[LevelMetrics], plan: RequestPlan
     ) -> tuple[list[LevelMetrics], int, str | None]:
         """More passes on this warm server while the confirmation is undecided (workers/resolve.py)."""
         assert lease.resolve is not None
@@ -467,7 +467,8 @@ class Agent:
             return self._run_workload(
                 server.base_url,
                 workload,
-                prompts,
+                plan.prompts,
+                output_lens=plan.output_lens,
                 cancel=run.cancel,
                 request_timeout_s=self.settings.request_timeout_s,
                 engine_pids=lambda: sorted(group_members(server.pgid)),
