@@ -40,9 +40,14 @@ def _free_port() -> int:
 
 
 def _demo_spec(name: str, landscape: str, max_trials: int) -> dict[str, Any]:
+    from spectune_sim.landscapes import get_landscape
+
+    # The landscape's own tensor parallelism ("moe-pcie" is a 1T MoE at TP8), so the printed
+    # launch command and the GPU-hours are those of the server simulated.
+    tp_size = get_landscape(landscape).tp_size
     return {
         "name": name,
-        "model": {"target": landscape, "draft": f"{landscape}-eagle3", "attention_backend": "fa3"},
+        "model": {"target": landscape, "draft": f"{landscape}-eagle3", "attention_backend": "fa3", "tp_size": tp_size},
         "search_space": {
             "num_steps": {"low": 1, "high": 10},
             "topk": [1, 2, 4, 8],

@@ -45,6 +45,11 @@ DEFAULT_PORT = 30000
 Mode = Literal["static", "adaptive", "no_speculation"]
 
 
+def numeric_key_order(doc: dict[str, Any]) -> dict[str, Any]:
+    """Batch-size keys in numeric order ("1", "4", "16"; sort_keys gave "1", "16", "4"), others after."""
+    return dict(sorted(doc.items(), key=lambda kv: (0, int(kv[0]), "") if kv[0].isdigit() else (1, 0, kv[0])))
+
+
 def placeholder(name: str) -> str:
     """A model path that cannot be mistaken for a real one (the server refuses it at once)."""
     return f"<local path of {name}>"
@@ -130,7 +135,7 @@ class Deployment:
         )
         if self.adaptive_config is None or self.mode != "adaptive":
             return line
-        doc = json.dumps(self.adaptive_config, sort_keys=True)
+        doc = json.dumps(numeric_key_order(self.adaptive_config))
         return f"cat > {shlex.quote(ADAPTIVE_FILE)} <<'EOF'\n{doc}\nEOF\n{line}"
 
     def as_json(self) -> dict[str, Any]:

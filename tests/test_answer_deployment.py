@@ -186,3 +186,21 @@ def test_a_chain_that_pays_at_part_of_the_load_is_deployed_adaptively() -> None:
     losing = [_trial(0, chain, {1: 0.97, 8: 0.93})]
     none = plan_deployment(s, chain, pays=False, exported=adaptive_export(s, losing), version="0.5.23")
     assert none is not None and none.mode == "no_speculation"
+
+
+def test_the_adaptive_file_lists_batch_sizes_in_numeric_order(tmp_path: Path) -> None:
+    s = spec(workload={"concurrency": [1, 4, 16]})
+    configs = [SpecConfig(num_steps=n, topk=1, num_draft_tokens=n + 1) for n in (5, 3, 2)]
+    trials = [
+        _trial(0, configs[0], {1: 1.8, 4: 1.2, 16: 1.1}),
+        _trial(1, configs[1], {1: 1.5, 4: 1.4, 16: 1.2}),
+        _trial(2, configs[2], {1: 1.3, 4: 1.3, 16: 1.3}),
+    ]
+    for i, t in enumerate(trials):
+        t.number = i
+    dep = plan_deployment(s, configs[0], pays=True, exported=adaptive_export(s, trials), version="0.5.23")
+    assert dep is not None and dep.mode == "adaptive"
+    setup = "\n".join(dep.command(models={"tgt": "/m/t", "drf": "/m/d"}).splitlines()[:-1])
+    subprocess.run(["bash", "-c", setup], cwd=tmp_path, check=True)
+    # As written (sort_keys wrote "1", "16", "4"): json.loads keeps the file's order.
+    assert list(json.loads((tmp_path / ADAPTIVE_FILE).read_text())) == ["1", "4", "16"]

@@ -42,7 +42,9 @@ def test_db_upgrade_then_tokens(tmp_path: Path) -> None:
     assert r.returncode == 0 and r.stdout.strip().startswith("st_")
     listed = spectune("token", "list", "--database-url", url).stdout
     assert "worker\tactive" in listed and "worker=gpu-01" in listed
-    token_id = listed.split("\t")[0]
+    header, first = listed.splitlines()[:2]
+    assert header == "id\trole\tstate\tname"
+    token_id = first.split("\t")[0]
     assert spectune("token", "revoke", token_id, "--database-url", url).returncode == 0
     assert "worker\trevoked" in spectune("token", "list", "--database-url", url).stdout
     # Running the upgrade again is harmless.

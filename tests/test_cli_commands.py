@@ -52,6 +52,21 @@ def test_bench_stop_resume_export_and_show(server: tuple[str, dict[str, str]], t
     assert "created study b1: 3 configurations" in r.stdout
     shown = json.loads(cli(base, user, "study", "show", "b1", "--json").stdout)
     assert shown["spec"]["sampler"] == "list" and shown["spec"]["confirmation"]["top"] == 0
+    assert shown["spec"]["model"]["tp_size"] == 1
+    # Without -f, --tp-size reaches the model; with -f after `study create -f`, the bench study
+    # gets its own name instead of the spec's (which the search study holds: 409 before).
+    r = cli(base, user, "bench", "--target", "moe-pcie", "--draft", "moe-pcie-eagle3", "--tp-size", "8",
+            "--name", "b8", "--config", "3/1/4")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert json.loads(cli(base, user, "study", "show", "b8", "--json").stdout)["spec"]["model"]["tp_size"] == 8
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(json.dumps({"name": "searched", "model": {"target": "moe-pcie", "draft": "moe-pcie-eagle3"}}))
+    assert cli(base, user, "study", "create", "-f", str(spec_file)).returncode == 0
+    r = cli(base, user, "bench", "-f", str(spec_file), "--config", "3/1/4")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("created study searched-bench-") and "1 configurations" in r.stdout
+    for study in ("b8", "searched", r.stdout.split()[2].rstrip(":")):
+        assert cli(base, user, "study", "stop", study).returncode == 0  # the worker below serves b1 only
 
     # Stopped: no work for anyone; resumed: work again.
     r = cli(base, user, "study", "stop", "b1")

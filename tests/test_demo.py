@@ -29,6 +29,7 @@ def test_demo_runs_a_study_prints_the_answer_and_cleans_up(tmp_path: Path) -> No
     result = json.loads((workdir / "result.json").read_text())
     # The command to launch is the study's deployment: with speculation when it pays, else without.
     launch = next(line for line in out.splitlines() if "python -m sglang.launch_server" in line)
+    assert "--tp-size 8" in launch  # the moe-pcie landscape is a 1T MoE at TP8 (it printed 1)
     if result["study"]["speculation_pays"]:
         assert "--speculative-algorithm EAGLE3" in launch
     else:

@@ -201,6 +201,7 @@ def token_list(database_url: DbUrl = None) -> None:
 
     engine = make_engine(settings(database_url).database_url)
     try:
+        typer.echo("id\trole\tstate\tname")  # tab-separated, for cut and awk
         for t in list_tokens(make_sessionmaker(engine)):
             state = "revoked" if t.revoked_at else "active"
             bound = f" worker={t.worker_id}" if t.worker_id else ""

@@ -67,9 +67,18 @@ def bench(
     file: Annotated[
         Path | None, typer.Option("-f", "--file", help="a spec (YAML/JSON) for model, workload, placement, serving")
     ] = None,
-    name: Annotated[str | None, typer.Option(help="study name [default: the spec's, else bench-<time>]")] = None,
+    name: Annotated[
+        str | None,
+        typer.Option(
+            help="study name [default: <the spec's name>-bench-<UTC time> with -f (the spec's own name is "
+            "usually its search study's), else bench-<UTC time>]"
+        ),
+    ] = None,
     target: Annotated[str | None, typer.Option(help="target model's registry name (without -f)")] = None,
     draft: Annotated[str | None, typer.Option(help="draft model's registry name (without -f)")] = None,
+    tp_size: Annotated[
+        int | None, typer.Option("--tp-size", min=1, max=64, help="tensor parallelism (GPUs per server); default 1")
+    ] = None,
     concurrency: Annotated[str | None, typer.Option(help="levels to measure, e.g. 1,4,16")] = None,
     wait: Annotated[bool, typer.Option(help="follow it until done, then print the per-level table")] = False,
     api_url: ApiUrl = DEFAULT_API_URL,
@@ -85,17 +94,22 @@ def bench(
         base = _read_base(file)
     elif not (target and draft):
         fail("give -f SPEC, or --target and --draft (registry names)")
-    if target or draft:
+    if target or draft or tp_size:
         base["model"] = {**(base.get("model") or {}), **({"target": target} if target else {})}
         if draft:
             base["model"]["draft"] = draft
+        if tp_size:
+            base["model"]["tp_size"] = tp_size
     if concurrency:
         try:
             levels = [int(x) for x in concurrency.split(",") if x.strip()]
         except ValueError:
             fail(f"--concurrency {concurrency!r}: write integers separated by commas, e.g. 1,4,16")
         base["workload"] = {**(base.get("workload") or {}), "concurrency": levels}
-    base["name"] = name or base.get("name") or time.strftime("bench-%Y%m%d-%H%M%S", time.gmtime())
+    stamp = time.strftime("bench-%Y%m%d-%H%M%S", time.gmtime())
+    # Not the spec's own name: `study create -f spec.yaml` took it for the search (409 otherwise).
+    spec_name = str(base.get("name") or "")[:40].rstrip("-")
+    base["name"] = name or (f"{spec_name}-{stamp}" if spec_name else stamp)
     try:
         spec = bench_spec(base, [parse_config(c) for c in config])
     except ValueError as e:  # pydantic's ValidationError is a ValueError
