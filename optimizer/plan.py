@@ -48,10 +48,25 @@ def server_settings(spec: StudySpec, config: SpecConfig | None) -> ServerSetting
     )
 
 
+# Workload fields added after studies were stored: left out of the key at these values, so a
+# study stored before them keeps its key (and its hosts' baselines) across the upgrade.
+_LATER_WORKLOAD_DEFAULTS: dict[str, object] = {
+    "output_len_source": "fixed",
+    "output_len_min": None,
+    "input_len": None,
+    "input_len_min": None,
+    "request_rate": None,
+}
+
+
 def baseline_key(spec: StudySpec) -> str:
     """Studies with the same baseline server and workload share baselines measured on a host."""
+    workload = spec.workload.model_dump(mode="json")
+    for name, default in _LATER_WORKLOAD_DEFAULTS.items():
+        if workload.get(name, default) == default:
+            workload.pop(name, None)
     doc = {
         "server": server_settings(spec, None).model_dump(mode="json"),
-        "workload": spec.workload.model_dump(mode="json"),
+        "workload": workload,
     }
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]

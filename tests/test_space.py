@@ -140,6 +140,11 @@ def test_baseline_key_depends_on_server_and_workload_only() -> None:
     b = parse_spec({"name": "b", "model": {"target": "t", "draft": "d"}, "sampler": "random"})
     c = parse_spec({"name": "c", "model": {"target": "t", "draft": "d"}, "workload": {"output_len": 512}})
     assert baseline_key(a) == baseline_key(b) != baseline_key(c)
+    # Workload fields added later (datasets, lengths, open loop) leave the keys of studies stored
+    # before them as they were: the same key as before issue 19, so their baselines still count.
+    assert baseline_key(a) == "0704bd9f405dd707a2b0dac7b4608304"
+    d = parse_spec({"name": "d", "model": {"target": "t", "draft": "d"}, "workload": {"request_rate": 2.0}})
+    assert baseline_key(d) != baseline_key(a)
 
 
 def test_server_settings_is_frozen() -> None:
