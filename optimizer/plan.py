@@ -7,7 +7,7 @@ import json
 
 from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
-from optimizer.spec import StudySpec
+from optimizer.spec import StudySpec, Workload
 
 
 def server_settings(spec: StudySpec, config: SpecConfig | None) -> ServerSettings:
@@ -59,14 +59,21 @@ _LATER_WORKLOAD_DEFAULTS: dict[str, object] = {
 }
 
 
+def workload_doc(workload: Workload) -> dict[str, object]:
+    """The workload as JSON, without the later fields where they hold their defaults: the form
+    baseline keys hash and leases carry, so a worker that predates those fields (its Workload
+    forbids unknown keys) still reads every lease that does not use them."""
+    doc = workload.model_dump(mode="json")
+    for name, default in _LATER_WORKLOAD_DEFAULTS.items():
+        if doc.get(name, default) == default:
+            doc.pop(name, None)
+    return doc
+
+
 def baseline_key(spec: StudySpec) -> str:
     """Studies with the same baseline server and workload share baselines measured on a host."""
-    workload = spec.workload.model_dump(mode="json")
-    for name, default in _LATER_WORKLOAD_DEFAULTS.items():
-        if workload.get(name, default) == default:
-            workload.pop(name, None)
     doc = {
         "server": server_settings(spec, None).model_dump(mode="json"),
-        "workload": workload,
+        "workload": workload_doc(spec.workload),
     }
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]

@@ -6,7 +6,7 @@ import pytest
 
 from optimizer.deploy import deployment_settings
 from optimizer.errors import SpecError
-from optimizer.plan import baseline_key, server_settings
+from optimizer.plan import baseline_key, server_settings, workload_doc
 from optimizer.sglang import FlagSet, ServerSettings, build_server_args, flag_set_for, launch_command
 from optimizer.space import SearchSpace, SpecConfig, max_draft_tokens, params_of
 from optimizer.spec import parse_spec
@@ -145,6 +145,11 @@ def test_baseline_key_depends_on_server_and_workload_only() -> None:
     assert baseline_key(a) == "0704bd9f405dd707a2b0dac7b4608304"
     d = parse_spec({"name": "d", "model": {"target": "t", "draft": "d"}, "workload": {"request_rate": 2.0}})
     assert baseline_key(d) != baseline_key(a)
+    # Leases carry the same form: a worker from before these fields still reads a plain workload.
+    assert set(workload_doc(a.workload)) == {
+        "prompts", "output_len", "num_prompts", "concurrency", "warmup_requests", "repeats", "temperature", "ignore_eos",
+    }  # fmt: skip
+    assert workload_doc(d.workload)["request_rate"] == 2.0
 
 
 def test_server_settings_is_frozen() -> None:

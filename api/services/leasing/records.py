@@ -18,7 +18,7 @@ from api.db import db_now
 from api.models import BaselineRow, EventRow, LeaseRow, TrialConfigRow, WorkerIdentity, WorkerRow
 from api.services.leasing.states import ConfigState, LeaseKind, LeaseState
 from api.settings import Settings
-from optimizer.plan import server_settings
+from optimizer.plan import server_settings, workload_doc
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 from spectune_protocol import LeaseOut
@@ -77,7 +77,7 @@ def lease_payload(spec: StudySpec, config: SpecConfig | None, **extra: Any) -> d
     """What a worker needs to run a lease: server settings, workload and configuration."""
     return {
         "server": server_settings(spec, config).model_dump(mode="json"),
-        "workload": spec.workload.model_dump(mode="json"),
+        "workload": workload_doc(spec.workload),
         "config": None if config is None else config.model_dump(mode="json"),
         **extra,
     }
