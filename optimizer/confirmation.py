@@ -307,6 +307,12 @@ class Choice:
             return None
         others = ", ".join(_label(c) for c in self.ties)
         if self.winner is self.best:
+            cheaper = [c for c in self.ties if cost_key(c["config"]) < cost_key(self.best["config"])]
+            if cheaper:
+                return (
+                    f"ties with {others} (overlapping 95% intervals); the cheaper {_label(cheaper[0])} "
+                    "measured further behind than min_gain, so the best measured is the answer"
+                )
             return f"ties with {others} (overlapping 95% intervals); it is also the cheapest of them"
         return f"ties with {others} (overlapping 95% intervals): the cheapest of the tied configurations is the answer"
 
@@ -321,11 +327,14 @@ def _interval_of(c: Mapping[str, Any]) -> Interval | None:
     return None if iv is None else Interval(float(c["speedup"]), float(iv["low"]), float(iv["high"]))
 
 
-def choose(confirmed: Sequence[Mapping[str, Any]]) -> Choice:
-    """The best confirmed candidate, or the cheapest one whose interval overlaps the best one's.
+def choose(confirmed: Sequence[Mapping[str, Any]], min_gain: float = 0.01) -> Choice:
+    """The best confirmed candidate, or the cheapest one tied with it.
 
-    Entries are confirmation documents (`speedup`, `speedup_interval`, `config`, `trial_number`).
-    Without intervals nothing is tied: a tie needs evidence that the two cannot be told apart.
+    Tied: the intervals overlap (the data cannot order them); the verdict says so.  The cheapest
+    tied one is the answer when it was measured within `min_gain` of the best (the study's "worth
+    having"); one measured further behind is not given the benefit of the doubt.  Entries are
+    confirmation documents (`speedup`, `speedup_interval`, `config`, `trial_number`).  Without
+    intervals nothing is tied.
     """
     if not confirmed:
         raise ValueError("nothing confirmed to choose from")
@@ -340,7 +349,8 @@ def choose(confirmed: Sequence[Mapping[str, Any]]) -> Choice:
         and iv.high >= best_iv.low
         and best_iv.high >= iv.low
     ]
-    winner = min([best, *tied], key=lambda c: (cost_key(c["config"]), -float(c["speedup"])))
+    close = [c for c in tied if float(c["speedup"]) >= float(best["speedup"]) / (1.0 + min_gain)]
+    winner = min([best, *close], key=lambda c: (cost_key(c["config"]), -float(c["speedup"])))
     return Choice(winner, best, [c for c in [best, *tied] if c is not winner])
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import shlex
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -287,6 +287,30 @@ def deployment_envelopes(spec: StudySpec, config: SpecConfig) -> list[Envelope]:
                 "padded up to the next of them, or run without graphs above",
             )
         )
+    return out
+
+
+def envelopes_to_try(
+    spec: StudySpec, config: SpecConfig, failed: Sequence[tuple[SpecConfig, int]] = ()
+) -> list[tuple[int, Envelope]]:
+    """`deployment_envelopes` with what earlier deployments taught: (tier, envelope) to launch in order.
+
+    `failed`: (configuration, tier) of deployments that ran out of memory.  A tier is skipped
+    for `config` when a configuration needing no more graph memory in it failed there: no more
+    draft tokens (target verify and draft extend graphs) and no more steps x topk (draft decode
+    graphs), as `optimizer.infeasible` reasons for the search.
+    """
+    c = config.canonical()
+    out = []
+    for tier, env in enumerate(deployment_envelopes(spec, config)):
+        beaten = any(
+            t == tier
+            and f.canonical().num_draft_tokens <= c.num_draft_tokens
+            and f.canonical().num_steps * f.canonical().topk <= c.num_steps * c.topk
+            for f, t in failed
+        )
+        if not beaten:
+            out.append((tier, env))
     return out
 
 

@@ -58,3 +58,16 @@ def test_a_failed_start_is_named_in_the_users_terms() -> None:
     assert "capturing CUDA graphs" in deployment_failure("oom", "Capture cuda graph failed: CUDA out of memory")
     assert "KV cache" in deployment_failure("oom", "Not enough memory for the KV pool")
     assert "time-out" in deployment_failure("launch_timeout", "not ready in 600 s")
+
+
+def test_a_graph_envelope_that_ran_out_of_memory_is_not_tried_again_for_a_larger_configuration() -> None:
+    from optimizer.deploy import envelopes_to_try
+
+    s = spec(serving={"max_running_requests": 48})
+    small = SpecConfig(num_steps=2, topk=1, num_draft_tokens=3)
+    assert [t for t, _ in envelopes_to_try(s, BEST)] == [0, 1, 2]
+    failed = [(small, 0)]
+    # 3/1/4 needs at least the graph memory 2/1/3 ran out of in tier 0: start at tier 1.
+    assert [t for t, _ in envelopes_to_try(s, BEST, failed)] == [1, 2]
+    # A smaller configuration is still tried in the printed envelope.
+    assert [t for t, _ in envelopes_to_try(s, SpecConfig(num_steps=1, topk=1, num_draft_tokens=2), failed)] == [0, 1, 2]

@@ -95,10 +95,16 @@ def test_overlapping_candidates_are_a_tie_and_the_cheaper_one_is_the_answer() ->
     choice = choose([b, a, loser])
     assert choice.winner is a and choice.ties == [b]  # 2/2/3 is both the best and cheaper
     assert choice.note is not None and "2/8/3" in choice.note
-    c = _c(7, 3, 4, 8, 1.25, 1.225, 1.275)
+    c = _c(7, 3, 4, 8, 1.24, 1.215, 1.265)
     choice = choose([a, c, loser])
     assert choice.best is c and choice.winner is a, "tied: the cheaper 2/2/3 wins over 3/4/8"
     assert choice.note is not None and "cheapest" in choice.note
+    # Overlapping, but measured more than min_gain behind: not given the benefit of the doubt.
+    ahead = _c(9, 3, 4, 8, 1.26, 1.225, 1.295)
+    choice = choose([a, ahead], min_gain=0.01)
+    assert choice.winner is ahead and choice.ties == [a]
+    assert choice.note is not None and "further behind than min_gain" in choice.note
+    assert choose([a, ahead], min_gain=0.03).winner is a
     apart = _c(8, 3, 4, 8, 1.40, 1.38, 1.42)
     choice = choose([a, apart])
     assert choice.winner is apart and choice.ties == [] and choice.note is None

@@ -714,7 +714,7 @@ class StudyService:
         # A saturated confirmation measured the host: any clean one comes first.
         ok = [c for c in ok if not c.get("saturated")] or ok
         if ok:
-            choice = confirm.choose(ok)
+            choice = confirm.choose(ok, spec.budget.min_gain)
             top = choice.winner
             t = next(t for t in trials if t.number == top["trial_number"])
             doc = self._describe_best(spec, t, extra_var)
