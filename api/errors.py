@@ -9,7 +9,7 @@
     ├── ForbiddenError             403  the token's role may not do this
     ├── InvalidInputError          422  a field is wrong (names it)
     ├── PayloadTooLargeError       413  body over the configured limit
-    ├── LimitReachedError          429  a per-user quota is used up (names it)
+    ├── LimitReachedError          429  a per-token quota is used up (names it)
     ├── SchemaOutdatedError        503  the database schema is not at head (names the fix)
     ├── BusyError                  503  a lock could not be had in time; retry
     └── StorageUnavailableError    503  the database cannot be reached
@@ -137,7 +137,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (410, "the lease expired and was reclaimed"),
         (413, "request body too large"),
         (422, "a field is invalid; `error.field` names it"),
-        (429, "a per-user limit is reached (running studies); the message names it"),
+        (429, "a per-token limit is reached (running studies, worker ids); the message names it"),
         (500, "a bug in spectune; the server log holds the details"),
         (503, "the database is unavailable or its schema is not at head"),
     )

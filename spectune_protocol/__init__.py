@@ -153,7 +153,7 @@ class ProgressIn(BaseModel):
     concurrency: int = Field(ge=1, le=4096)
     output_tok_s: TokS
     accept_length: float | None = Field(default=None, ge=0, le=10_000)
-    phase: str | None = Field(default=None, max_length=64)
+    phase: Word | None = None  # the lease kind; a word, so it cannot forge a log line
 
 
 class ProgressOut(BaseModel):

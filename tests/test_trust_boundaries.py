@@ -215,6 +215,14 @@ def test_reports_outside_the_lease_are_422_and_nothing_is_stored(
     assert good.status_code == 200 and good.json()["state"] == "completed", good.text
 
 
+def test_a_progress_phase_cannot_forge_a_log_line(trial_lease: tuple[Api, dict[str, Any]]) -> None:
+    api, trial = trial_lease
+    body = {"step": 0, "concurrency": 1, "output_tok_s": 50.0, "phase": "trial\nINFO forged"}
+    r = api.post(f"/v1/leases/{trial['lease_id']}/progress", "worker", body)
+    assert r.status_code == 422 and _error(r)["field"] == "phase", r.text
+    assert api.post(f"/v1/leases/{trial['lease_id']}/progress", "worker", body | {"phase": "trial"}).status_code == 200
+
+
 # ------------------------------------------------------------------- what the API sends
 
 
