@@ -55,6 +55,7 @@ ROLE_OF: dict[tuple[str, str], str] = {
     ("GET", "/v1/studies/{name}/trials"): "user",
     ("GET", "/v1/workers"): "user",
     ("POST", "/v1/workers/{worker_id}/release"): "admin",
+    ("POST", "/v1/workers/{worker_id}/refusals/clear"): "admin",
     ("POST", "/v1/workers/{worker_id}/lease"): "worker",
     ("POST", "/v1/leases/{lease_id}/heartbeat"): "worker",
     ("POST", "/v1/leases/{lease_id}/progress"): "worker",
