@@ -15,7 +15,6 @@ behind cannot overtake the best on a re-measurement, and each confirmation is a 
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -357,43 +356,3 @@ def choose(confirmed: Sequence[Mapping[str, Any]], min_gain: float = 0.01) -> Ch
 # Extra passes on the warm server per level, as a multiple of the workload's repeats: the cost
 # cap of resolving one confirmation (stated in the lease and in `cost`).
 EXTRA_PASSES_PER_REPEAT = 3
-
-
-def undecided(
-    *,
-    levels: Sequence[int],
-    objective_concurrency: int | None,
-    trial_runs: Mapping[int, Sequence[float]],
-    baseline_runs: Mapping[int, Sequence[float]],
-    thresholds: Sequence[float],
-    extra_var: float,
-) -> tuple[float | None, bool]:
-    """(a decision threshold the objective's 95% interval still holds, could more passes clear it).
-
-    The interval of the candidate's passes against the paired baseline's, widened by the launch
-    noise; (None, False) once it clears every threshold.  "Could": with the candidate's own
-    spread taken to 0 (infinitely many passes), would the interval clear it?  If not, the rest is
-    the baseline's passes and the launch noise, which more passes here cannot shrink.
-    """
-    wanted = [objective_concurrency] if objective_concurrency is not None else list(levels)
-    logs, within, floor = [], [], []
-    for c in wanted:
-        t, b = trial_runs.get(c) or [], baseline_runs.get(c) or []
-        vt, vb = log_mean_variance(t), log_mean_variance(b)
-        if vt is None or vb is None:
-            return None, False  # no spread to judge: nothing more passes can settle here
-        logs.append(math.log(statistics.fmean(t) / statistics.fmean(b)))
-        within.append(vt + vb + extra_var)
-        floor.append(vb + extra_var)
-    n = len(wanted)
-    centre = math.exp(sum(logs) / n)
-    correlated = extra_var * (1.0 - 1.0 / n)
-
-    def half(vs: list[float]) -> float:
-        return Z95 * math.sqrt(sum(vs) / n**2 + correlated)
-
-    h, h_floor = half(within), half(floor)
-    for th in thresholds:
-        if centre * math.exp(-h) <= th <= centre * math.exp(h):
-            return th, not (centre * math.exp(-h_floor) <= th <= centre * math.exp(h_floor))
-    return None, False

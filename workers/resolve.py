@@ -3,7 +3,7 @@
 A confirm lease may carry a `Resolve` order.  After its levels the server is still up and warm:
 adding passes there costs no launch, and narrows the candidate's share of the interval.  The
 worker adds `repeats` passes at a time at the objective's levels while the interval holds a
-threshold and more passes could still clear it (optimizer.confirmation.undecided), up to the
+threshold and more passes could still clear it (optimizer.analysis.undecided), up to the
 order's cap.  The added passes join each level's `output_tok_s_runs` and mean; the count and
 the reason they stopped go into the report (`Metrics.extra_passes`, `extra_passes_note`).
 """
@@ -14,7 +14,7 @@ import logging
 import statistics
 from collections.abc import Callable, Sequence
 
-from optimizer.confirmation import undecided
+from optimizer.analysis import undecided
 from spectune_protocol import LevelMetrics, Resolve
 
 log = logging.getLogger("spectune.worker")
