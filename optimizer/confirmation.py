@@ -356,3 +356,42 @@ def choose(confirmed: Sequence[Mapping[str, Any]], min_gain: float = 0.01) -> Ch
 # Extra passes on the warm server per level, as a multiple of the workload's repeats: the cost
 # cap of resolving one confirmation (stated in the lease and in `cost`).
 EXTRA_PASSES_PER_REPEAT = 3
+
+
+# Hosts whose baselines of the same server differ by more than this share, and beyond their
+# noise, are not measuring the same thing: one is likely saturated (issue 17 item 6).
+HOST_DISAGREEMENT = 0.10
+
+
+def host_disagreement(latest: Mapping[str, Sequence[Mapping[str, Any]]], launch_var: float = 0.0) -> str | None:
+    """Do hosts' latest baselines of the study's server disagree beyond the noise seen?
+
+    `latest`: host -> its latest baseline levels.  Host offsets cancel in a speedup when they
+    scale every rate alike; a host that cannot keep up does not (its speedups come out
+    bimodal), so a gap larger than HOST_DISAGREEMENT and than 3 sd of the passes' and launches'
+    noise is reported, naming the hosts, the level and the rates.
+    """
+    by_level: dict[int, list[tuple[str, float, float]]] = {}
+    for host, levels in latest.items():
+        for lv in levels:
+            w = log_mean_variance(lv.get("output_tok_s_runs") or [])
+            if w is None or lv.get("saturated") or float(lv["output_tok_s"]) <= 0:
+                continue
+            by_level.setdefault(int(lv["concurrency"]), []).append((host, float(lv["output_tok_s"]), w))
+    worst: tuple[float, int, tuple[str, float], tuple[str, float]] | None = None
+    for c, rows in by_level.items():
+        if len(rows) < 2:
+            continue
+        lo, hi = min(rows, key=lambda r: r[1]), max(rows, key=lambda r: r[1])
+        gap = math.log(hi[1] / lo[1])
+        sd = math.sqrt(lo[2] + hi[2] + launch_var)
+        if gap > math.log1p(HOST_DISAGREEMENT) and gap > 3 * sd and (worst is None or gap > worst[0]):
+            worst = (gap, c, (lo[0], lo[1]), (hi[0], hi[1]))
+    if worst is None:
+        return None
+    _, c, (h_lo, v_lo), (h_hi, v_hi) = worst
+    return (
+        f"hosts disagree: the baseline at concurrency {c} ran at {v_lo:,.0f} tok/s on {h_lo} and {v_hi:,.0f} on "
+        f"{h_hi}, beyond the noise either showed; one of them is probably saturated (a busy host or load "
+        "generator), and speedups measured on them are not comparable"
+    )

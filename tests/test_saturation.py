@@ -127,3 +127,19 @@ def test_a_verdict_on_a_saturated_level_is_no_answer() -> None:
     assert text.startswith("no answer") and "concurrency 16 is saturated" in text and "80%" in text
     clean = verdict(2.6, Interval(2.6, 2.4, 2.9), label="2/1/3", measured=5, confirmed=True, saturated={})
     assert clean.startswith("speculation pays")
+
+
+def test_hosts_whose_baselines_disagree_beyond_their_noise_are_named() -> None:
+    from optimizer.confirmation import host_disagreement
+
+    def lv(rate: float) -> list[dict[str, object]]:
+        return [{"concurrency": 16, "output_tok_s": rate, "output_tok_s_runs": [rate * 0.99, rate, rate * 1.01]}]
+
+    # The two identical hosts: 22,318 and 29,850 tok/s at concurrency 16.
+    text = host_disagreement({"w1": lv(22318.0), "w2": lv(29850.0)})
+    assert text is not None and "22,318" in text and "w2" in text and "saturated" in text
+    assert host_disagreement({"w1": lv(22318.0), "w2": lv(23000.0)}) is None  # 3%: hosts differ a little
+    assert host_disagreement({"w1": lv(22318.0)}) is None
+    # Passes as spread as the gap: nothing to say beyond the noise.
+    wide = [{"concurrency": 16, "output_tok_s": 26000.0, "output_tok_s_runs": [18000.0, 26000.0, 34000.0]}]
+    assert host_disagreement({"w1": wide, "w2": lv(29850.0)}) is None
