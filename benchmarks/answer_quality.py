@@ -58,6 +58,9 @@ from spectune_sim.landscapes import LANDSCAPES, Landscape
 from spectune_sim.model import check_memory
 from workers.resolve import resolve
 
+# The share within which the cheapest tied candidate is preferred (None: the spec's min_gain).
+TIE_WITHIN: float | None = None
+
 
 @dataclass
 class NoisyHost(Host):
@@ -278,7 +281,7 @@ def _confirm_and_answer(
         base_started = _starts(ls, deploy.deployment_settings(spec, None)[0])
         return Outcome(False, 1.0, best, None, None, None, launches, by_kind, extra_total, base_started, "", None,
                        noise.sd)  # fmt: skip
-    choice = confirm.choose(docs, spec.budget.min_gain)
+    choice = confirm.choose(docs, spec.budget.min_gain if TIE_WITHIN is None else TIE_WITHIN)
     w = choice.winner
     iv = w["speedup_interval"]
     pays = iv is not None and iv["low"] > 1.0
@@ -362,7 +365,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--seeds", type=int, default=None, help="seeds per case (default: 10, 10, 20)")
     ap.add_argument("--launch-sd", type=float, default=0.01, help="launch-to-launch sd of a launch's throughput")
+    ap.add_argument(
+        "--tie-within", type=float, default=None, help="prefer the cheapest tied candidate within this share"
+    )
     args = ap.parse_args(argv)
+    global TIE_WITHIN
+    TIE_WITHIN = args.tie_within
     t0 = time.monotonic()
     for case in args.cases.split(","):
         outs = run(case, args.seeds or CASES[case][4], args.launch_sd)
