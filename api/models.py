@@ -54,6 +54,12 @@ def _one_of(column: str, values: tuple[str, ...], name: str) -> CheckConstraint:
 LEASE_STATES = ("queued", "active", "completed", "failed", "expired", "superseded")
 LEASE_KINDS = ("baseline", "trial", "confirm")
 STUDY_STATES = ("running", "stopped", "finished")
+# optimizer/study_state.py's Phase and FinishReason (migrations/versions/0006).
+STUDY_PHASES = ("search", "confirmation")
+FINISH_RULES = (
+    "max_trials", "max_hours", "space_exhausted", "converged", "does_not_pay", "patience", "stopped_by_user",
+    "study_fault",
+)  # fmt: skip
 CONFIG_STATES = ("pending", "done", "infeasible", "pruned", "failed")
 
 
@@ -62,6 +68,8 @@ class StudyRow(Base):
     __table_args__ = (
         _one_of("state", STUDY_STATES, "ck_study_state"),
         Index("ix_spectune_studies_created_by_state", "created_by", "state"),
+        _one_of("phase", STUDY_PHASES, "ck_study_phase"),
+        _one_of("finish_rule", FINISH_RULES, "ck_study_finish_rule"),
     )
 
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
@@ -75,6 +83,11 @@ class StudyRow(Base):
     # The id of the token that created it (the per-user limit on running studies counts these);
     # None for studies created before migration 0004.
     created_by: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # The conductor's explicit phase of a running study (optimizer.conductor), when the
+    # confirmation began, and why the search ended (a FinishReason; the words are in finish_reason).
+    phase: Mapped[str] = mapped_column(String(16), default="search", server_default="search")
+    confirmation_began_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    finish_rule: Mapped[str | None] = mapped_column(String(32), nullable=True)
 
 
 class TrialConfigRow(Base):

@@ -27,6 +27,10 @@ class Settings(BaseSettings):
     max_attempts: int = Field(default=3, ge=1)
     # Baselines older than this are measured again, so drift cannot pose as speedup.
     baseline_max_age_s: float = Field(default=6 * 3600.0, gt=0)
+    # A confirmation pairs only with a baseline its host measured no longer than this before,
+    # not counting the time the host spent on the study's confirmations since (a host that sat
+    # idle or ran other work measures a new one: optimizer.conductor.baseline_fresh).
+    confirm_baseline_idle_s: float = Field(default=600.0, gt=0)
     # Consecutive host faults (crashes, lost leases) after which a worker gets no more work.
     quarantine_after: int = Field(default=3, ge=1)
     # A study whose search space holds more configurations is refused at creation (the tuner

@@ -248,10 +248,12 @@ def verdict(
     confirmed: bool,
     where: str = "",
     saturated: Mapping[int, str] | None = None,
+    fresh: bool = True,
 ) -> str:
     """The one-line answer.  Says "speculation does not pay here" unless the interval clears 1.
 
     A result resting on a saturated level is no answer: the verdict says so and why.
+    `fresh`: the confirmation's baseline was one measured for it; "fresh" is said only then.
     """
     if value is None:
         return "no result yet"
@@ -263,11 +265,12 @@ def verdict(
             "not the configuration's: measure on a host with room (fewer tenants, or a slower simulated engine)"
         )
     band = "" if interval is None else f" (95% interval {interval.low:.3f}-{interval.high:.3f})"
-    how = (
-        f"confirmed against a fresh baseline{where}"
-        if confirmed
-        else "measured once in the search, not yet confirmed against a fresh baseline"
-    )
+    if confirmed and fresh:
+        how = f"confirmed against a fresh baseline{where}"
+    elif confirmed:
+        how = f"re-measured{where} against that host's latest baseline, which was not measured for it"
+    else:
+        how = "measured once in the search, not yet confirmed against a fresh baseline"
     if pays(value, interval) and interval is not None:
         return f"speculation pays: {label} runs at {value:.3f}x the baseline{band}, {how}"
     if pays(value, interval):

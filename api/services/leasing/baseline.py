@@ -1,8 +1,8 @@
 """Baseline leases: the same server without speculation, measured on each host before its trials.
 
-A worker gets a baseline lease for a study when it has no baseline for the study's baseline key
-younger than `baseline_max_age_s` (so drift does not pose as speedup), and before each
-confirmation (confirm.py pairs them).
+A worker gets a baseline lease for a study when the conductor says so (optimizer.conductor
+`MeasureBaseline`): it has no baseline for the study's baseline key younger than
+`baseline_max_age_s` (so drift does not pose as speedup), or a confirmation needs a fresh one.
 
 A baseline that fails for what the *study* asks (out of memory with its `mem_fraction_static`, a
 value of its `extra_args` the engine rejects, a start-up that cannot finish) is charged to the
@@ -12,7 +12,7 @@ baseline was handed out again each time).  See `BaselineLeases.charge_study`.
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
@@ -21,12 +21,13 @@ from sqlalchemy.orm import Session
 from api.context import Unit
 from api.db import db_now
 from api.models import BaselineRow, EventRow, LeaseRow, StudyRow
-from api.services import studies as study_svc
 from api.services.leasing import records
 from api.services.leasing.records import CONFIG_FAILURES, HostHealth, counts_against_host, event
 from api.services.leasing.states import LeaseKind, LeaseState, StudyState, end
+from api.services.study_specs import baseline_key_of
 from api.settings import Settings
 from optimizer.spec import StudySpec
+from optimizer.study_state import FinishReason
 from spectune_protocol import CompleteIn, CompleteOut, Failure
 
 # Event kind of a baseline that failed for what its study asks (charge_study).
@@ -44,18 +45,6 @@ class BaselineLeases:
     def __init__(self, settings: Settings, health: HostHealth) -> None:
         self.settings = settings
         self.health = health
-
-    def has_fresh(self, s: Session, worker_id: str, key: str, now: datetime) -> bool:
-        since = now - timedelta(seconds=self.settings.baseline_max_age_s)
-        moved = records.baselines_valid_since(s, worker_id)
-        if moved is not None:
-            since = max(since, moved)
-        found = s.scalars(
-            select(BaselineRow.id).where(
-                BaselineRow.worker_id == worker_id, BaselineRow.baseline_key == key, BaselineRow.measured_at >= since
-            )
-        ).first()
-        return found is not None
 
     def new(self, s: Session, spec: StudySpec, worker_id: str, now: datetime) -> LeaseRow | None:
         """A baseline lease, active for `worker_id`; None when the worker got another one meanwhile."""
@@ -87,7 +76,7 @@ class BaselineLeases:
                 s.add(
                     BaselineRow(
                         worker_id=lease.worker_id,
-                        baseline_key=study_svc.baseline_key_of(spec),
+                        baseline_key=baseline_key_of(spec),
                         lease_id=lease.id,
                         measured_at=now,
                         tok_s={str(lv.concurrency): lv.output_tok_s for lv in body.metrics.levels},
@@ -153,6 +142,7 @@ class BaselineLeases:
             return
         row.state = StudyState.STOPPED.value
         row.finished_at = now
+        row.finish_rule = FinishReason.STUDY_FAULT.value
         where = "the engine rejects its settings" if failure.kind == "invalid_config" else f"on {len(hosts)} hosts"
         row.finish_reason = (
             f"stopped: its baseline failed ({where}): {failure.kind}: {failure.message[:120]}; fix the study's model "

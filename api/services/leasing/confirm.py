@@ -1,17 +1,14 @@
-"""Confirmation leases: the best candidates re-measured, each right after a fresh baseline.
+"""Confirmation leases: the best candidates re-measured, each next to a fresh baseline.
 
-Queued by `studies.start_confirmation` once the search is over.  A confirm lease is handed to a
-worker only when its latest baseline was measured after the confirmation began (one fresh
-baseline serves all of a host's confirmations), and after its previous confirmation ended where
-that host's baseline drifted (`studies.confirm_baseline_serves`); otherwise the worker gets that
-baseline first.
-A candidate is confirmed on another worker than the one that measured it, when one is alive.
+Queued by the conductor (optimizer.conductor, persisted by api.services.study_life) once the
+search is over; which worker confirms which candidate, and with which baseline, is the
+conductor's `Confirm` (or a `MeasureBaseline` first).  This module claims, completes and retries.
 """
 
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import select
@@ -19,13 +16,15 @@ from sqlalchemy.orm import Session
 
 from api.context import ServiceContext, Unit
 from api.db import db_now
-from api.models import BaselineRow, LeaseRow, WorkerRow
-from api.services import studies as study_svc
+from api.models import BaselineRow, LeaseRow
+from api.services import study_life
+from api.services.launch_noise import confirm_measurement, study_noise
 from api.services.leasing import records
-from api.services.leasing.baseline import BaselineLeases
 from api.services.leasing.records import CONFIG_FAILURES, HostHealth, event
 from api.services.leasing.states import LeaseKind, LeaseState, claim, end
+from api.services.study_specs import baseline_key_of, study_trials
 from optimizer import confirmation as confirm
+from optimizer.conductor import Confirm
 from optimizer.spec import StudySpec
 from spectune_protocol import CompleteIn, CompleteOut
 
@@ -33,65 +32,41 @@ log = logging.getLogger("spectune.api.leasing")
 
 
 class ConfirmLeases:
-    def __init__(self, ctx: ServiceContext, health: HostHealth, baselines: BaselineLeases) -> None:
+    def __init__(self, ctx: ServiceContext, health: HostHealth) -> None:
         self.ctx = ctx
         self.settings = ctx.settings
         self.health = health
-        self.baselines = baselines
 
-    def lease(self, s: Session, spec: StudySpec, worker_id: str, key: str, now: datetime) -> LeaseRow | None:
-        """A queued confirmation for this worker, or the baseline it must measure first."""
-        queued = s.scalars(
-            select(LeaseRow)
-            .where(
-                LeaseRow.study_name == spec.name,
-                LeaseRow.kind == LeaseKind.CONFIRM,
-                LeaseRow.state == LeaseState.QUEUED,
-            )
-            .order_by(LeaseRow.created_at, LeaseRow.trial_number)
-            .with_for_update(skip_locked=True)
-        ).all()
-        for lease in queued:
-            avoid = (lease.payload.get("confirm") or {}).get("avoid_worker")
-            if avoid == worker_id and self._another_capable_worker(s, key, worker_id, now):
-                continue
-            base = records.latest_baseline(s, worker_id, key)
-            if base is None or not study_svc.confirm_baseline_serves(s, spec, worker_id, base):
-                return self.baselines.new(s, spec, worker_id, now)
-            info = dict(lease.payload.get("confirm") or {})
-            info["baseline_id"] = base.id
-            payload = {**lease.payload, "confirm": info, "resolve": study_svc.resolve_order(s, spec, base, lease)}
-            claim(s, lease, worker_id, now, self.settings.lease_ttl_s, payload=payload)
-            log.info("lease %s: study %s confirms trial %s on %s", lease.id, spec.name, lease.trial_number, worker_id)
-            return lease
-        return None
-
-    def _another_capable_worker(self, s: Session, key: str, worker_id: str, now: datetime) -> bool:
-        """Is another live, healthy worker able to run this study (it measured its baseline)?"""
-        since = now - timedelta(seconds=3 * self.settings.lease_ttl_s)
-        found = s.scalars(
-            select(WorkerRow.id)
-            .join(BaselineRow, BaselineRow.worker_id == WorkerRow.id)
-            .where(
-                BaselineRow.baseline_key == key,
-                WorkerRow.id != worker_id,
-                WorkerRow.quarantined.is_(False),
-                WorkerRow.last_seen >= since,
-            )
-            .limit(1)
-        ).first()
-        return found is not None
+    def claim(self, s: Session, spec: StudySpec, action: Confirm, now: datetime) -> LeaseRow | None:
+        """The conductor's `Confirm`: the queued confirmation, now active for its worker and paired
+        with the baseline the conductor chose (None when another request took it meanwhile)."""
+        lease = s.get(LeaseRow, action.lease_id, with_for_update=True)
+        if lease is None or lease.state != LeaseState.QUEUED:
+            return None
+        info = dict(lease.payload.get("confirm") or {})
+        info["baseline_id"] = action.baseline_id
+        info["baseline_fresh"] = action.fresh_baseline
+        base = s.get(BaselineRow, action.baseline_id)
+        assert base is not None
+        payload = {**lease.payload, "confirm": info, "resolve": resolve_order(s, spec, base, lease)}
+        claim(s, lease, action.worker_id, now, self.settings.lease_ttl_s, payload=payload)
+        log.info(
+            "lease %s: study %s confirms trial %s on %s", lease.id, spec.name, lease.trial_number, action.worker_id
+        )
+        return lease
 
     def complete(self, u: Unit, spec: StudySpec, lease_id: str, body: CompleteIn, late: bool) -> CompleteOut:
         """A candidate re-measured: its speedup and interval against the baseline paired with it."""
-        trials = study_svc.study_trials(self.ctx.storage, spec.name)
+        trials = study_trials(self.ctx.storage, spec.name)
         with u.step() as s:
             now = db_now(s)
             lease = s.get(LeaseRow, lease_id)
             assert lease is not None and lease.worker_id is not None
             info = dict(lease.payload.get("confirm") or {})
-            key = study_svc.baseline_key_of(spec)
+            key = baseline_key_of(spec)
             base_row = s.get(BaselineRow, info["baseline_id"]) if "baseline_id" in info else None
+            # Only the baseline the conductor paired it with is called fresh.
+            fresh = base_row is not None and bool(info.get("baseline_fresh"))
             if base_row is None:
                 base_row = records.latest_baseline(s, lease.worker_id, key)
             if late:
@@ -109,7 +84,7 @@ class ConfirmLeases:
             if body.outcome == "ok" and body.metrics is not None and base_row is not None:
                 levels = [lv.model_dump(mode="json") for lv in body.metrics.levels]
                 base_levels = base_row.metrics.get("levels", [])
-                noise = study_svc.study_noise(s, spec, trials)
+                noise = study_noise(s, spec, trials)
                 result = confirm.confirm_result(spec, levels, base_levels, noise.variance)
                 stored: dict[str, Any] = {
                     **body.model_dump(mode="json"),
@@ -118,6 +93,7 @@ class ConfirmLeases:
                         "baseline_id": base_row.id,
                         "baseline_lease_id": base_row.lease_id,
                         "baseline_measured_at": base_row.measured_at.isoformat(),
+                        "baseline_fresh": fresh,
                         "baseline_levels": base_levels,
                     },
                 }
@@ -133,7 +109,7 @@ class ConfirmLeases:
                     self.retry(s, lease, now, reason)
                 else:
                     event(s, "confirm_failed", lease, reason)
-            study_svc.maybe_finish(s, spec, now, trials)
+            study_life.settle(s, spec, now, trials, self.settings)
             return CompleteOut(lease_id=lease.id, state=lease.state, speedup=lease.speedup)
 
     def retry(self, s: Session, lease: LeaseRow, now: datetime, reason: str) -> None:
@@ -141,7 +117,9 @@ class ConfirmLeases:
         if lease.attempt >= self.settings.max_attempts:
             event(s, "confirm_given_up", lease, f"{reason}; gave up after {lease.attempt} attempts")
             return
-        info = {k: v for k, v in (lease.payload.get("confirm") or {}).items() if k != "baseline_id"}
+        info = {
+            k: v for k, v in (lease.payload.get("confirm") or {}).items() if k not in ("baseline_id", "baseline_fresh")
+        }
         s.add(
             LeaseRow(
                 id=records.new_lease_id(),
@@ -157,3 +135,38 @@ class ConfirmLeases:
             )
         )
         event(s, "confirm_requeued", lease, f"{reason}; attempt {lease.attempt + 1} queued")
+
+
+def resolve_order(s: Session, spec: StudySpec, base: BaselineRow, lease: LeaseRow) -> dict[str, Any]:
+    """What a confirm lease's worker needs to measure more passes while the answer is undecided.
+
+    The thresholds: 1.0 (pays at all), 1.0 + min_gain (pays enough to matter), and the speedups
+    the study's other candidates confirmed (the runner-up).  The launch noise is read from the
+    baselines and confirmations (the search's trials are in Optuna's storage, which is not read
+    inside this transaction); the cap is EXTRA_PASSES_PER_REPEAT x the workload's repeats.
+    """
+    others = s.scalars(
+        select(LeaseRow).where(
+            LeaseRow.study_name == spec.name,
+            LeaseRow.kind == "confirm",
+            LeaseRow.state == "completed",
+            LeaseRow.trial_number != lease.trial_number,
+        )
+    ).all()
+    baselines = s.scalars(select(BaselineRow).where(BaselineRow.baseline_key == baseline_key_of(spec))).all()
+    noise = confirm.study_noise(
+        [],
+        [(b.worker_id, b.metrics.get("levels") or []) for b in baselines],
+        [c for c in (confirm_measurement(r) for r in others) if c is not None],
+    )
+    thresholds = sorted({1.0, 1.0 + spec.budget.min_gain, *(float(r.speedup) for r in others if r.speedup)})
+    return {
+        "levels": list(spec.workload.concurrency),
+        "objective_concurrency": spec.objective.concurrency,
+        "baseline_runs": {
+            str(lv["concurrency"]): list(lv.get("output_tok_s_runs") or []) for lv in base.metrics.get("levels") or []
+        },
+        "thresholds": thresholds[:16],
+        "extra_var": noise.variance,
+        "max_passes": confirm.EXTRA_PASSES_PER_REPEAT * spec.workload.repeats,
+    }

@@ -11,11 +11,12 @@ from api.context import ServiceContext
 from api.db import db_now
 from api.models import LeaseRow, StudyRow
 from api.optuna_tables import running_trials_started_before
-from api.services import studies as study_svc
+from api.services import study_life
 from api.services.leasing.confirm import ConfirmLeases
 from api.services.leasing.records import HostHealth, event
 from api.services.leasing.states import LIVE, LeaseKind, LeaseState, StudyState, end
 from api.services.leasing.trial import GiveUp, TrialLeases
+from api.services.study_specs import spec_of, study_trials
 from optimizer import attrs as A
 from optimizer.spec import StudySpec
 
@@ -50,7 +51,7 @@ class Expiry:
                         self.health.failure(s, lease.worker_id, "lease expired without a report")
                     if lease.kind == LeaseKind.BASELINE:
                         continue
-                    spec = study_svc.spec_of(s, lease.study_name)
+                    spec = spec_of(s, lease.study_name)
                     touched[spec.name] = spec
                     if lease.kind == LeaseKind.TRIAL and lease.trial_number is not None:
                         message = "the worker sent no heartbeat before the lease's deadline"
@@ -62,9 +63,9 @@ class Expiry:
             for give_up in give_ups:
                 self.trials.tell_given_up(give_up)
             for spec in touched.values():
-                snapshot = study_svc.study_trials(self.ctx.storage, spec.name)
+                snapshot = study_trials(self.ctx.storage, spec.name)
                 with u.step() as s:
-                    study_svc.maybe_finish(s, spec, db_now(s), snapshot)
+                    study_life.settle(s, spec, db_now(s), snapshot, self.settings)
         self.fail_orphans()
         return len(expired)
 
@@ -99,7 +100,7 @@ class Expiry:
                         )
                     )
                 )
-                spec = study_svc.spec_of(s, name)
+                spec = spec_of(s, name)
             orphans = [number for number in old if number not in held]
             for number in orphans:
                 log.warning("study %s: trial %d was asked but never leased; telling it FAIL", name, number)
@@ -108,6 +109,6 @@ class Expiry:
                     GiveUp(spec, number, {A.FAILURE_KIND: "not_leased", A.FAILURE_MESSAGE: message})
                 )
             if orphans:
-                snapshot = study_svc.study_trials(storage, name)
+                snapshot = study_trials(storage, name)
                 with self.ctx.unit() as u, u.step() as s:
-                    study_svc.maybe_finish(s, spec, db_now(s), snapshot)
+                    study_life.settle(s, spec, db_now(s), snapshot, self.settings)

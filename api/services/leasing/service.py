@@ -26,8 +26,7 @@ from api.context import ServiceContext
 from api.db import db_now
 from api.errors import BusyError, ConflictError, InvalidInputError, LeaseGoneError
 from api.models import LeaseRow, StudyRow, WorkerRow
-from api.services import grants, identity
-from api.services import studies as study_svc
+from api.services import grants, identity, study_life
 from api.services.eligibility import requirements_unmet
 from api.services.leasing import records
 from api.services.leasing.baseline import BaselineLeases
@@ -37,8 +36,9 @@ from api.services.leasing.records import HostHealth, lease_out
 from api.services.leasing.states import LeaseKind, LeaseState, StudyState, WorkerHoldsLeaseError
 from api.services.leasing.trial import TrialLeases
 from api.services.report_checks import check_report
+from api.services.study_specs import baseline_key_of, runnable_spec, spec_of, study_trials
 from optimizer import study as opt
-from optimizer.budget import budget_used
+from optimizer.conductor import Ask, Confirm, MeasureBaseline, RetryLease
 from optimizer.spec import StudySpec
 from spectune_protocol import CompleteIn, CompleteOut, HeartbeatOut, Inventory, LeaseOut, ProgressIn, ProgressOut
 
@@ -52,7 +52,7 @@ class LeaseService:
         self.health = HostHealth(ctx.settings)
         self.baselines = BaselineLeases(ctx.settings, self.health)
         self.trials = TrialLeases(ctx, self.health)
-        self.confirms = ConfirmLeases(ctx, self.health, self.baselines)
+        self.confirms = ConfirmLeases(ctx, self.health)
         self.expiry = Expiry(ctx, self.health, self.trials, self.confirms)
 
     def reclaim_expired(self) -> int:
@@ -102,7 +102,7 @@ class LeaseService:
 
     def _trial_running(self, study: str, number: int) -> bool:
         with self.ctx.sessions() as s:
-            spec = study_svc.spec_of(s, study)
+            spec = spec_of(s, study)
         return not opt.get_trial(opt.load_study(self.ctx.storage, spec), number).state.is_finished()
 
     def _touch_worker(self, s: Session, worker_id: str, inv: Inventory, now: datetime) -> WorkerRow:
@@ -155,7 +155,7 @@ class LeaseService:
         for row in rows:
             if row.name in refused:
                 continue
-            spec = study_svc.runnable_spec(row)
+            spec = runnable_spec(row)
             if spec is None:
                 continue
             # Models, placement labels, GPU count: the same test `GET /v1/studies/{name}` warns with.
@@ -165,38 +165,24 @@ class LeaseService:
         return out
 
     def _lease_from_study(self, spec: StudySpec, worker_id: str) -> LeaseOut | None:
-        key = study_svc.baseline_key_of(spec)
+        """Carry out the conductor's next action for this worker (api.services.study_life asks it)."""
         with self.ctx.unit(lock=f"study:{spec.name}") as u:
+            # Read before the write step (SQLite: Optuna must not wait for our write lock).
+            trials = study_trials(self.ctx.storage, spec.name)
             with u.step() as s:
                 now = db_now(s)
-                row = s.get(StudyRow, spec.name)
-                if row is None or row.state != StudyState.RUNNING:
-                    return None
-                if not self.baselines.has_fresh(s, worker_id, key, now):
+                action = study_life.next_for(s, spec, worker_id, now, trials, self.settings)
+                lease: LeaseRow | None = None
+                if isinstance(action, MeasureBaseline):
                     lease = self.baselines.new(s, spec, worker_id, now)
-                    return None if lease is None else lease_out(lease, self.settings)
-                claimed = self.trials.claim_queued(s, spec.name, worker_id, now)
-                if claimed is not None:
-                    return lease_out(claimed, self.settings)
-                confirming = study_svc.confirming(s, spec.name)
-                spent = None
-                if not confirming:
-                    spent = budget_used(spec.budget, study_svc.launched_count(s, spec.name), now - row.created_at)
-            if spent is None and not confirming:
-                # Settled by the convergence stop (read outside the write step, as maybe_finish's trials).
-                spent = study_svc.converged_reason(spec, study_svc.study_trials(self.ctx.storage, spec.name))
-            if spent is not None:
-                # Finishing may start the confirmation of the best candidates instead.
-                snapshot = study_svc.study_trials(self.ctx.storage, spec.name)
-                with u.step() as s:
-                    study_svc.maybe_finish(s, spec, db_now(s), snapshot)
-                    confirming = study_svc.confirming(s, spec.name)
-                if not confirming:
-                    return None
-            if confirming:
-                with u.step() as s:
-                    lease = self.confirms.lease(s, spec, worker_id, key, db_now(s))
-                    return None if lease is None else lease_out(lease, self.settings)
+                elif isinstance(action, RetryLease):
+                    lease = self.trials.claim_retry(s, action.lease_id, worker_id, now)
+                elif isinstance(action, Confirm):
+                    lease = self.confirms.claim(s, spec, action, now)
+                if lease is not None:
+                    return lease_out(lease, self.settings)
+            if not isinstance(action, Ask):
+                return None  # Wait, Finish (persisted), or a lease another request took meanwhile
             return self.trials.ask_new(u, spec, worker_id)
 
     # ------------------------------------------------------------------ heartbeat / progress
@@ -240,8 +226,8 @@ class LeaseService:
                 lease.deadline = now + timedelta(seconds=self.settings.lease_ttl_s)
                 if lease.kind != LeaseKind.TRIAL or lease.trial_number is None or lease.worker_id is None:
                     return ProgressOut(action="continue")
-                spec = study_svc.spec_of(s, lease.study_name)
-                base_row = records.latest_baseline(s, lease.worker_id, study_svc.baseline_key_of(spec))
+                spec = spec_of(s, lease.study_name)
+                base_row = records.latest_baseline(s, lease.worker_id, baseline_key_of(spec))
                 base = None if base_row is None else records.baseline_tok_s(base_row)
                 number = lease.trial_number
         if base is None or body.concurrency not in base or base[body.concurrency] <= 0:
@@ -264,7 +250,7 @@ class LeaseService:
                     raise ConflictError(f"lease {lease.id} is {lease.state}; this report is not expected")
                 check_report(lease.kind, lease.payload, body)
                 late = lease.state == LeaseState.EXPIRED
-                spec = study_svc.spec_of(s, lease.study_name)
+                spec = spec_of(s, lease.study_name)
                 kind = lease.kind
                 if body.failure is not None and body.failure.kind == "refused":
                     # A study fault: this worker is not offered the study again (_candidate_studies).

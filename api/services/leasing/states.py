@@ -34,6 +34,7 @@ from sqlalchemy.orm.attributes import set_committed_value
 
 from api.errors import ConflictError
 from api.models import LeaseRow
+from optimizer.study_state import StudyState as StudyState  # the conductor's; re-exported for the lease code
 
 
 class LeaseKind(StrEnum):
@@ -59,12 +60,6 @@ class ConfigState(StrEnum):
     INFEASIBLE = "infeasible"  # failed for the configuration's sake (OOM, invalid, launch time-out)
     PRUNED = "pruned"
     FAILED = "failed"  # infrastructure, after its retries
-
-
-class StudyState(StrEnum):
-    RUNNING = "running"
-    STOPPED = "stopped"
-    FINISHED = "finished"
 
 
 LIVE = (LeaseState.QUEUED, LeaseState.ACTIVE)

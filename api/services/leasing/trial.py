@@ -1,7 +1,7 @@
 """Trial leases: ask Optuna for a configuration, launch it once, take its result.
 
 A trial lease carries one Optuna trial.  Its life: asked (`ask_new`) or re-queued after a host
-fault (`retry_or_fail`), claimed by a worker (`claim_queued`), reported (`complete`), or given up
+fault (`retry_or_fail`), claimed by a worker (`claim_retry`), reported (`complete`), or given up
 after `max_attempts` with the failure and whatever levels were measured kept with the trial.
 """
 
@@ -22,7 +22,7 @@ from api.context import ServiceContext, Unit
 from api.db import db_now
 from api.errors import ConflictError
 from api.models import LeaseRow, StudyRow, TrialConfigRow
-from api.services import studies as study_svc
+from api.services import study_life
 from api.services.leasing import records
 from api.services.leasing.records import CONFIG_FAILURES, HostHealth, event, lease_out
 from api.services.leasing.states import (
@@ -34,6 +34,7 @@ from api.services.leasing.states import (
     claim,
     end,
 )
+from api.services.study_specs import baseline_key_of, launched_count, study_trials
 from optimizer import attrs as A
 from optimizer import pruning
 from optimizer import study as opt
@@ -75,20 +76,11 @@ class TrialLeases:
 
     # ------------------------------------------------------------------ handing out
 
-    def claim_queued(self, s: Session, study: str, worker_id: str, now: datetime) -> LeaseRow | None:
-        """The oldest queued retry of this study, now active for `worker_id`."""
-        lease = s.scalars(
-            select(LeaseRow)
-            .where(
-                LeaseRow.study_name == study,
-                LeaseRow.state == LeaseState.QUEUED,
-                LeaseRow.kind == LeaseKind.TRIAL,
-            )
-            .order_by(LeaseRow.created_at)
-            .limit(1)
-            .with_for_update(skip_locked=True)
-        ).first()
-        if lease is None:
+    def claim_retry(self, s: Session, lease_id: str, worker_id: str, now: datetime) -> LeaseRow | None:
+        """The conductor's `RetryLease`: a queued retry, now active for `worker_id` (None when
+        another request took it meanwhile)."""
+        lease = s.get(LeaseRow, lease_id, with_for_update=True)
+        if lease is None or lease.state != LeaseState.QUEUED:
             return None
         claim(s, lease, worker_id, now, self.settings.lease_ttl_s)
         return lease
@@ -140,9 +132,9 @@ class TrialLeases:
                 )
                 raise
         # Every proposal was a duplicate or known to fail: the space may be used up.
-        trials = study_svc.study_trials(storage, spec.name)
+        trials = study_trials(storage, spec.name)
         with u.step() as s:
-            study_svc.maybe_finish(s, spec, db_now(s), trials)
+            study_life.settle(s, spec, db_now(s), trials, self.settings)
         return None
 
     def _record(self, s: Session, spec: StudySpec, worker_id: str, asked: opt.AskedTrial) -> LeaseRow:
@@ -161,7 +153,7 @@ class TrialLeases:
             )
         )
         s.flush()
-        if study_svc.launched_count(s, spec.name) > spec.budget.max_trials:
+        if launched_count(s, spec.name) > spec.budget.max_trials:
             raise _NotRecorded("budget used by a concurrent ask")
         lease = records.new_lease_row(
             spec, LeaseKind.TRIAL, now, self.settings.lease_ttl_s,
@@ -258,7 +250,7 @@ class TrialLeases:
             assert lease is not None and lease.worker_id is not None and lease.trial_number is not None
             number = lease.trial_number
             worker_id = lease.worker_id
-            base_row = records.latest_baseline(s, worker_id, study_svc.baseline_key_of(spec))
+            base_row = records.latest_baseline(s, worker_id, baseline_key_of(spec))
             base = None if base_row is None else records.baseline_tok_s(base_row)
             attrs: dict[str, Any] = {
                 A.WORKER_ID: worker_id,
@@ -275,7 +267,7 @@ class TrialLeases:
         store_trial_artifacts(self.ctx, spec.name, number, report, log_tail or None)
         outcome_state, speedup = self._tell(study, spec, number, body, base, attrs)
         give_up = None
-        trials = study_svc.study_trials(self.ctx.storage, spec.name)
+        trials = study_trials(self.ctx.storage, spec.name)
         with u.step() as s:
             now = db_now(s)
             lease = s.get(LeaseRow, lease_id)
@@ -298,7 +290,7 @@ class TrialLeases:
                     self.health.failure(s, worker_id, f"{failure.kind}: {failure.message}")
                 give_up = self.retry_or_fail(s, spec, lease, now, failure.kind, failure.message)
             if give_up is None:
-                study_svc.maybe_finish(s, spec, now, trials)
+                study_life.settle(s, spec, now, trials, self.settings)
             out = CompleteOut(lease_id=lease.id, state=lease.state, speedup=speedup)
         if give_up is not None:
             # Outside the step: on SQLite Optuna's write must not wait for our write lock.

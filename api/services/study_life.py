@@ -1,0 +1,197 @@
+"""The one place a study's life is decided: load its snapshot, ask the conductor, persist the answer.
+
+`optimizer.conductor` decides (pure); this module reads what it needs from the database into a
+`Snapshot` under the study's row lock, and writes the study-level decisions back: the move to
+confirmation (its confirm leases, the phase, why the search ended) and the finish.  The lease
+service carries out the worker-level actions (a baseline, a retry, a confirmation, an ask).
+
+Optuna's trials are read by the caller before its write step opens (`study_specs.study_trials`):
+on SQLite, calling Optuna while holding the write lock would wait for ourselves.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from optuna.trial import FrozenTrial
+from sqlalchemy import or_, select
+from sqlalchemy.orm import Session
+
+from api.models import BaselineRow, LeaseRow, StudyRow, TrialConfigRow, WorkerIdentity, WorkerRow
+from api.services.eligibility import requirements_unmet
+from api.services.launch_noise import confirm_measurement
+from api.services.leasing.records import active_refusals, lease_payload, new_lease_row
+from api.services.leasing.states import LeaseKind
+from api.services.study_specs import baseline_key_of
+from api.settings import Settings
+from optimizer import conductor as c
+from optimizer.spec import StudySpec
+from optimizer.study_state import Ending, FinishReason, Phase, StudyState
+
+log = logging.getLogger("spectune.api.studies")
+
+
+def timing(settings: Settings) -> c.Timing:
+    return c.Timing(
+        baseline_max_age_s=settings.baseline_max_age_s,
+        live_window_s=3 * settings.lease_ttl_s,
+        confirm_idle_s=settings.confirm_baseline_idle_s,
+    )
+
+
+def ending_of(row: StudyRow) -> Ending | None:
+    """Why the study's search ended, as stored (None while it searches)."""
+    if row.finish_rule is None or row.finish_reason is None:
+        return None
+    return Ending(FinishReason(row.finish_rule), row.finish_reason)
+
+
+def snapshot(
+    s: Session, spec: StudySpec, now: datetime, trials: Sequence[FrozenTrial], settings: Settings, *, lock: bool = True
+) -> c.Snapshot | None:
+    """The study as the conductor sees it (the study's row locked for this transaction when `lock`)."""
+    row = s.get(StudyRow, spec.name, with_for_update=lock)
+    if row is None:
+        return None
+    key = baseline_key_of(spec)
+    leases = [
+        c.LeaseView(
+            id=r.id,
+            kind=r.kind,
+            state=r.state,
+            trial_number=r.trial_number,
+            worker_id=r.worker_id,
+            config_key=r.config_key,
+            created_at=r.created_at,
+            leased_at=r.leased_at,
+            finished_at=r.finished_at,
+            avoid_worker=(r.payload.get("confirm") or {}).get("avoid_worker") if r.kind == LeaseKind.CONFIRM else None,
+            measurement=_measurement(r),
+        )
+        for r in s.scalars(
+            select(LeaseRow).where(
+                LeaseRow.study_name == spec.name,
+                or_(LeaseRow.kind == LeaseKind.CONFIRM, LeaseRow.state.in_(("queued", "active"))),
+            )
+        )
+    ]
+    # A worker id that moved to another token: its baselines before the move are not its own.
+    moved = {w: at for w, at in s.execute(select(WorkerIdentity.worker_id, WorkerIdentity.moved_at)).tuples() if at}
+    baselines = [
+        c.Baseline(
+            b.id,
+            b.worker_id,
+            b.measured_at,
+            {int(k): float(v) for k, v in (b.tok_s or {}).items()},
+            levels=(b.metrics or {}).get("levels") or [],
+            valid=b.worker_id not in moved or b.measured_at >= moved[b.worker_id],
+        )
+        for b in s.scalars(select(BaselineRow).where(BaselineRow.baseline_key == key).order_by(BaselineRow.measured_at))
+    ]
+    refused = {e.worker_id for e in active_refusals(s, study=spec.name)}
+    hosts = [
+        c.HostView(
+            w.id,
+            w.last_seen,
+            quarantined=w.quarantined,
+            eligible=not requirements_unmet(spec, w.inventory or {}),
+            refused=w.id in refused,
+        )
+        for w in s.scalars(select(WorkerRow))
+    ]
+    launched = frozenset(
+        s.scalars(select(TrialConfigRow.config_key).where(TrialConfigRow.study_name == spec.name)).all()
+    )
+    return c.Snapshot(
+        spec=spec,
+        state=StudyState(row.state),
+        phase=Phase(row.phase or Phase.SEARCH),
+        created_at=row.created_at,
+        now=now,
+        trials=trials,
+        launched=launched,
+        leases=leases,
+        baselines=baselines,
+        hosts=hosts,
+        timing=timing(settings),
+        confirmation_began_at=row.confirmation_began_at,
+        ending=ending_of(row),
+    )
+
+
+def _measurement(r: LeaseRow) -> tuple[list[Any], list[Any]] | None:
+    if r.kind != LeaseKind.CONFIRM or r.state != "completed":
+        return None
+    m = confirm_measurement(r)
+    return None if m is None else (m[1], m[2])
+
+
+def settle(s: Session, spec: StudySpec, now: datetime, trials: Sequence[FrozenTrial], settings: Settings) -> None:
+    """After a result, an expiry or a given-up ask: has the study's life moved on?  Persisted here."""
+    snap = snapshot(s, spec, now, trials, settings)
+    if snap is None:
+        return
+    persist(s, spec, c.settle(snap), now)
+
+
+def next_for(
+    s: Session, spec: StudySpec, worker_id: str, now: datetime, trials: Sequence[FrozenTrial], settings: Settings
+) -> c.Action:
+    """The conductor's next action for this worker; the study-level ones already persisted.
+
+    A study that moves to confirmation is asked again at once: it may have a confirmation (or a
+    baseline before one) for this worker.
+    """
+    action: c.Action = c.Wait("the study is gone")
+    for _ in range(2):
+        snap = snapshot(s, spec, now, trials, settings)
+        if snap is None:
+            return c.Wait("the study is gone")
+        action = c.next_action(snap, worker_id)
+        persist(s, spec, action, now)
+        if not isinstance(action, c.StartConfirmation):
+            return action
+    return action
+
+
+def persist(s: Session, spec: StudySpec, action: c.Action, now: datetime) -> None:
+    """Write a study-level decision (`StartConfirmation`, `Finish`); others change nothing here."""
+    if not isinstance(action, c.StartConfirmation | c.Finish):
+        return
+    row = s.get(StudyRow, spec.name, with_for_update=True)
+    if row is None or row.state != StudyState.RUNNING:
+        return
+    if isinstance(action, c.Finish):
+        row.state = StudyState.FINISHED.value
+        row.finished_at = now
+        row.finish_rule = action.reason.value
+        row.finish_reason = action.detail[:256]
+        log.info("study %s finished (%s): %s", spec.name, action.reason.value, action.detail)
+        return
+    for cand in action.candidates:
+        payload = lease_payload(
+            spec,
+            cand.config,
+            confirm={"avoid_worker": cand.avoid_worker, "search_speedup": cand.search_speedup},
+        )
+        s.add(
+            new_lease_row(
+                spec,
+                LeaseKind.CONFIRM,
+                now,
+                0.0,
+                worker_id=None,
+                config=cand.config,
+                number=cand.trial_number,
+                payload=payload,
+            )
+        )
+    row.phase = Phase.CONFIRMATION.value
+    row.confirmation_began_at = now
+    row.finish_rule = action.ending.reason.value
+    row.finish_reason = action.ending.detail[:256]
+    s.flush()
+    log.info("study %s: %s; confirming %d candidate(s)", spec.name, action.ending.detail, len(action.candidates))

@@ -1,0 +1,561 @@
+"""The study conductor: one pure function of a study's snapshot to its next action.
+
+Nothing here touches a database, a clock or the network: `api.services.study_life` loads a
+`Snapshot` under the study's lock, asks `next_action` (what this worker should do now) or
+`settle` (has the study's life moved on?), and persists the answer; the search-efficiency
+benchmark drives the same functions with an in-memory store.  Every decision about a study's life
+lives here: the budget, the stop rule (optimizer.convergence, through `stop_rule`), patience, an
+exhausted space, the move to confirmation and which candidates it confirms where, the pairing of
+each confirmation with a fresh baseline (drift), and the end with a `FinishReason`.
+
+A study's life:
+
+    SEARCH ──budget | stop rule | patience | space used──▶ CONFIRMATION ──all confirmed or given up──▶ FINISHED
+       │                                                                                               ▲
+       └── stop rule says "does not pay", or nothing to confirm ───────────────────────────────────────┘
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from optuna.trial import FrozenTrial, TrialState
+
+from optimizer import attrs as A
+from optimizer import confirmation as confirm
+from optimizer import convergence
+from optimizer.analysis import Interval, LaunchNoise
+from optimizer.budget import budget_used
+from optimizer.infeasible import known_to_fail, oom_points
+from optimizer.model_sampler import space_configs
+from optimizer.space import SpecConfig
+from optimizer.spec import StudySpec
+from optimizer.study import is_feasible
+from optimizer.study_state import Ending, FinishReason, Phase, StudyState, confirmed_detail
+
+# A host's baseline that moved by more than this between two measurements has drifted: its
+# confirmations then each get a baseline right before them (optimizer.confirmation).
+DRIFT_MARGIN = 0.02
+
+# ----------------------------------------------------------------------------------- the snapshot
+
+
+@dataclass(frozen=True)
+class LeaseView:
+    """A lease of the study, as the conductor needs it."""
+
+    id: str
+    kind: str  # baseline | trial | confirm
+    state: str  # queued | active | completed | failed | expired | superseded
+    trial_number: int | None = None
+    worker_id: str | None = None
+    config_key: str | None = None
+    created_at: datetime | None = None
+    leased_at: datetime | None = None
+    finished_at: datetime | None = None
+    avoid_worker: str | None = None  # confirm leases: confirm elsewhere than where it was found
+    # A completed confirmation: (levels, paired baseline levels), for the launch-noise estimate.
+    measurement: tuple[Sequence[Mapping[str, Any]], Sequence[Mapping[str, Any]]] | None = None
+
+    @property
+    def live(self) -> bool:
+        return self.state in ("queued", "active")
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """One baseline measurement of a host under the study's baseline key."""
+
+    id: int
+    worker_id: str
+    measured_at: datetime
+    tok_s: Mapping[int, float]  # output tok/s per concurrency level
+    # The levels as reported (their passes feed the launch-noise estimate).
+    levels: Sequence[Mapping[str, Any]] = ()
+    # False for a baseline its host's worker id measured under a previous token (api.services.identity):
+    # it counts for the noise estimate, never as this host's baseline.
+    valid: bool = True
+
+
+@dataclass(frozen=True)
+class HostView:
+    """A registered worker, as far as this study goes."""
+
+    id: str
+    last_seen: datetime | None
+    quarantined: bool = False
+    # Meets the study's requirements (models, placement, GPUs) and did not refuse it.
+    eligible: bool = True
+    refused: bool = False
+
+
+@dataclass(frozen=True)
+class Timing:
+    """The service's settings the conductor reads (api.settings)."""
+
+    baseline_max_age_s: float = 6 * 3600.0
+    # A worker not seen for this long is not waited for (3 lease lifetimes by default).
+    live_window_s: float = 360.0
+    # A confirmation pairs only with a baseline its host measured at most this long before, not
+    # counting the time the host spent confirming this study's candidates since: a host that sat
+    # idle (or ran other work) for longer measures a new one.
+    confirm_idle_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    spec: StudySpec
+    state: StudyState
+    phase: Phase
+    created_at: datetime
+    now: datetime
+    trials: Sequence[FrozenTrial]
+    launched: frozenset[str]  # config keys launched (what the budget counts)
+    leases: Sequence[LeaseView]  # live leases of every kind, and every confirm lease
+    baselines: Sequence[Baseline]  # every baseline under the study's key, oldest first
+    hosts: Sequence[HostView] = ()
+    timing: Timing = field(default_factory=Timing)
+    # In confirmation: when it began and why the search ended.
+    confirmation_began_at: datetime | None = None
+    ending: Ending | None = None
+
+    def latest_baseline(self, worker_id: str) -> Baseline | None:
+        mine = [b for b in self.baselines if b.worker_id == worker_id and b.valid]
+        return max(mine, key=lambda b: b.measured_at) if mine else None
+
+    def host(self, worker_id: str) -> HostView | None:
+        return next((h for h in self.hosts if h.id == worker_id), None)
+
+    def live_hosts(self) -> list[HostView]:
+        since = self.now - timedelta(seconds=self.timing.live_window_s)
+        return [
+            h
+            for h in self.hosts
+            if h.eligible and not h.refused and not h.quarantined and h.last_seen is not None and h.last_seen >= since
+        ]
+
+
+# ----------------------------------------------------------------------------------- the actions
+
+
+@dataclass(frozen=True)
+class MeasureBaseline:
+    """This worker measures the study's baseline (none fresh, or a confirmation needs one)."""
+
+    worker_id: str
+    for_confirmation: bool = False
+
+
+@dataclass(frozen=True)
+class RetryLease:
+    """This worker takes a queued retry of a trial."""
+
+    lease_id: str
+
+
+@dataclass(frozen=True)
+class Ask:
+    """The search goes on: ask the sampler for a configuration."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    trial_number: int
+    config: SpecConfig
+    search_speedup: float | None
+    avoid_worker: str | None  # the host that found it, when another can confirm it
+
+
+@dataclass(frozen=True)
+class StartConfirmation:
+    """The search is over: queue these candidates' confirmations, then finish once they are done."""
+
+    ending: Ending
+    candidates: tuple[Candidate, ...]
+
+
+@dataclass(frozen=True)
+class Confirm:
+    """This worker confirms a queued candidate, paired with its baseline `baseline_id`."""
+
+    lease_id: str
+    worker_id: str
+    baseline_id: int
+    # Measured after the confirmation began, with the host busy on this study's confirmations since.
+    fresh_baseline: bool
+
+
+@dataclass(frozen=True)
+class Finish:
+    ending: Ending
+
+    @property
+    def reason(self) -> FinishReason:
+        return self.ending.reason
+
+    @property
+    def detail(self) -> str:
+        return self.ending.detail
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Nothing to do now; `reason` says why in words, `warning` when a user must act."""
+
+    reason: str
+    warning: str | None = None
+
+
+Action = MeasureBaseline | RetryLease | Ask | StartConfirmation | Confirm | Finish | Wait
+
+# ----------------------------------------------------------------------------------- the stop rule
+
+# The last assessment per study and the finished trials it saw: the model is refit only after a new
+# result, not at every lease.  A memo of a pure function (any process recomputes it), bounded.
+_ASSESSED: OrderedDict[str, tuple[tuple[object, ...], convergence.Assessment]] = OrderedDict()
+_ASSESSED_MAX = 256
+_ASSESSED_LOCK = threading.Lock()
+
+
+def converges(spec: StudySpec) -> bool:
+    """The convergence stop asks the `auto` sampler's model; other samplers run to their caps."""
+    return spec.budget.converge and spec.sampler == "auto"
+
+
+def stop_rule(spec: StudySpec, trials: Sequence[FrozenTrial]) -> convergence.Assessment | None:
+    """Is the answer known?  `optimizer.convergence.assess` (the one seam to the stop rule), or
+    None when the study does not converge.  Memoised on the finished trials it would see."""
+    if not converges(spec):
+        return None
+    seen = tuple((t.number, t.state, t.value) for t in trials if t.state.is_finished())
+    with _ASSESSED_LOCK:
+        hit = _ASSESSED.get(spec.name)
+    if hit is not None and hit[0] == seen:
+        return hit[1]
+    a = convergence.assess(spec, list(trials))
+    with _ASSESSED_LOCK:
+        _ASSESSED[spec.name] = (seen, a)
+        _ASSESSED.move_to_end(spec.name)
+        while len(_ASSESSED) > _ASSESSED_MAX:
+            _ASSESSED.popitem(last=False)
+    return a
+
+
+# ----------------------------------------------------------------------------------- decisions
+
+
+def next_action(snap: Snapshot, worker_id: str) -> Action:
+    """What `worker_id` should do for this study now.
+
+    `StartConfirmation` and `Finish` are the study's, not the worker's: the caller persists them
+    and asks again (a study that moved to confirmation may have a confirmation for this worker).
+    """
+    if snap.state != StudyState.RUNNING:
+        return Wait(f"the study is {snap.state.value}")
+    base = snap.latest_baseline(worker_id)
+    if base is None or base.measured_at < snap.now - timedelta(seconds=snap.timing.baseline_max_age_s):
+        return MeasureBaseline(worker_id)
+    retry = min(
+        (le for le in snap.leases if le.kind == "trial" and le.state == "queued"),
+        key=lambda le: (le.created_at or snap.now, le.id),
+        default=None,
+    )
+    if retry is not None:
+        return RetryLease(retry.id)
+    if snap.phase == Phase.CONFIRMATION:
+        return _confirmation_for(snap, worker_id)
+    if search_over(snap) is None:
+        return Ask()
+    moved = settle(snap)
+    return Wait("launches of this study are still in flight") if isinstance(moved, Ask) else moved
+
+
+def search_over(snap: Snapshot) -> str | None:
+    """Why no new configuration is asked for (the budget, or the stop rule settled), else None."""
+    spent = budget_used(snap.spec.budget, len(snap.launched), snap.now - snap.created_at)
+    if spent is not None:
+        return spent
+    a = stop_rule(snap.spec, snap.trials)
+    return a.reason if a is not None and a.settled else None
+
+
+def settle(snap: Snapshot) -> Action:
+    """Has the study's life moved on?  `Finish`, `StartConfirmation`, `Wait` (launches in flight,
+    or confirmations to run) or `Ask` (the search goes on)."""
+    if snap.state != StudyState.RUNNING:
+        return Wait(f"the study is {snap.state.value}")
+    assessment = stop_rule(snap.spec, snap.trials) if snap.phase == Phase.SEARCH else None
+    if any(le.live and le.kind != "baseline" for le in snap.leases):
+        return Wait("launches of this study are still in flight")
+    if _unleased_running(snap):
+        return Wait("a trial asked from the sampler has no lease yet")
+    if snap.phase == Phase.CONFIRMATION:
+        done = sum(1 for le in snap.leases if le.kind == "confirm" and le.state == "completed")
+        why = snap.ending or Ending(FinishReason.MAX_TRIALS, "budget used")
+        return Finish(Ending(why.reason, confirmed_detail(why.detail, done)))
+    ending = _search_ending(snap, assessment)
+    if ending is None:
+        return Ask()
+    if ending.reason == FinishReason.DOES_NOT_PAY:
+        # Nothing is likely to reach 1.0x: confirming a loser costs restarts and changes nothing.
+        return Finish(ending)
+    chosen = candidates(snap)
+    if not chosen:
+        return Finish(ending)
+    return StartConfirmation(ending, chosen)
+
+
+def _search_ending(snap: Snapshot, assessment: convergence.Assessment | None) -> Ending | None:
+    spec = snap.spec
+    if len(snap.launched) >= spec.budget.max_trials:
+        return Ending(FinishReason.MAX_TRIALS, f"max_trials={spec.budget.max_trials} configurations measured")
+    spent = budget_used(spec.budget, len(snap.launched), snap.now - snap.created_at)
+    if spent is not None:
+        return Ending(FinishReason.MAX_HOURS, spent)
+    if space_exhausted(snap):
+        return Ending(
+            FinishReason.SPACE_EXHAUSTED,
+            "every valid configuration in the search space was measured or is known to run out of memory",
+        )
+    if assessment is not None and assessment.settled:
+        pays = assessment.pays is not False
+        return Ending(FinishReason.CONVERGED if pays else FinishReason.DOES_NOT_PAY, assessment.reason)
+    if spec.budget.patience is not None:
+        why = patience_reason(spec, snap.trials)
+        if why is not None:
+            return Ending(FinishReason.PATIENCE, why)
+    return None
+
+
+def space_exhausted(snap: Snapshot) -> bool:
+    """Is every configuration of the space launched already, or known to fail (optimizer.infeasible)?"""
+    configs = space_configs(snap.spec.search_space)
+    if len(snap.launched) >= len(configs):
+        return True
+    ooms = oom_points(list(snap.trials))
+    return all(c.key in snap.launched or known_to_fail(c, ooms) is not None for c in configs)
+
+
+def patience_reason(spec: StudySpec, trials: Sequence[FrozenTrial]) -> str | None:
+    """Patience counts measured trials (not duplicates answered from earlier ones) since the best."""
+    assert spec.budget.patience is not None
+    best_value: float | None = None
+    since_best = 0
+    states = (TrialState.COMPLETE, TrialState.PRUNED)
+    for t in sorted((t for t in trials if t.state in states), key=lambda t: t.number):
+        if A.DUPLICATE_OF in t.user_attrs or A.INFERRED_FROM in t.user_attrs:
+            continue
+        if (
+            t.state == TrialState.COMPLETE
+            and t.value is not None
+            and is_feasible(t)
+            and (best_value is None or t.value > best_value)
+        ):
+            best_value, since_best = t.value, 0
+        else:
+            since_best += 1
+    if best_value is not None and since_best >= spec.budget.patience:
+        return f"patience={spec.budget.patience}: no improvement in the last {since_best} trials"
+    return None
+
+
+def _unleased_running(snap: Snapshot) -> bool:
+    """Does the sampler hold a RUNNING trial that no lease will finish (an ask whose lease was lost)?
+
+    The lease service fails such a trial after `orphan_grace_s`; until then the study must not
+    finish around it.
+    """
+    held = {le.trial_number for le in snap.leases if le.kind == "trial" and le.live}
+    return any(t.state == TrialState.RUNNING and t.number not in held for t in snap.trials)
+
+
+# ----------------------------------------------------------------------------------- confirmation
+
+
+def candidates(snap: Snapshot) -> tuple[Candidate, ...]:
+    """The candidates worth confirming (optimizer.confirmation), each to be confirmed on another
+    host than the one that found it when an eligible host with the study's baseline exists."""
+    spec = snap.spec
+    if spec.confirmation.top <= 0:
+        return ()
+    capable = {
+        b.worker_id
+        for b in snap.baselines
+        if b.valid and ((h := snap.host(b.worker_id)) is None or (h.eligible and not h.refused and not h.quarantined))
+    }
+    out = []
+    noise = launch_noise(snap)
+    for t in confirm.candidates(list(snap.trials), spec.confirmation.top, spec, noise.variance):
+        measured_on = t.user_attrs.get(A.WORKER_ID)
+        out.append(
+            Candidate(
+                t.number,
+                SpecConfig.model_validate(t.user_attrs[A.CONFIG]),
+                t.value,
+                measured_on if capable - {measured_on} else None,
+            )
+        )
+    return tuple(out)
+
+
+def launch_noise(snap: Snapshot) -> LaunchNoise:
+    """The study's launch-to-launch noise from its re-launches: every baseline of its server (any
+    study's) and every completed confirmation (optimizer.confirmation.study_noise)."""
+    return confirm.study_noise(
+        snap.trials,
+        [(b.worker_id, b.levels) for b in snap.baselines],
+        [
+            (str(le.config_key), le.measurement[0], le.measurement[1])
+            for le in snap.leases
+            if le.kind == "confirm" and le.state == "completed" and le.measurement is not None
+        ],
+    )
+
+
+def _confirmation_for(snap: Snapshot, worker_id: str) -> Action:
+    queued = sorted(
+        (le for le in snap.leases if le.kind == "confirm" and le.state == "queued"),
+        key=lambda le: (le.created_at or snap.now, le.trial_number or 0),
+    )
+    if not queued:
+        moved = settle(snap)
+        return Wait("this study's confirmations are running elsewhere") if isinstance(moved, Ask) else moved
+    for lease in queued:
+        if lease.avoid_worker == worker_id and _another_host_can_confirm(snap, worker_id):
+            continue
+        base = snap.latest_baseline(worker_id)
+        if base is None or not baseline_serves(snap, worker_id, base) or not baseline_fresh(snap, worker_id, base):
+            return MeasureBaseline(worker_id, for_confirmation=True)
+        return Confirm(lease.id, worker_id, base.id, fresh_baseline=True)
+    return Wait("the queued confirmations are for other hosts than the one that found them")
+
+
+def _another_host_can_confirm(snap: Snapshot, worker_id: str) -> bool:
+    """Is another live, healthy, eligible host that has not refused the study around to confirm?"""
+    with_baseline = {b.worker_id for b in snap.baselines if b.valid}
+    return any(h.id != worker_id and h.id in with_baseline for h in snap.live_hosts())
+
+
+def baseline_serves(snap: Snapshot, worker_id: str, base: Baseline) -> bool:
+    """May this host's latest baseline pair with its next confirmation?
+
+    One baseline measured after the confirmation began serves every confirmation on a host; where
+    the host's baseline drifted (it differs from its last one before the confirmation began by
+    more than DRIFT_MARGIN) each confirmation needs one measured after the previous confirmation
+    ended (`optimizer.confirmation.baseline_serves`).
+    """
+    began = snap.confirmation_began_at
+    if began is None:
+        return False
+    ended = [le.finished_at for le in snap.leases if le.kind == "confirm" and le.worker_id == worker_id]
+    last = max((t for t in ended if t is not None), default=None)
+    earlier = [b for b in snap.baselines if b.worker_id == worker_id and b.valid and b.measured_at < began]
+    prev = max(earlier, key=lambda b: b.measured_at) if earlier else None
+    drift = prev is not None and confirm.drift_seen(_levels(base), _levels(prev), DRIFT_MARGIN)
+    return confirm.baseline_serves(
+        base.measured_at.timestamp(), began.timestamp(), None if last is None else last.timestamp(), drift
+    )
+
+
+def baseline_fresh(snap: Snapshot, worker_id: str, base: Baseline) -> bool:
+    """Was the host busy confirming this study since `base`, idle no longer than `confirm_idle_s`?
+
+    A baseline measured right after the confirmation began but followed by half an hour of the
+    host doing nothing (or other studies' work) is not "fresh": the host measures a new one.
+    """
+    busy = 0.0
+    for le in snap.leases:
+        if le.kind != "confirm" or le.worker_id != worker_id or le.finished_at is None or le.leased_at is None:
+            continue
+        if le.finished_at >= base.measured_at:
+            start = max(le.leased_at, base.measured_at)
+            busy += max(0.0, (le.finished_at - start).total_seconds())
+    idle = (snap.now - base.measured_at).total_seconds() - busy
+    return idle <= snap.timing.confirm_idle_s
+
+
+def confirmation_waits(snap: Snapshot) -> str | None:
+    """A running confirmation that no host can take now, in words (None when one can).
+
+    Shown in the study document's `eligibility.warning` so a confirmation never waits silently.
+    """
+    if snap.state != StudyState.RUNNING or snap.phase != Phase.CONFIRMATION:
+        return None
+    queued = [le for le in snap.leases if le.kind == "confirm" and le.state == "queued"]
+    if not queued:
+        return None
+    if snap.live_hosts():
+        return None
+    refused = sorted(h.id for h in snap.hosts if h.refused)
+    held = sorted(h.id for h in snap.hosts if h.quarantined and h.eligible and not h.refused)
+    parts = []
+    if refused:
+        parts.append(f"refused by {', '.join(refused)}")
+    if held:
+        parts.append(f"quarantined: {', '.join(held)}")
+    why = f" ({'; '.join(parts)})" if parts else ""
+    return (
+        f"{len(queued)} confirmation(s) wait: no live worker that can take this study is polling{why}; "
+        "start or fix a worker that can, or stop the study (its search answer stands)"
+    )
+
+
+def _levels(b: Baseline) -> list[dict[str, float]]:
+    return [{"concurrency": c, "output_tok_s": v} for c, v in b.tok_s.items()]
+
+
+# ----------------------------------------------------------------------------------- the verdict
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The recommended configuration as the verdict needs it (the study document's `winner`)."""
+
+    speedup: float | None
+    interval: Interval | None
+    label: str  # "steps 3 / topk 1 / draft tokens 4 (trial 7)"
+    confirmed: bool
+    confirmed_on: str | None = None
+    # Confirmed next to a baseline the conductor called fresh (measured for the confirmation).
+    fresh_baseline: bool = True
+    # Levels whose measurement was the host's load, not the configuration's: no answer then.
+    saturated: Mapping[int, str] = field(default_factory=dict)
+    # Confirmed candidates it cannot be told apart from, in words (optimizer.confirmation.choose).
+    tie_note: str | None = None
+
+
+def pays(answer: Answer | None) -> bool:
+    """Does speculation pay: the answer's interval clears 1.0 (optimizer.confirmation.pays), on
+    levels that were not saturated."""
+    if answer is None or answer.speedup is None or answer.saturated:
+        return False
+    return confirm.pays(answer.speedup, answer.interval)
+
+
+def verdict(answer: Answer | None, measured: int, adaptive: str | None = None) -> str:
+    """The one-line answer (optimizer.confirmation.verdict).
+
+    `adaptive`: the reason of an adaptive deployment (no configuration pays over every level, but
+    one pays at some): the answer then follows the load.
+    """
+    if answer is None or answer.speedup is None:
+        return "no result yet"
+    if adaptive is not None and not pays(answer) and not answer.saturated:
+        return f"speculation pays at part of the load: {adaptive}"
+    where = f" on {answer.confirmed_on}" if answer.confirmed_on else ""
+    text = confirm.verdict(
+        answer.speedup,
+        answer.interval,
+        label=answer.label,
+        measured=measured,
+        confirmed=answer.confirmed,
+        where=where,
+        saturated=answer.saturated,
+        fresh=answer.fresh_baseline,
+    )
+    return f"{text}; {answer.tie_note}" if answer.tie_note else text

@@ -1,0 +1,350 @@
+"""The study conductor on its own: snapshots in, actions out (no database, no server).
+
+Each test builds the snapshot a study would have at one moment and checks the one action the
+conductor answers, so every move of a study's life is pinned down here; the service tests
+(test_confirmation, test_convergence, test_search_service, ...) check the same moves end to end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from optuna.trial import FrozenTrial, TrialState
+
+from api.models import FINISH_RULES, STUDY_PHASES, STUDY_STATES
+from optimizer import attrs as A
+from optimizer import conductor as c
+from optimizer import convergence
+from optimizer.analysis import Interval
+from optimizer.space import SpecConfig
+from optimizer.spec import StudySpec
+from optimizer.stop_rules import StopRule
+from optimizer.study_state import Ending, FinishReason, Phase, StudyState
+from tests.conftest import small_spec
+
+T0 = datetime(2026, 12, 1, 10, 0, tzinfo=UTC).replace(tzinfo=None)
+CONFIGS = [
+    SpecConfig(num_steps=1, topk=1, num_draft_tokens=2),
+    SpecConfig(num_steps=2, topk=1, num_draft_tokens=3),
+    SpecConfig(num_steps=3, topk=1, num_draft_tokens=4),
+    SpecConfig(num_steps=2, topk=2, num_draft_tokens=4),
+]
+
+
+def spec_of(name: str = "cond", **overrides: Any) -> StudySpec:
+    # The stop rule's memo is per study name and trials: tests that change the rule use their own name.
+    return StudySpec.model_validate(small_spec(name, **overrides))
+
+
+def measured(number: int, value: float, config: SpecConfig, worker: str = "w1") -> FrozenTrial:
+    runs = [value * 100 * f for f in (0.97, 1.0, 1.03)]  # wide enough for the top two to overlap
+    return FrozenTrial(
+        number=number,
+        state=TrialState.COMPLETE,
+        value=value,
+        datetime_start=T0,
+        datetime_complete=T0,
+        params={},
+        distributions={},
+        user_attrs={
+            A.CONFIG: config.model_dump(mode="json"),
+            A.CONFIG_KEY: config.key,
+            A.WORKER_ID: worker,
+            A.LEVELS: [{"concurrency": 1, "output_tok_s": value * 100, "output_tok_s_runs": runs}],
+            A.BASELINE_LEVELS: [{"concurrency": 1, "output_tok_s": 100.0, "output_tok_s_runs": [99.9, 100, 100.1]}],
+        },
+        system_attrs={},
+        intermediate_values={},
+        trial_id=number,
+    )
+
+
+def running(number: int) -> FrozenTrial:
+    return FrozenTrial(
+        number=number,
+        state=TrialState.RUNNING,
+        value=None,
+        datetime_start=T0,
+        datetime_complete=None,
+        params={},
+        distributions={},
+        user_attrs={},
+        system_attrs={},
+        intermediate_values={},
+        trial_id=number,
+    )
+
+
+def host(name: str, **kw: Any) -> c.HostView:
+    return c.HostView(name, kw.pop("last_seen", T0), **kw)
+
+
+def base(worker: str, at: datetime, tok: float = 100.0, id_: int = 0) -> c.Baseline:
+    return c.Baseline(id_ or abs(hash((worker, at))) % 10_000, worker, at, {1: tok})
+
+
+def snap(
+    spec: StudySpec,
+    trials: Sequence[FrozenTrial] = (),
+    *,
+    now: datetime = T0,
+    leases: Sequence[c.LeaseView] = (),
+    baselines: Sequence[c.Baseline] = (),
+    hosts: Sequence[c.HostView] = (host("w1"), host("w2")),
+    **kw: Any,
+) -> c.Snapshot:
+    return c.Snapshot(
+        spec=spec,
+        state=kw.pop("state", StudyState.RUNNING),
+        phase=kw.pop("phase", Phase.SEARCH),
+        created_at=kw.pop("created_at", T0 - timedelta(hours=1)),
+        now=now,
+        trials=trials,
+        launched=frozenset(str(t.user_attrs.get(A.CONFIG_KEY)) for t in trials if A.CONFIG_KEY in t.user_attrs),
+        leases=leases,
+        baselines=baselines,
+        hosts=hosts,
+        **kw,
+    )
+
+
+FOUR = [
+    measured(i, v, cfg, "w1" if i % 2 == 0 else "w2")
+    for i, (v, cfg) in enumerate(zip((1.05, 1.08, 1.02, 1.01), CONFIGS, strict=True))
+]
+BASES = (base("w1", T0 - timedelta(minutes=30), id_=1), base("w2", T0 - timedelta(minutes=30), id_=2))
+NO_CONVERGE: dict[str, Any] = {"budget": {"max_trials": 4, "converge": False}}
+
+
+def test_the_database_holds_the_conductors_vocabulary() -> None:
+    assert tuple(StudyState) == STUDY_STATES
+    assert tuple(Phase) == STUDY_PHASES
+    assert tuple(FinishReason) == FINISH_RULES
+
+
+# ------------------------------------------------------------------ a worker's next action
+
+
+def test_a_worker_without_a_fresh_baseline_measures_one_first() -> None:
+    spec = spec_of()
+    assert c.next_action(snap(spec), "w1") == c.MeasureBaseline("w1")
+    stale = base("w1", T0 - timedelta(hours=7))
+    assert c.next_action(snap(spec, baselines=[stale]), "w1") == c.MeasureBaseline("w1")
+    assert isinstance(c.next_action(snap(spec, baselines=[base("w1", T0)]), "w1"), c.Ask)
+
+
+def test_a_queued_retry_is_taken_before_anything_is_asked() -> None:
+    spec = spec_of()
+    leases = [
+        c.LeaseView("new", "trial", "queued", 2, created_at=T0),
+        c.LeaseView("old", "trial", "queued", 1, created_at=T0 - timedelta(minutes=1)),
+    ]
+    assert c.next_action(snap(spec, leases=leases, baselines=BASES), "w1") == c.RetryLease("old")
+
+
+def test_a_stopped_study_hands_out_nothing() -> None:
+    action = c.next_action(snap(spec_of(), baselines=BASES, state=StudyState.STOPPED), "w1")
+    assert isinstance(action, c.Wait) and "stopped" in action.reason
+
+
+def test_budget_used_with_launches_in_flight_waits() -> None:
+    spec = spec_of(**NO_CONVERGE)
+    live = [c.LeaseView("l", "trial", "active", 3, worker_id="w2")]
+    action = c.next_action(snap(spec, FOUR, baselines=BASES, leases=live), "w1")
+    assert isinstance(action, c.Wait) and "in flight" in action.reason
+
+
+def test_an_asked_trial_without_a_lease_keeps_the_study_from_finishing() -> None:
+    spec = spec_of(**NO_CONVERGE)
+    assert isinstance(c.settle(snap(spec, [*FOUR, running(4)], baselines=BASES)), c.Wait)
+
+
+# ------------------------------------------------------------------ the end of the search
+
+
+def test_budget_used_starts_the_confirmation_of_the_candidates_on_other_hosts() -> None:
+    spec = spec_of(**NO_CONVERGE, confirmation={"top": 2})
+    action = c.next_action(snap(spec, FOUR, baselines=BASES), "w1")
+    assert isinstance(action, c.StartConfirmation)
+    assert action.ending.reason == FinishReason.MAX_TRIALS and "max_trials=4" in action.ending.detail
+    # The leader (1.08x, trial 1, found on w2) first; each confirmed away from where it was found.
+    assert [cand.trial_number for cand in action.candidates] == [1, 0]
+    assert [cand.avoid_worker for cand in action.candidates] == ["w2", "w1"]
+
+
+def test_a_host_that_refused_the_study_is_not_a_reason_to_confirm_elsewhere() -> None:
+    """The 29-minute wait: w2 refused the study but holds a baseline under the same key (another
+    study of the same model and workload); the candidates must not be kept away from w1 for it."""
+    trials = [
+        measured(i, v, cfg, "w1") for i, (v, cfg) in enumerate(zip((1.05, 1.08, 1.02, 1.01), CONFIGS, strict=True))
+    ]
+    spec = spec_of(**NO_CONVERGE, confirmation={"top": 2})
+    hosts = (host("w1"), host("w2", refused=True))
+    action = c.settle(snap(spec, trials, baselines=BASES, hosts=hosts))
+    assert isinstance(action, c.StartConfirmation)
+    assert all(cand.avoid_worker is None for cand in action.candidates)
+
+
+def test_nothing_to_confirm_finishes_with_the_reason() -> None:
+    spec = spec_of(**NO_CONVERGE, confirmation={"top": 0})
+    assert c.settle(snap(spec, FOUR, baselines=BASES)) == c.Finish(
+        Ending(FinishReason.MAX_TRIALS, "max_trials=4 configurations measured")
+    )
+
+
+def test_max_hours_ends_the_search() -> None:
+    spec = spec_of(budget={"max_trials": 30, "max_hours": 0.5, "converge": False}, confirmation={"top": 0})
+    action = c.settle(snap(spec, FOUR, baselines=BASES))
+    assert isinstance(action, c.Finish) and action.reason == FinishReason.MAX_HOURS
+    assert isinstance(c.settle(snap(spec, FOUR, created_at=T0 - timedelta(minutes=10))), c.Ask)
+
+
+def test_an_exhausted_space_ends_the_search() -> None:
+    space = {"num_steps": {"low": 1, "high": 2}, "topk": [1], "num_draft_tokens": {"low": 2, "high": 3}}
+    spec = spec_of(search_space=space, budget={"max_trials": 30, "converge": False}, confirmation={"top": 0})
+    action = c.settle(snap(spec, FOUR[:2], baselines=BASES))
+    assert isinstance(action, c.Finish) and action.reason == FinishReason.SPACE_EXHAUSTED
+
+
+def test_patience_counts_trials_since_the_best() -> None:
+    spec = spec_of(budget={"max_trials": 30, "converge": False, "patience": 2}, confirmation={"top": 0})
+    action = c.settle(snap(spec, FOUR, baselines=BASES))  # best at trial 1, then two without improvement
+    assert isinstance(action, c.Finish) and action.reason == FinishReason.PATIENCE
+    assert isinstance(c.settle(snap(spec, FOUR[:3], baselines=BASES)), c.Ask)
+
+
+def _settled(pays: bool) -> convergence.Assessment:
+    return convergence.Assessment(True, "the rule's words", 4, 0, 0.0, None, 1.0, pays, rule=StopRule.MODEL)
+
+
+def test_the_stop_rule_ends_the_search_through_one_seam(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = spec_of("cond-pays", budget={"max_trials": 30}, confirmation={"top": 1})
+    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials: _settled(True))
+    action = c.settle(snap(spec, FOUR, baselines=BASES))
+    assert isinstance(action, c.StartConfirmation)
+    assert action.ending == Ending(FinishReason.CONVERGED, "the rule's words")
+    # A worker asking is told the same (the search is over: nothing more is asked).
+    assert isinstance(c.next_action(snap(spec, FOUR, baselines=BASES), "w1"), c.StartConfirmation)
+
+
+def test_does_not_pay_finishes_without_confirming(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = spec_of("cond-nopay", budget={"max_trials": 30}, confirmation={"top": 3})
+    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials: _settled(False))
+    action = c.settle(snap(spec, FOUR, baselines=BASES))
+    assert action == c.Finish(Ending(FinishReason.DOES_NOT_PAY, "the rule's words"))
+
+
+def test_other_samplers_never_ask_the_stop_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(spec: StudySpec, trials: Sequence[FrozenTrial]) -> convergence.Assessment:
+        raise AssertionError("asked")
+
+    monkeypatch.setattr(c.convergence, "assess", boom)
+    assert isinstance(c.settle(snap(spec_of("cond-tpe", sampler="tpe"), FOUR, baselines=BASES)), c.Ask)
+
+
+# ------------------------------------------------------------------ confirmation
+
+
+BEGAN = T0 - timedelta(minutes=5)
+QUEUED = (
+    c.LeaseView("c1", "confirm", "queued", 1, created_at=BEGAN, avoid_worker="w2"),
+    c.LeaseView("c0", "confirm", "queued", 0, created_at=BEGAN, avoid_worker="w1"),
+)
+
+
+def confirming(**kw: Any) -> c.Snapshot:
+    spec = spec_of(**NO_CONVERGE, confirmation={"top": 2})
+    return snap(
+        spec,
+        FOUR,
+        phase=Phase.CONFIRMATION,
+        confirmation_began_at=BEGAN,
+        ending=Ending(FinishReason.MAX_TRIALS, "max_trials=4 configurations measured"),
+        leases=kw.pop("leases", QUEUED),
+        baselines=kw.pop("baselines", BASES),
+        **kw,
+    )
+
+
+def test_a_confirmation_waits_for_a_baseline_measured_after_it_began() -> None:
+    assert c.next_action(confirming(), "w1") == c.MeasureBaseline("w1", for_confirmation=True)
+    fresh = base("w1", T0 - timedelta(minutes=1), id_=7)
+    action = c.next_action(confirming(baselines=(*BASES, fresh)), "w1")
+    # w1 found trial 0, so it takes trial 1 (found on w2), with its fresh baseline.
+    assert action == c.Confirm("c1", "w1", 7, fresh_baseline=True)
+
+
+def test_the_host_that_found_a_candidate_confirms_it_when_no_other_live_host_can() -> None:
+    fresh = base("w1", T0 - timedelta(minutes=1), id_=7)
+    only_c0 = (QUEUED[1],)  # found on w1
+    busy_w2 = confirming(leases=only_c0, baselines=(*BASES, fresh))
+    assert isinstance(c.next_action(busy_w2, "w1"), c.Wait)  # w2 is live and can
+    for other in (
+        host("w2", refused=True),
+        host("w2", quarantined=True),
+        host("w2", eligible=False),
+        host("w2", last_seen=T0 - timedelta(hours=1)),
+    ):
+        s = replace(busy_w2, hosts=(host("w1"), other))
+        assert c.next_action(s, "w1") == c.Confirm("c0", "w1", 7, fresh_baseline=True), other
+
+
+def test_an_idle_hosts_baseline_is_not_fresh() -> None:
+    """Measured after the confirmation began, then 30 minutes of nothing: measure again."""
+    began = T0 - timedelta(minutes=40)
+    old = base("w1", T0 - timedelta(minutes=29), id_=7)
+    s = replace(confirming(baselines=(*BASES, old)), confirmation_began_at=began)
+    assert c.next_action(s, "w1") == c.MeasureBaseline("w1", for_confirmation=True)
+    # The same age spent confirming this study's other candidate keeps it fresh.
+    done = c.LeaseView(
+        "c9", "confirm", "completed", 3, worker_id="w1", created_at=began,
+        leased_at=old.measured_at, finished_at=T0 - timedelta(minutes=1),
+    )  # fmt: skip
+    s = replace(s, leases=(*QUEUED, done))
+    assert c.next_action(s, "w1") == c.Confirm("c1", "w1", 7, fresh_baseline=True)
+
+
+def test_a_drifting_host_measures_a_baseline_before_each_confirmation() -> None:
+    before = base("w1", BEGAN - timedelta(minutes=10), tok=100.0, id_=1)
+    fresh = base("w1", BEGAN + timedelta(minutes=1), tok=95.0, id_=7)  # moved 5% > DRIFT_MARGIN
+    done = c.LeaseView(
+        "c9", "confirm", "completed", 3, worker_id="w1", created_at=BEGAN,
+        leased_at=BEGAN + timedelta(minutes=1), finished_at=BEGAN + timedelta(minutes=3),
+    )  # fmt: skip
+    s = confirming(baselines=(before, fresh, BASES[1]), leases=(*QUEUED, done))
+    assert c.next_action(s, "w1") == c.MeasureBaseline("w1", for_confirmation=True)
+    steady = replace(s, baselines=(before, replace(fresh, tok_s={1: 99.5}), BASES[1]))
+    assert c.next_action(steady, "w1") == c.Confirm("c1", "w1", 7, fresh_baseline=True)
+
+
+def test_the_study_finishes_when_every_confirmation_is_done() -> None:
+    done = tuple(replace(le, state="completed", worker_id="w1", finished_at=T0) for le in QUEUED)
+    action = c.settle(confirming(leases=done))
+    assert action == c.Finish(Ending(FinishReason.MAX_TRIALS, "max_trials=4 configurations measured; 2 confirmed"))
+    running_one = (replace(done[0], state="active"), done[1])
+    assert isinstance(c.settle(confirming(leases=running_one)), c.Wait)
+
+
+def test_a_confirmation_no_host_can_take_says_so() -> None:
+    assert c.confirmation_waits(confirming()) is None
+    s = confirming(hosts=(host("w1", refused=True), host("w2", last_seen=T0 - timedelta(hours=2))))
+    warning = c.confirmation_waits(s)
+    assert warning is not None and "2 confirmation(s) wait" in warning and "refused by w1" in warning
+    assert c.confirmation_waits(replace(s, phase=Phase.SEARCH)) is None
+
+
+# ------------------------------------------------------------------ the verdict
+
+
+def test_fresh_is_said_only_of_a_fresh_baseline() -> None:
+    answer = c.Answer(1.08, Interval(1.08, 1.06, 1.10), "steps 2 / topk 1 / draft tokens 3 (trial 1)", True, "w1")
+    assert c.pays(answer) and "confirmed against a fresh baseline on w1" in c.verdict(answer, 4)
+    stale = replace(answer, fresh_baseline=False)
+    text = c.verdict(stale, 4)
+    assert "fresh" not in text and "not measured for it" in text
+    assert not c.pays(replace(answer, interval=Interval(1.01, 0.99, 1.03)))
+    assert c.verdict(None, 0) == "no result yet"
