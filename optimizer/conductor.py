@@ -215,8 +215,8 @@ Action = MeasureBaseline | RetryLease | Ask | StartConfirmation | Confirm | Fini
 
 # ----------------------------------------------------------------------------------- the stop rule
 
-# The last assessment per study and the finished trials it saw: the model is refit only after a new
-# result, not at every lease.  A memo of a pure function (any process recomputes it), bounded.
+# The last assessment per study, with the spec and finished trials it saw: the model is refit only
+# after a new result, not at every lease.  A memo of a pure function (any process recomputes it), bounded.
 _ASSESSED: OrderedDict[str, tuple[tuple[object, ...], convergence.Assessment]] = OrderedDict()
 _ASSESSED_MAX = 256
 _ASSESSED_LOCK = threading.Lock()
@@ -232,7 +232,8 @@ def stop_rule(spec: StudySpec, trials: Sequence[FrozenTrial]) -> convergence.Ass
     None when the study does not converge.  Memoised on the finished trials it would see."""
     if not converges(spec):
         return None
-    seen = tuple((t.number, t.state, t.value) for t in trials if t.state.is_finished())
+    # The spec too: two studies of one name (a benchmark's seeds and variants) never share an answer.
+    seen = (spec.model_dump_json(), *((t.number, t.state, t.value) for t in trials if t.state.is_finished()))
     with _ASSESSED_LOCK:
         hit = _ASSESSED.get(spec.name)
     if hit is not None and hit[0] == seen:
