@@ -21,8 +21,9 @@ timed too.  Every loop is bounded by a count and by `--time-limit-s`.
 `--many-studies N` runs a third scenario instead (issue 18, "responsive under load"): N running
 studies, created by N/20 user tokens (the default per-user limit is 20 running studies), then
 `--clients` concurrent clients for `--duration-s`: a third are readers (`GET /v1/studies`, then
-one study's page), a tenth are probes (`GET /healthz`, ten a second each, as a load balancer
-would), the rest protocol-only workers (lease, heartbeat, complete).  It reports p50/p95/p99 per
+one study's page, then `--think-s`), a tenth are probes (`GET /healthz`, ten a second each, as a
+load balancer would), the rest protocol-only workers (lease, `--think-s` for the launch,
+heartbeat, `--think-s`, complete: a real trial takes minutes).  It reports p50/p95/p99 per
 call and checks the issue's targets: `/healthz` p99 <= 100 ms, `GET /v1/studies` p95 <= 1 s.
 """
 
@@ -245,7 +246,11 @@ async def run_many(args: argparse.Namespace, url: str, users: list[str], tokens:
         t = time.monotonic()
         await asyncio.gather(*(create(i, n) for i, n in enumerate(names)))
         created_s = time.monotonic() - t
+        # The same probe on the idle server first: what this machine gives without the load.
         timings = Timings()
+        for _ in range(50):
+            await timings.timed("GET /healthz (idle)", client.get("/healthz"))
+            await asyncio.sleep(0.02)
         deadline = time.monotonic() + args.duration_s
         uh = {"Authorization": f"Bearer {users[0]}"}
         n_probes = max(1, args.clients // 10)
@@ -263,6 +268,7 @@ async def run_many(args: argparse.Namespace, url: str, users: list[str], tokens:
                 await timings.timed("GET /v1/studies", client.get("/v1/studies", headers=uh))
                 name = rng.choice(names)
                 await timings.timed("GET /v1/studies/{name}", client.get(f"/v1/studies/{name}", headers=uh))
+                await asyncio.sleep(args.think_s)
 
         async def worker(w: Worker) -> None:
             while time.monotonic() < deadline:
@@ -270,7 +276,9 @@ async def run_many(args: argparse.Namespace, url: str, users: list[str], tokens:
                 if lease is None:
                     await asyncio.sleep(0.5)
                     continue
+                await asyncio.sleep(args.think_s)  # the launch and benchmark, shortened
                 await w.call("heartbeat", lease["lease_id"])
+                await asyncio.sleep(args.think_s)
                 await w.call("complete", lease["lease_id"], ok_report(w.rng))
 
         workers = [Worker(client, f"w{i:03d}", tokens[i], timings, i) for i in range(n_workers)]
@@ -345,6 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--many-studies", type=int, default=0, help="run the many-studies scenario with this many")
     p.add_argument("--clients", type=int, default=40, help="concurrent clients of the many-studies scenario")
     p.add_argument("--duration-s", type=float, default=60.0, help="how long the many-studies clients run")
+    p.add_argument(
+        "--think-s", type=float, default=1.0,
+        help="pause of a many-studies reader between visits, and of a worker between its calls (0: flat out)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     os.environ["TZ"] = "UTC"
     time.tzset()
