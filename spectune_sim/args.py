@@ -72,7 +72,8 @@ def build_parser(version: str) -> argparse.ArgumentParser:
     add("--schedule-conservativeness", type=float, default=1.0)
     add("--mem-fraction-static", type=float, default=None)
     add("--context-length", type=int, default=None)
-    add("--dtype", type=str, default="auto")
+    # SGLang's own choices: a study's bogus value dies in argparse (exit 2), as it does on a GPU host.
+    add("--dtype", type=str, default="auto", choices=["auto", "half", "float16", "bfloat16", "float", "float32"])
     add("--kv-cache-dtype", type=str, default="auto")
     add("--quantization", type=str, default=None)
     add("--load-format", type=str, default="auto")

@@ -164,18 +164,37 @@ def test_a_value_the_engine_rejects_stops_the_study_at_once(api: Api) -> None:
     assert ask(api, "w1")["study"] == "next"
 
 
-def test_a_fault_that_follows_the_host_across_studies_still_counts_against_it(api: Api) -> None:
-    """A host whose every baseline runs out of memory (another process holds its GPU) is sick."""
-    for name in ("a", "b"):
-        assert api.post("/v1/studies", "user", small_spec(name)).status_code == 201
+def test_broken_studies_in_a_row_do_not_make_a_host_look_sick(api: Api) -> None:
+    """Two studies that cannot start, one after the other, on one host: each is charged to itself."""
+    for name in ("tiny", "tinier"):
+        spec = small_spec(name, model={**small_spec()["model"], "mem_fraction_static": 0.01})
+        assert api.post("/v1/studies", "user", spec).status_code == 201
+    for name in ("tiny", "tinier"):
+        got = ask(api, "w1")
+        assert got["study"] == name
+        assert api.post(f"/v1/leases/{got['lease_id']}/complete", "worker", OOM).status_code == 200
+    assert ask(api, "w1") is None
+    assert _workers(api)["w1"]["state"] == "ok"
+    assert api.post("/v1/studies", "user", small_spec("innocent")).status_code == 201
+    assert ask(api, "w1")["study"] == "innocent"
+
+
+def test_a_fault_that_follows_the_host_still_counts_against_it(api: Api) -> None:
+    """The same baseline ran on another host: out of memory here is this host's (another process
+    holds its GPU), and it is quarantined as before."""
+    assert api.post("/v1/studies", "user", small_spec("a")).status_code == 201
+    elsewhere = ask(api, "w2")
+    ok = {"outcome": "ok", "metrics": {"levels": [{"concurrency": 1, "output_tok_s": 100.0}]}}
+    assert api.post(f"/v1/leases/{elsewhere['lease_id']}/complete", "worker", ok).status_code == 200
     failures = 0
     while (got := ask(api, "w1")) is not None and failures < 10:
         assert api.post(f"/v1/leases/{got['lease_id']}/complete", "worker", OOM).status_code == 200
         failures += 1
-    # The first study's failure was charged to it; from the second study on, they follow the host.
     assert _workers(api)["w1"]["state"] == "quarantined"
-    assert failures == 1 + 3  # SPECTUNE_QUARANTINE_AFTER
-    assert api.get("/v1/studies/a", "user").json()["state"] == "running"
+    assert failures == 3  # SPECTUNE_QUARANTINE_AFTER
+    shown = api.get("/v1/studies/a", "user").json()
+    assert shown["state"] == "running" and shown["refused_by"] == []
+    assert _workers(api)["w2"]["state"] == "ok"
 
 
 def test_argparse_rejecting_a_study_flag_is_the_studys_fault() -> None:

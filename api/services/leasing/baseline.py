@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -98,34 +98,29 @@ class BaselineLeases:
     def charge_study(self, s: Session, spec: StudySpec, lease: LeaseRow, failure: Failure, now: datetime) -> None:
         """A baseline failed for what its study asks: the study pays, the host does not.
 
-        * The study is not offered to this worker again (a refusal, listed under `refused_by` with
-          the reason; it ends when the worker's config changes or an admin clears it).
-        * It is stopped, with the reason, when the fault follows the study: at once for a value the
-          engine rejects (`invalid_config`: wrong on every host), or once its baseline failed so on
-          STOP_AFTER_HOSTS hosts (memory and start-up time depend on the host's GPUs).
-        * Only a fault that follows the host across studies counts against the host: when this
-          worker's baseline of *another* study failed so since its last completed lease, this is
-          counted as a host failure and the study is not blamed.
+        * When the same baseline (same server settings and workload) was measured on another host,
+          the settings do run: the fault follows this host, and counts against it as any other.
+        * Otherwise the study is not offered to this worker again (a refusal, listed under
+          `refused_by` with the reason; it ends when the worker's config changes or an admin
+          clears it), and it is stopped, saying why, at once for a value the engine rejects
+          (`invalid_config`: wrong on every host), or once its baseline failed so on
+          STOP_AFTER_HOSTS hosts (memory and start-up time depend on the host's GPUs).  The host's
+          health is untouched.  (Two broken studies in a row on one host once looked like a sick
+          host: what the settings did elsewhere is the evidence, not how many failed here.)
         """
         worker_id = lease.worker_id
         assert worker_id is not None
         detail = f"the study's baseline failed on this host: {failure.kind}: {failure.message}"[:2000]
-        last_ok = s.scalar(
-            select(func.max(LeaseRow.finished_at)).where(
-                LeaseRow.worker_id == worker_id, LeaseRow.state == LeaseState.COMPLETED
-            )
-        )
-        others_q = select(EventRow.study_name).where(
-            EventRow.kind == BASELINE_STUDY_FAULT, EventRow.worker_id == worker_id, EventRow.study_name != spec.name
-        )
-        if last_ok is not None:
-            others_q = others_q.where(EventRow.at >= last_ok)
-        others = set(s.scalars(others_q))
-        event(s, BASELINE_STUDY_FAULT, lease, detail)
-        if others:
-            reason = f"baselines of {len(others) + 1} studies failed in a row on this host; last: {detail}"
+        ran_elsewhere = s.scalars(
+            select(BaselineRow.id)
+            .where(BaselineRow.baseline_key == baseline_key_of(spec), BaselineRow.worker_id != worker_id)
+            .limit(1)
+        ).first()
+        if ran_elsewhere is not None:
+            reason = f"baseline failed where the same settings ran on another host: {failure.kind}: {failure.message}"
             self.health.failure(s, worker_id, reason)
             return
+        event(s, BASELINE_STUDY_FAULT, lease, detail)
         event(s, records.LEASE_REFUSED, lease, detail)
         s.flush()
         hosts = set(
