@@ -492,7 +492,7 @@ def test_prompt_file_names_cannot_escape_the_folder(tmp_path: Path) -> None:
     for name in ("../secret.txt", "/etc/passwd", "sub/x.txt", "..", ".hidden", "a\\b"):
         with pytest.raises(ValueError, match="plain file name"):
             load_prompts(name, folder)
-    with pytest.raises(ValueError, match="outside the prompt folder"):
+    with pytest.raises(ValueError, match="outside this worker's prompt folder"):
         load_prompts("link.txt", folder)
     with pytest.raises(ValueError, match="no prompt folder configured"):
         load_prompts("mine.jsonl", None)

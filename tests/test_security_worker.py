@@ -155,7 +155,7 @@ def test_prompt_files_outside_the_prompt_folder_are_never_read(tmp_path: Path, a
         wait_for("the worker to ask again", lambda: len(fake.names("lease")) >= 4)
     failure = _refusals(fake, ["L-link"])["L-link"].failure
     assert failure is not None
-    assert "outside the prompt folder" in failure.message, failure.message
+    assert "outside this worker's prompt folder" in failure.message, failure.message
     assert "the host's secret" not in failure.message + failure.log_tail
     # The path lease was never acted on: no report, no launch.
     assert "L-dots" not in fake.completed
