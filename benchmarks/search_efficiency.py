@@ -41,19 +41,23 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import optuna
 
-from optimizer import confirmation, convergence, costs
+from api.services.leasing.trial import MAX_DUPLICATE_PROPOSALS
+from optimizer import attrs as A
+from optimizer import conductor, confirmation, costs
 from optimizer import study as opt
 from optimizer.infeasible import known_to_fail, oom_points
-from optimizer.objective import LevelResult, score
+from optimizer.objective import CONSTRAINT_KEY, LevelResult, score
 from optimizer.plan import server_settings
 from optimizer.space import SearchSpace, SpecConfig, max_draft_tokens
 from optimizer.spec import StudySpec
+from optimizer.study_state import Ending, FinishReason, Phase, StudyState
 from spectune_sim.landscapes import LANDSCAPES, Landscape
 from spectune_sim.model import (
     InfeasibleConfigError,
@@ -64,6 +68,8 @@ from spectune_sim.model import (
 )
 
 WITHIN = 0.98
+# A worker with nothing to do asks again after this long (the worker's poll interval).
+POLL_S = 30.0
 TRACE = False
 
 
@@ -105,6 +111,8 @@ class Host:
     gpu_by_kind: dict[str, float] = field(default_factory=dict)
     kind: str = "search"
     last_startup_s: float = 0.0
+    # Every launch in order: (baseline | search | confirm, the configuration's key or None).
+    history: list[tuple[str, str | None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.noise = self.noise.scaled(self.landscape.noise_scale)
@@ -175,6 +183,7 @@ class Host:
             self.baseline = self._measure(None)
             self.baseline_at = self.clock_s
             self.count("baseline", before)
+            self.history.append(("baseline", None))
         return self.baseline
 
     def launch(self, config: SpecConfig) -> tuple[str, list[dict[str, Any]]]:
@@ -182,6 +191,7 @@ class Host:
         before = self.gpu_s
         outcome, levels = self._launch(config)
         self.count(self.kind if outcome == "ok" else "failed", before)
+        self.history.append((self.kind, config.key))
         if outcome == "oom":
             self.launches["oom"] = self.launches.get("oom", 0) + 1
         return outcome, levels
@@ -300,9 +310,20 @@ class Answer:
     share: float  # true objective of the answer / true optimum (the baseline counts as 1.0)
     oom: int
     reason: str
+    # True objective of the incumbent the stop rule stopped on (the best measured in the search) /
+    # the optimum: what the stop rule is answerable for, before confirmation chooses among ties.
+    incumbent_share: float | None = None
+    rule: str | None = None  # the stop rule that ended the search (optimizer.stop_rules.StopRule)
 
 
-def _answer(hosts: Sequence[Host], truth: Truth, value: float, reason: str) -> Answer:
+def _answer(
+    hosts: Sequence[Host],
+    truth: Truth,
+    value: float,
+    reason: str,
+    incumbent: float | None = None,
+    rule: str | None = None,
+) -> Answer:
     by_kind: dict[str, int] = {}
     gpu: dict[str, float] = {}
     for h in hosts:
@@ -312,143 +333,328 @@ def _answer(hosts: Sequence[Host], truth: Truth, value: float, reason: str) -> A
             gpu[k] = gpu.get(k, 0.0) + g / 3600
     oom = by_kind.pop("oom", 0)
     best = max(truth.optimum, 1.0)
-    return Answer(sum(by_kind.values()), by_kind, sum(gpu.values()), gpu, value / best, oom, reason)
+    return Answer(
+        sum(by_kind.values()),
+        by_kind,
+        sum(gpu.values()),
+        gpu,
+        value / best,
+        oom,
+        reason,
+        None if incumbent is None else incumbent / best,
+        rule,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# The service's study, in memory: the conductor decides, this loop only carries its actions out.
+
+
+@dataclass
+class SimLease:
+    """A lease of the in-memory store (the service keeps these in spectune_leases)."""
+
+    id: str
+    kind: str  # baseline | trial | confirm
+    state: str  # queued | active | completed | failed
+    worker_id: str | None = None
+    trial_number: int | None = None
+    config: SpecConfig | None = None
+    created_at: datetime | None = None
+    leased_at: datetime | None = None
+    finished_at: datetime | None = None
+    avoid_worker: str | None = None
+    measurement: tuple[list[Any], list[Any]] | None = None  # confirm: (levels, paired baseline levels)
+
+    def view(self) -> conductor.LeaseView:
+        return conductor.LeaseView(
+            id=self.id,
+            kind=self.kind,
+            state=self.state,
+            trial_number=self.trial_number,
+            worker_id=self.worker_id,
+            config_key=None if self.config is None else self.config.key,
+            created_at=self.created_at,
+            leased_at=self.leased_at,
+            finished_at=self.finished_at,
+            avoid_worker=self.avoid_worker,
+            measurement=self.measurement,
+        )
+
+
+@dataclass
+class MemoryStudy:
+    """What the service stores for one study (the study row, its leases, the hosts' baselines, the
+    launched configurations), held in memory next to Optuna's InMemoryStorage."""
+
+    spec: StudySpec
+    created_at: datetime
+    storage: optuna.storages.InMemoryStorage = field(default_factory=optuna.storages.InMemoryStorage)
+    state: StudyState = StudyState.RUNNING
+    phase: Phase = Phase.SEARCH
+    ending: Ending | None = None
+    confirmation_began_at: datetime | None = None
+    launched: dict[str, int] = field(default_factory=dict)  # config key -> trial number
+    config_state: dict[str, str] = field(default_factory=dict)  # pending | done | infeasible
+    leases: list[SimLease] = field(default_factory=list)
+    baselines: list[conductor.Baseline] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        opt.create_study(self.storage, self.spec)
+
+    def study(self) -> optuna.Study:
+        return opt.load_study(self.storage, self.spec)
+
+    def snapshot(self, now: datetime, workers: Sequence[str]) -> conductor.Snapshot:
+        return conductor.Snapshot(
+            spec=self.spec,
+            state=self.state,
+            phase=self.phase,
+            created_at=self.created_at,
+            now=now,
+            trials=self.study().get_trials(deepcopy=False),
+            launched=frozenset(self.launched),
+            leases=[le.view() for le in self.leases if le.kind == "confirm" or le.state in ("queued", "active")],
+            baselines=sorted(self.baselines, key=lambda b: b.measured_at),
+            hosts=[conductor.HostView(w, now) for w in workers],
+            confirmation_began_at=self.confirmation_began_at,
+            ending=self.ending,
+        )
+
+    def persist(self, action: conductor.Action, now: datetime) -> None:
+        """What api.services.study_life.persist does with a study-level action."""
+        if isinstance(action, conductor.StartConfirmation):
+            self.phase, self.ending, self.confirmation_began_at = Phase.CONFIRMATION, action.ending, now
+            for c in action.candidates:
+                self.leases.append(
+                    SimLease(
+                        f"c{len(self.leases)}",
+                        "confirm",
+                        "queued",
+                        trial_number=c.trial_number,
+                        config=c.config,
+                        created_at=now,
+                        avoid_worker=c.avoid_worker,
+                    )
+                )
+        elif isinstance(action, conductor.Finish):
+            self.state, self.ending = StudyState.FINISHED, action.ending
+
+    def lease(self, lease_id: str) -> SimLease:
+        return next(le for le in self.leases if le.id == lease_id)
+
+
+def _at(clock_s: float) -> datetime:
+    return datetime.fromtimestamp(clock_s, UTC)
+
+
+def _ask(store: MemoryStudy) -> tuple[int, SpecConfig] | None:
+    """api.services.leasing.trial.ask_new without the database: a configuration launched before is
+    answered from its earlier trial (its value and its violation), one known to run out of memory
+    is told infeasible without a launch; None when every proposal was one of those."""
+    for _ in range(MAX_DUPLICATE_PROPOSALS):
+        study = store.study()
+        asked = opt.ask(study, store.spec)
+        key = asked.config.key
+        proof = known_to_fail(asked.config, oom_points(study.get_trials(deepcopy=False)))
+        if proof is not None:
+            opt.tell_infeasible(
+                study,
+                asked.number,
+                {A.INFERRED_FROM: proof.trial_number, A.FAILURE_KIND: "oom", A.FAILURE_MESSAGE: "not launched"},
+            )
+            continue
+        if key not in store.launched:
+            store.launched[key] = asked.number
+            store.config_state[key] = "pending"
+            return asked.number, asked.config
+        prior = opt.get_trial(study, store.launched[key])
+        attrs: dict[str, Any] = {A.DUPLICATE_OF: prior.number}
+        if store.config_state[key] == "done" and prior.value is not None:
+            violation = prior.constraints.get(CONSTRAINT_KEY, 0.0)
+            opt.tell_value(study, asked.number, prior.value, violation, {**prior.user_attrs, **attrs})
+        elif store.config_state[key] == "infeasible":
+            opt.tell_infeasible(study, asked.number, attrs)
+        else:
+            opt.tell_failed(study, asked.number, {**attrs, A.FAILURE_KIND: "duplicate"})
+    return None
+
+
+def _tell_result(
+    store: MemoryStudy, host: Host, number: int, config: SpecConfig, outcome: str, levels: list[Any]
+) -> None:
+    """api.services.leasing.trial.complete / _tell without the database."""
+    spec, study = store.spec, store.study()
+    attrs: dict[str, Any] = {
+        A.WORKER_ID: host.host_id,
+        A.CONFIG: config.model_dump(mode="json"),
+        A.CONFIG_KEY: config.key,
+        A.BASELINE_LEVELS: host.baseline,
+    }
+    if outcome != "ok":
+        kind = "oom" if outcome == "oom" else "invalid_config"
+        opt.tell_infeasible(study, number, attrs | {A.FAILURE_KIND: kind, A.FAILURE_MESSAGE: kind})
+        store.config_state[config.key] = "infeasible"
+        return
+    base = {int(b["concurrency"]): float(b["output_tok_s"]) for b in host.baseline}
+    results = [LevelResult(int(lv["concurrency"]), float(lv["output_tok_s"])) for lv in levels]
+    sc = score(spec.objective, results, base)
+    attrs |= {
+        A.BASELINE_TOK_S: {str(k): v for k, v in base.items()},
+        A.LEVELS: levels,
+        A.STARTUP_S: host.last_startup_s,
+        A.SPEEDUP_BY_LEVEL: {str(k): v for k, v in sc.speedups.items()},
+    }
+    opt.tell_value(study, number, sc.value, sc.violation, attrs)
+    store.config_state[config.key] = "done"
 
 
 def run_study(hosts: list[Host], truth: Truth, spec: StudySpec) -> Answer:
-    """The service's loop (api.services.leasing / studies.maybe_finish) without the database.
+    """One study as the service runs it: the conductor (optimizer.conductor) decides every step.
 
-    Workers (one per host) lease in the order their hosts' clocks say: a result is told when its
-    host's clock is the earliest, so a worker asking meanwhile sees the other's trial in flight
-    (RUNNING, as in the service).  After every result the study is assessed
-    (optimizer.convergence, when `budget.converge`); once settled, or `max_trials` launched,
-    no new trial is asked; when nothing is in flight the top candidates whose intervals overlap
-    the leader's are confirmed, each host measuring one fresh baseline for all of its
-    confirmations (and a baseline after each candidate only where it saw drift).
+    Workers (one per host) ask for work in the order of their hosts' clocks, and each result is
+    reported when its host's clock is the earliest, so a worker asking meanwhile sees the other
+    hosts' launches in flight.  After every result the conductor settles the study (the stop rule,
+    the move to confirmation, the finish); the answer is the service's: the cheapest of the
+    confirmed candidates tied with the best (optimizer.confirmation.choose), else the best measured.
     """
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    storage = optuna.storages.InMemoryStorage()
-    opt.create_study(storage, spec)
-    launched: dict[str, int] = {}
-    pending: dict[int, tuple[float, int, dict[str, Any]]] = {}  # host index -> (done at, trial, attrs)
-    settled = convergence.Assessment(False, "", 0, 0, 1.0, None, 1.0, None)
-    asks = 0
+    # One clock for the fleet (each host's drift keeps its own phase): the conductor compares
+    # times across hosts (a baseline measured after the confirmation began).
+    start = min(h.clock_s for h in hosts)
     for h in hosts:
-        h.kind = "search"
-        h.baseline_levels()
-    while True:
-        # Deliver the earliest finished result first.
-        if pending:
-            i_next = min(pending, key=lambda i: pending[i][0])
-            idle = [i for i in range(len(hosts)) if i not in pending]
-            if not idle or min(hosts[i].clock_s for i in idle) >= pending[i_next][0]:
-                _, number, attrs = pending.pop(i_next)
-                study = opt.load_study(storage, spec)
-                _tell(study, number, attrs)
-                if spec.budget.converge:
-                    settled = convergence.assess(spec, study.get_trials(deepcopy=False))
-                    if TRACE:
-                        print(
-                            "   ", attrs.get("config_key"), attrs.get("failure_kind"), settled.reason, file=sys.stderr
-                        )
-                continue
-        idle = [i for i in range(len(hosts)) if i not in pending]
-        stop = settled.settled or len(launched) >= spec.budget.max_trials or asks > 8 * spec.budget.max_trials
-        if stop:
-            if pending:
-                # Idle until the next result (which may unsettle the study).
-                t_next = min(p[0] for p in pending.values())
-                for i in idle:
-                    hosts[i].clock_s = max(hosts[i].clock_s, t_next)
-                continue
+        h.clock_s = start
+    store = MemoryStudy(spec, _at(start))
+    workers = [h.host_id for h in hosts]
+    # host index -> (clock when done, what to record then)
+    busy: dict[int, tuple[float, Callable[[datetime], None]]] = {}
+    idle_polls = 0
+    for _ in range(100 * spec.budget.max_trials):
+        if store.state != StudyState.RUNNING:
             break
+        idle = [i for i in range(len(hosts)) if i not in busy]
+        if busy:
+            i_next = min(busy, key=lambda i: busy[i][0])
+            if not idle or min(hosts[i].clock_s for i in idle) >= busy[i_next][0]:
+                done_at, record = busy.pop(i_next)
+                now = _at(done_at)
+                record(now)
+                store.persist(conductor.settle(store.snapshot(now, workers)), now)
+                continue
         i = min(idle, key=lambda j: hosts[j].clock_s)
         h = hosts[i]
-        asks += 1
-        study = opt.load_study(storage, spec)
-        asked = opt.ask(study, spec)
-        key = asked.config.key
-        trials = study.get_trials(deepcopy=False)
-        if key in launched:
-            prior = opt.get_trial(study, launched[key])
-            if prior.value is not None:
-                opt.tell_value(study, asked.number, prior.value, 0.0, {"duplicate_of": prior.number, "config_key": key})
+        now = _at(h.clock_s)
+        action = conductor.next_action(store.snapshot(now, workers), h.host_id)
+        if TRACE:
+            print("   ", h.host_id, type(action).__name__, getattr(action, "reason", ""), file=sys.stderr)
+        if isinstance(action, conductor.StartConfirmation | conductor.Finish):
+            store.persist(action, now)
+        elif isinstance(action, conductor.MeasureBaseline):
+            busy[i] = _start_baseline(store, h, now, action.for_confirmation)
+        elif isinstance(action, conductor.Ask):
+            asked = _ask(store)
+            if asked is None:
+                store.persist(conductor.settle(store.snapshot(now, workers)), now)
             else:
-                opt.tell_failed(study, asked.number, {"duplicate_of": prior.number})
+                busy[i] = _start_trial(store, h, now, *asked)
+        elif isinstance(action, conductor.Confirm):
+            busy[i] = _start_confirm(store, h, now, store.lease(action.lease_id))
+        elif isinstance(action, conductor.Wait):
+            # Polls again after the next result, or after a poll interval (another host may be the
+            # one the study waits for).
+            idle_polls = 0 if busy else idle_polls + 1
+            if idle_polls > 4 * len(hosts):
+                raise RuntimeError(f"the study waits with nothing in flight: {action.reason}")
+            h.clock_s = min(b[0] for b in busy.values()) if busy else h.clock_s + POLL_S
             continue
-        proof = known_to_fail(asked.config, oom_points(trials))
-        attrs: dict[str, Any] = {"config": asked.config.model_dump(mode="json"), "config_key": key}
-        if proof is not None:
-            opt.tell_infeasible(
-                study, asked.number, attrs | {"inferred_from": proof.trial_number, "failure_kind": "oom"}
-            )
-            continue
-        h.kind = "search"
-        base = h.baseline_levels()
-        outcome, levels = h.launch(asked.config)
-        launched[key] = asked.number
-        if outcome != "ok":
-            attrs |= {"failure_kind": "oom" if outcome == "oom" else "crash", "_failed": True}
-        else:
-            attrs |= {"levels": levels, "baseline_levels": base, "startup_s": h.last_startup_s}
-        pending[i] = (h.clock_s, asked.number, attrs)
-    study = opt.load_study(storage, spec)
-    trials = study.get_trials(deepcopy=False)
-    reason = settled.reason if settled.settled else f"max_trials={spec.budget.max_trials}"
-    best = opt.best_trial_of(trials)
-    if best is None:
-        return _answer(hosts, truth, 1.0, reason)
-    if settled.settled and settled.pays is False:
-        return _answer(hosts, truth, 1.0, reason)  # "speculation does not pay": run the baseline
-    chosen = confirmation.candidates(trials, spec.confirmation.top, spec)
-    confirmed: list[tuple[float, SpecConfig]] = []
-    began = max(h.clock_s for h in hosts)
-    fresh_at: dict[int, float] = {}
-    last_done: dict[int, float] = {}
-    drift: dict[int, bool] = {}
-    for t in chosen:
-        cfg = SpecConfig.model_validate(t.user_attrs["config"])
-        # One fresh baseline serves every confirmation on its host: keep to a host that has one.
-        paired = [j for j in fresh_at if not drift.get(j, False)]
-        i = paired[0] if paired else min(range(len(hosts)), key=lambda j: hosts[j].clock_s)
-        h = hosts[i]
-        h.clock_s = max(h.clock_s, began)
-        earlier = h.baseline
-        if not confirmation.baseline_serves(fresh_at.get(i, -1.0), began, last_done.get(i), drift.get(i, False)):
-            h.kind = "confirm"
-            base = h.baseline_levels(fresh=True)
-            fresh_at[i] = h.clock_s
-            if i not in drift:
-                drift[i] = confirmation.drift_seen(base, earlier, 0.02)
-        h.kind = "confirm"
-        outcome, levels = h.launch(cfg)
-        last_done[i] = h.clock_s
-        if outcome == "ok":
-            got = confirmation.confirm_result(spec, levels, h.baseline)
-            confirmed.append((got.value, cfg))
-    if confirmed:
-        value, cfg = max(confirmed, key=lambda x: x[0])
-        answer = truth.value(cfg) if value > 1.0 else 1.0
+        else:  # RetryLease: the simulated hosts never lose a lease
+            raise RuntimeError(f"unexpected action {action!r}")
+        idle_polls = 0
     else:
-        answer = truth.value(SpecConfig.model_validate(best.user_attrs["config"]))
-    return _answer(hosts, truth, answer, reason)
+        raise RuntimeError("the study did not finish")
+    return _study_answer(store, hosts, truth)
 
 
-def _tell(study: optuna.Study, number: int, attrs: dict[str, Any]) -> None:
-    if attrs.pop("_failed", False):
-        opt.tell_infeasible(study, number, attrs)
-        return
-    spec = opt_spec(study)
-    sc = score(
-        spec.objective,
-        [LevelResult(lv["concurrency"], lv["output_tok_s"]) for lv in attrs["levels"]],
-        {b["concurrency"]: b["output_tok_s"] for b in attrs["baseline_levels"]},
-    )
-    opt.tell_value(study, number, sc.value, 0.0, attrs)
+def _start_baseline(
+    store: MemoryStudy, h: Host, now: datetime, for_confirmation: bool
+) -> tuple[float, Callable[[datetime], None]]:
+    lease = SimLease(f"b{len(store.leases)}", "baseline", "active", h.host_id, created_at=now, leased_at=now)
+    store.leases.append(lease)
+    h.kind = "confirm" if for_confirmation else "search"
+    levels = h.baseline_levels(fresh=True)
+
+    def record(at: datetime) -> None:
+        lease.state, lease.finished_at = "completed", at
+        tok_s = {int(b["concurrency"]): float(b["output_tok_s"]) for b in levels}
+        store.baselines.append(conductor.Baseline(len(store.baselines), h.host_id, at, tok_s, levels=levels))
+
+    return h.clock_s, record
 
 
-def opt_spec(study: optuna.Study) -> StudySpec:
-    return StudySpec.model_validate(study.user_attrs[opt.SPEC_ATTR])
+def _start_trial(
+    store: MemoryStudy, h: Host, now: datetime, number: int, config: SpecConfig
+) -> tuple[float, Callable[[datetime], None]]:
+    lease = SimLease(f"t{len(store.leases)}", "trial", "active", h.host_id, number, config, now, now)
+    store.leases.append(lease)
+    h.kind = "search"
+    outcome, levels = h.launch(config)
+
+    def record(at: datetime) -> None:
+        _tell_result(store, h, number, config, outcome, levels)
+        lease.state, lease.finished_at = ("completed" if outcome == "ok" else "failed"), at
+
+    return h.clock_s, record
+
+
+def _start_confirm(
+    store: MemoryStudy, h: Host, now: datetime, lease: SimLease
+) -> tuple[float, Callable[[datetime], None]]:
+    assert lease.config is not None
+    lease.state, lease.worker_id, lease.leased_at = "active", h.host_id, now
+    h.kind = "confirm"
+    base = h.baseline
+    outcome, levels = h.launch(lease.config)
+
+    def record(at: datetime) -> None:
+        lease.finished_at = at
+        lease.state = "completed" if outcome == "ok" else "failed"
+        if outcome == "ok":
+            lease.measurement = (levels, base)
+
+    return h.clock_s, record
+
+
+def _study_answer(store: MemoryStudy, hosts: Sequence[Host], truth: Truth) -> Answer:
+    """The study's answer as the service gives it (api.services.studies: the winner)."""
+    spec = store.spec
+    assert store.ending is not None
+    reason = f"{store.ending.reason.value}: {store.ending.detail}"
+    snap = store.snapshot(_at(max(h.clock_s for h in hosts)), [h.host_id for h in hosts])
+    best = opt.best_trial_of(snap.trials)
+    incumbent = 1.0 if best is None else truth.value(SpecConfig.model_validate(best.user_attrs[A.CONFIG]))
+    if best is None or float(best.value or 0.0) <= 1.0:
+        incumbent = 1.0  # the baseline is the incumbent
+    assessment = conductor.stop_rule(spec, snap.trials)
+    rule = None if assessment is None or assessment.rule is None else assessment.rule.value
+
+    def answer(value: float) -> Answer:
+        return _answer(hosts, truth, value, reason, incumbent, rule)
+
+    if store.ending.reason == FinishReason.DOES_NOT_PAY:
+        return answer(1.0)  # "speculation does not pay": run the baseline
+    extra_var = conductor.launch_noise(snap).variance
+    confirmed = []
+    for le in store.leases:
+        if le.kind == "confirm" and le.state == "completed" and le.measurement is not None and le.config:
+            got = confirmation.confirm_result(spec, le.measurement[0], le.measurement[1], extra_var)
+            doc = got.as_json() | {"config": le.config.model_dump(mode="json"), "trial_number": le.trial_number}
+            if (got.violation or 0.0) <= 0:
+                confirmed.append(doc)
+    if confirmed:
+        top = confirmation.choose(confirmed).winner
+        cfg = SpecConfig.model_validate(top["config"])
+        return answer(truth.value(cfg) if float(top["speedup"]) > 1.0 else 1.0)
+    return answer(incumbent)
 
 
 def _measured_value(host: Host, config: SpecConfig) -> tuple[str, float]:
@@ -487,9 +693,37 @@ def run_grid(host: Host, truth: Truth) -> Run:
 
 
 STUDY_STRATEGIES = ("default", "budget20", "tpe", "grid")
+
+
+@dataclass(frozen=True)
+class Case:
+    """A landscape measured at a workload: `levels` > 1 makes the objective their geometric mean."""
+
+    landscape: str
+    levels: tuple[int, ...]
+    misfit: str = ""  # what the `auto` sampler's model cannot represent here, if anything
+
+    @property
+    def label(self) -> str:
+        return f"{self.landscape}@{'+'.join(map(str, self.levels))}"
+
+
 # The memory-bound landscapes are measured where memory binds: spectune captures graphs only for
 # the workload's levels, so at level 1 nothing runs out of memory there.
-LEVELS_BY_LANDSCAPE: dict[str, tuple[int, ...]] = {"mem-tight": (64,), "draft-mem-cliff": (16,)}
+CASES: tuple[Case, ...] = (
+    Case("moe-pcie", (1,)),
+    Case("dense-8b-h100", (1,)),
+    Case("dense-8b-h100", (1, 16)),
+    Case("no-gain", (1,)),
+    Case("mem-tight", (64,)),
+    Case("draft-mem-cliff", (16,)),
+    Case("zigzag-tiles", (1,), "acceptance not monotone in the draft position; verify cost steps at 16-token tiles"),
+    Case("two-peaks", (1,), "a hard token at draft position 3: a second local optimum 2% below the best"),
+    Case("noisy-8b", (1,), "three times the calibrated timing noise"),
+)
+# Per-host speedup offset that the host's own baseline does not cancel (NoiseModel.spec_host_sigma):
+# an assumption (half a percent), so several hosts are not interchangeable.
+SPEC_HOST_SD = 0.005
 
 
 def _run_answer(hosts: Sequence[Host], truth: Truth, run: Run) -> Answer:
@@ -499,16 +733,25 @@ def _run_answer(hosts: Sequence[Host], truth: Truth, run: Run) -> Answer:
     return _answer(hosts, truth, share * best, "fixed")
 
 
-def simulate_studies(landscape: Landscape, workload: Workload, seeds: int) -> dict[str, list[Answer]]:
+def simulate_studies(
+    landscape: Landscape,
+    workload: Workload,
+    seeds: int,
+    *,
+    workers: int = 2,
+    strategies: Sequence[str] = STUDY_STRATEGIES,
+    spec_host_sd: float = SPEC_HOST_SD,
+) -> dict[str, list[Answer]]:
     space = SearchSpace()
-    out: dict[str, list[Answer]] = {s: [] for s in STUDY_STRATEGIES}
+    out: dict[str, list[Answer]] = {s: [] for s in strategies}
     top = max(workload.levels)
     default_plan = Plan(max_running_requests=top, cuda_graph_max_bs=top)
+    noise = NoiseModel(spec_host_sigma=spec_host_sd)
     for seed in range(seeds):
         spec = spec_for(workload, "auto", seed)
         plan = spectune_plan(spec)
         truth = Truth(landscape, workload, plan, space)
-        for name in STUDY_STRATEGIES:
+        for name in strategies:
 
             def hosts_of(p: Plan, n: int, name: str = name, seed: int = seed) -> list[Host]:
                 return [
@@ -518,13 +761,14 @@ def simulate_studies(landscape: Landscape, workload: Workload, seeds: int) -> di
                         p,
                         random.Random(f"{landscape.name}/{seed}/{name}/{k}"),
                         seed,
+                        noise=noise,
                         host_id=f"h{k}",
                     )
                     for k in range(n)
                 ]
 
             if name in ("default", "budget20"):
-                hs = hosts_of(plan, 2)
+                hs = hosts_of(plan, workers)
                 s = (
                     spec
                     if name == "default"
@@ -548,16 +792,22 @@ def _median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else math.nan
 
 
-def study_report(name: str, levels: Sequence[int], cells: dict[str, list[Answer]], seeds: int) -> list[str]:
+def below_min_gain(share: float | None, min_gain: float = 0.01) -> bool:
+    """More than `min_gain` below the optimum (what the stop rule says it risks at most 10% of the time)."""
+    return share is not None and share * (1.0 + min_gain) < 1.0
+
+
+def study_report(
+    name: str, levels: Sequence[int], cells: dict[str, list[Answer]], seeds: int, workers: int = 2
+) -> list[str]:
     lines = [
-        f"### {name} (levels {list(levels)}, {seeds} seeds)",
+        f"### {name} (levels {list(levels)}, {seeds} seeds, {workers} workers)",
         "",
         "| strategy | median launches to the answer | baselines / search / confirm / failed | median GPU-h | "
         "answer within 2% | median share of optimum | OOM launches (median / max) |",
         "|---|---|---|---|---|---|---|",
     ]
-    for s in STUDY_STRATEGIES:
-        answers = cells[s]
+    for s, answers in cells.items():
         split = " / ".join(
             f"{_median([a.by_kind.get(k, 0) for a in answers]):g}" for k in ("baseline", "search", "confirm", "failed")
         )
@@ -568,33 +818,90 @@ def study_report(name: str, levels: Sequence[int], cells: dict[str, list[Answer]
             f"{within}/{len(answers)} | {100 * _median([a.share for a in answers]):.1f}% | "
             f"{_median(ooms):g} / {max(ooms)} |"
         )
-    d = cells["default"]
-    reasons: dict[str, int] = {}
-    for a in d:
-        key = a.reason.split(":")[0].split(" after")[0]
-        reasons[key] = reasons.get(key, 0) + 1
-    lines.append("")
-    lines.append("default study ended by: " + ", ".join(f"{k} ({v})" for k, v in sorted(reasons.items())))
+    d = cells.get("default")
+    if d:
+        lines.append("")
+        lines.append("default study ended by: " + ", ".join(f"{k} ({v})" for k, v in sorted(_endings(d).items())))
+        lines.append(
+            f"default study: answer more than 1% below the optimum in {sum(below_min_gain(a.share) for a in d)}/{len(d)}, "
+            f"the incumbent it stopped on in {sum(below_min_gain(a.incumbent_share) for a in d)}/{len(d)}"
+        )
     lines.append("")
     return lines
 
 
+def _endings(answers: Sequence[Answer]) -> dict[str, int]:
+    """Finish reasons, by the conductor's reason and the stop rule that settled the search."""
+    out: dict[str, int] = {}
+    for a in answers:
+        key = a.reason.split(":")[0] + (f" ({a.rule} rule)" if a.rule else "")
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+def calibration_report(results: Sequence[tuple[Case, list[Answer]]], workers: int) -> list[str]:
+    """The stop rule's calibration over every case and seed of the default study."""
+    rows = [
+        "### Calibration of the stop rule (default study, every case and seed)",
+        "",
+        "| case | studies | median launches | answer within 2% | answer > 1% below optimum | "
+        "incumbent > 1% below optimum | ran to the cap | stopped by |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    total = below = below_inc = capped = 0
+    for case, answers in results:
+        n = len(answers)
+        b = sum(below_min_gain(a.share) for a in answers)
+        bi = sum(below_min_gain(a.incumbent_share) for a in answers)
+        cap = sum(1 for a in answers if a.reason.startswith(FinishReason.MAX_TRIALS.value))
+        total, below, below_inc, capped = total + n, below + b, below_inc + bi, capped + cap
+        rules = ", ".join(f"{k} {v}" for k, v in sorted(_endings(answers).items()))
+        rows.append(
+            f"| {case.label} | {n} | {_median([a.launches for a in answers]):g} | "
+            f"{sum(a.share >= WITHIN for a in answers)}/{n} | {b}/{n} | {bi}/{n} | {cap}/{n} | {rules} |"
+        )
+    if total:
+        rows.append(
+            f"| **all** ({workers} workers) | {total} | | | **{100 * below / total:.1f}%** | "
+            f"**{100 * below_inc / total:.1f}%** | **{100 * capped / total:.1f}%** | |"
+        )
+    rows.append("")
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--seeds", type=int, default=20)
-    ap.add_argument("--levels", default=None, help="workload concurrency levels for every landscape, comma-separated")
-    ap.add_argument("--landscapes", default=",".join(LANDSCAPES))
+    ap.add_argument("--cases", default=",".join(c.label for c in CASES), help="case labels, comma-separated")
+    ap.add_argument("--workers", type=int, default=2, help="workers (hosts) of the service's studies")
+    ap.add_argument("--strategies", default=",".join(STUDY_STRATEGIES))
+    ap.add_argument("--spec-host-sd", type=float, default=SPEC_HOST_SD)
     args = ap.parse_args(argv)
+    by_label = {c.label: c for c in CASES}
+    strategies = [s for s in args.strategies.split(",") if s]
     t0 = time.monotonic()
-    print(f"search efficiency: {args.seeds} seeds, two workers for the studies", flush=True)
-    for name in args.landscapes.split(","):
-        ls = LANDSCAPES[name]
-        if args.levels:
-            levels = tuple(int(x) for x in args.levels.split(","))
-        else:
-            levels = LEVELS_BY_LANDSCAPE.get(name, (1,))
-        cells = simulate_studies(ls, Workload(levels=levels), args.seeds)
-        print("\n".join(study_report(name, levels, cells, args.seeds)), flush=True)
+    print(
+        f"search efficiency: {args.seeds} seeds, {args.workers} workers for the studies, "
+        f"per-host offset sd {args.spec_host_sd}",
+        flush=True,
+    )
+    results: list[tuple[Case, list[Answer]]] = []
+    for label in args.cases.split(","):
+        if label not in by_label:
+            ap.error(f"no case {label!r}; known: {', '.join(by_label)}")
+        case = by_label[label]
+        cells = simulate_studies(
+            LANDSCAPES[case.landscape],
+            Workload(levels=case.levels),
+            args.seeds,
+            workers=args.workers,
+            strategies=strategies,
+            spec_host_sd=args.spec_host_sd,
+        )
+        print("\n".join(study_report(case.label, case.levels, cells, args.seeds, args.workers)), flush=True)
+        if "default" in cells:
+            results.append((case, cells["default"]))
+    print("\n".join(calibration_report(results, args.workers)), flush=True)
     print(f"({time.monotonic() - t0:.0f} s)")
     return 0
 

@@ -177,17 +177,20 @@ class Lead:
         return self.since >= needed
 
 
-def lead(history: Sequence[Launch], min_gain: float) -> Lead:
+def lead(history: Sequence[Launch], min_gain: float, noise_sd: float = HOST_SD) -> Lead:
     """Where the incumbent (the best launch, or the baseline 1.0x when nothing beats it) was found,
     and how many launches since have failed to beat it by more than `min_gain`.
 
-    The incumbent is "found" at the last launch that beat the one before by more than `min_gain`:
-    a launch that beats it by less is within what the rule tolerates, and does not restart the count.
+    The incumbent is "found" at the last launch that beat the one before by more than `min_gain`
+    plus `noise_sd` (what two launches on different hosts differ by without any difference in the
+    configuration): a launch that beats it by less is within what the rule tolerates, or within
+    the noise, and does not restart the count.
     """
     bar = 1.0
     found = 0
+    margin = (1.0 + min_gain) * math.exp(noise_sd)
     for i, launch in enumerate(history):
-        if launch.value > bar * (1.0 + min_gain):
+        if launch.value > bar * margin:
             found = i + 1
         bar = max(bar, launch.value)
     since = history[found:]
