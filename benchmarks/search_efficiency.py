@@ -651,7 +651,7 @@ def _study_answer(store: MemoryStudy, hosts: Sequence[Host], truth: Truth) -> An
             if (got.violation or 0.0) <= 0:
                 confirmed.append(doc)
     if confirmed:
-        top = confirmation.choose(confirmed).winner
+        top = confirmation.choose(confirmed, spec.budget.min_gain).winner
         cfg = SpecConfig.model_validate(top["config"])
         return answer(truth.value(cfg) if float(top["speedup"]) > 1.0 else 1.0)
     return answer(incumbent)

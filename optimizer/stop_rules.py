@@ -56,7 +56,7 @@ CONFIDENT_SD = 0.05
 MEASUREMENT_FLOOR = 0.005
 # The empirical rule's quiet spell: at least this many launches, and at least half the launches
 # it took to find the incumbent.
-HOLD_MIN = 4
+HOLD_MIN = 3
 # The improvement-rate backstop: at least this many launches, and at least as many as it took to
 # find the incumbent.
 STALL_MIN = 8
