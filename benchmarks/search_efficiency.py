@@ -1,25 +1,29 @@
 """Launches and GPU-hours until a study declares its answer, per strategy.  (Run by hand.)
 
-    python benchmarks/search_efficiency.py                      # 6 landscapes x 20 seeds (minutes)
-    python benchmarks/search_efficiency.py --seeds 5            # a smoke run
-    python benchmarks/search_efficiency.py --levels 1,64        # one workload for every landscape
+    python benchmarks/search_efficiency.py --strategies default          # 9 cases x 20 seeds
+    python benchmarks/search_efficiency.py --seeds 5                     # a smoke run, all strategies
+    python benchmarks/search_efficiency.py --workers 4 --cases moe-pcie@1,dense-8b-h100@1
 
 No servers: every launch is simulated with the simulator's pure model (`spectune_sim.model`):
 start-up seconds and memory check of the server launched, throughput and accept length per
 concurrency level from `predict`, with the simulator's noise model (per-request lognormal timing
-noise averaged over the workload, acceptance sampling noise, a per-host offset that cancels
-against the same host's baseline, and a slow drift over simulated wall time).
+noise averaged over the workload, scaled by the landscape's `noise_scale`; acceptance sampling
+noise; a per-host offset that cancels against the same host's baseline; a per-host offset of
+the speedup that does not, `--spec-host-sd`; a slow drift over simulated wall time).
 
-Strategies, each on every landscape and seed:
+Strategies, each on every case (a landscape at a workload; two levels make the objective their
+geometric mean) and seed:
 
-* `default` - the service's own loop with the default study (`sampler: auto`, convergence stop
-  on, `min_gain` 1%, confirmation of the top 3 whose intervals overlap the leader's), two
-  workers on two hosts leasing in the order of their clocks, so proposals are made while the
-  other host's trial is in flight; the study declares its answer when it converges (or
-  `max_trials` = 30), then confirms (one fresh baseline per host, baseline-candidate-baseline
-  only where drift was seen).  A "speculation does not pay" verdict is not confirmed.
-* `budget20` - the same loop with the convergence stop off and `max_trials: 20` (the behaviour
-  the issue reported: the whole budget is spent, then confirmation).
+* `default` - the study the service runs: `optimizer.conductor`, the object the API asks, decides
+  every step (baselines, asks, the stop rule, the move to confirmation, the pairing of each
+  confirmation with a fresh baseline, the finish); this file only carries its actions out on an
+  in-memory store (Optuna's InMemoryStorage, the leases, the baselines) with simulated hosts on
+  one clock, `--workers` of them asking in the order of their clocks, so proposals are made while
+  other hosts' launches are in flight.  Duplicates are answered as the service answers them, and
+  the answer is the service's (the cheapest confirmed candidate tied with the best within
+  `min_gain`, optimizer.confirmation.choose).  tests/test_search_efficiency.py checks that the
+  service, through its REST API, runs the same launches and finishes with the same reason.
+* `budget20` - the same study with the convergence stop off and `max_trials: 20`.
 * `tpe` - Optuna's default TPESampler() over the raw space (steps 1-10, topk {1,2,4,8}, draft
   tokens 2-64 as independent integers), 20 launches on one host; no domain knowledge: every
   proposal is launched (a tree SGLang cannot fill fails after its start-up), failures told as 0,
@@ -30,7 +34,10 @@ Strategies, each on every landscape and seed:
 Everything is counted: baselines (re-measured every 6 h of simulated time, and the fresh ones
 of the confirmation), search launches, confirmations, failed launches.  GPU-hours = (start-up +
 warm-up + benchmark) x the landscape's GPUs.  The answer's share = its true objective / the true
-optimum, where "run without speculation" counts as 1.0x and the optimum is at least 1.0x.
+optimum, where "run without speculation" counts as 1.0x and the optimum is at least 1.0x.  The
+calibration table counts, over every case and seed, the studies whose answer (and whose
+incumbent when the search stopped) is more than `min_gain` below the optimum, and those that ran
+to the `max_trials` cap, with the stop rule that ended each (optimizer.stop_rules.StopRule).
 """
 
 from __future__ import annotations
