@@ -308,15 +308,22 @@ def test_a_model_that_mispredicts_is_distrusted_and_the_empirical_rule_stops_the
     assert a.settled and a.rule is StopRule.EMPIRICAL and a.pays is True, a.reason
     assert a.reason.startswith("converged after 5 configurations (empirical rule)"), a.reason
     assert "not trusted" in a.reason and "none of the last 4 launches beat s6-k4-n16" in a.reason, a.reason
+    assert stop_rules.hold_needed(1) <= 4
     assert a.as_json()["rule"] == "empirical" and a.as_json()["model_trusted"] is False
 
 
 def test_the_empirical_rule_waits_while_the_incumbent_is_new() -> None:
-    # The best launched second: three launches after it are not the four the rule wants.
-    short = _run_with_predictions([ZIGZAG_RUN[1], ZIGZAG_RUN[0], *ZIGZAG_RUN[2:]], miss=1.25)
-    b = convergence.assess(spec(), short)
+    # The best launched third: two launches after it are fewer than the rule wants.
+    order = [ZIGZAG_RUN[1], ZIGZAG_RUN[2], ZIGZAG_RUN[0], ZIGZAG_RUN[3], ZIGZAG_RUN[4]]
+    trials = _run_with_predictions(order, miss=1.25)
+    need = stop_rules.hold_needed(3)
+    assert need > 2
+    b = convergence.assess(spec(), trials)
     assert not b.settled and b.rule is None, b.reason
-    assert "empirical rule waits for 4 launches" in b.reason and "(3 so far)" in b.reason, b.reason
+    assert f"empirical rule waits for {need} launches" in b.reason and "(2 so far)" in b.reason, b.reason
+    # One more quiet launch than that, and it stops.
+    more = _run_with_predictions([*order, SpecConfig(num_steps=1, topk=1, num_draft_tokens=2)], miss=1.25)
+    assert convergence.assess(spec(), more).rule is StopRule.EMPIRICAL
 
 
 def test_a_model_that_predicts_within_its_uncertainty_is_not_overruled() -> None:
