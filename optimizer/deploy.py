@@ -25,6 +25,7 @@ unless it is printed where the registry is known (`spectune study best --worker-
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 from collections.abc import Mapping, Sequence
@@ -102,6 +103,15 @@ class Deployment:
     # The levels it was measured at, and what the command admits beyond them (`load_note`).
     proven_levels: tuple[int, ...] = ()
     load_note: str = ""
+    # The launch that started exactly this server (a confirmation lease), and how it differs
+    # from the envelope planned first (a smaller graph envelope after an out-of-memory start).
+    proven_by: str | None = None
+    proof_note: str = ""
+
+    def proven(self, lease_id: str, settings: ServerSettings, note: str) -> Deployment:
+        """This deployment as a confirmation launched it: its server, named by that launch."""
+        reason = self.reason if not note else f"{self.reason}; {note}"
+        return dataclasses.replace(self, settings=settings, proven_by=lease_id, proof_note=note, reason=reason)
 
     @property
     def speculation(self) -> bool:
@@ -150,6 +160,9 @@ class Deployment:
             "adaptive_file": ADAPTIVE_FILE if self.mode == "adaptive" else None,
             "proven_levels": list(self.proven_levels),
             "load_note": self.load_note,
+            # The confirmation lease that started exactly this server (None: no launch did).
+            "proven_by": self.proven_by,
+            "proof_note": self.proof_note,
             # Placeholders for model paths; `spectune study best --worker-config` fills them in.
             "launch_command": self.command(),
         }
@@ -165,6 +178,8 @@ class Deployment:
             adaptive_config=doc.get("adaptive_config"),
             proven_levels=tuple(int(c) for c in doc.get("proven_levels") or ()),
             load_note=str(doc.get("load_note") or ""),
+            proven_by=doc.get("proven_by"),
+            proof_note=str(doc.get("proof_note") or ""),
         )
 
 

@@ -146,7 +146,7 @@ def study_export(
         fail(f"unknown --format {fmt!r}; choose csv or json")
     shown = call("GET", f"/v1/studies/{name}", api_url, token)
     trials = call("GET", f"/v1/studies/{name}/trials", api_url, token)
-    text = to_csv(name, trials) if fmt == "csv" else to_json(shown, trials) + "\n"
+    text = to_csv(name, trials, shown.get("confirmation")) if fmt == "csv" else to_json(shown, trials) + "\n"
     if output is None:
         typer.echo(text, nl=False)
         return
@@ -192,6 +192,8 @@ def study_best(
             fail(str(e))
     shown = call("GET", f"/v1/studies/{name}", api_url, token)
     doc = shown.get("deployment")
+    if shown.get("best") is not None and doc is None:
+        fail(f"study {name}: {shown['verdict']}")  # no deployment started: no command to print
     if shown.get("best") is None or doc is None:
         fail(f"study {name} has no measured configuration yet (state {shown['state']}); try again later")
     deployment = Deployment.from_json(doc)

@@ -97,11 +97,44 @@ def cell(value: Any) -> Any:
     return value
 
 
-def to_csv(study: str, trials: list[dict[str, Any]]) -> str:
+def confirmation_rows(study: str, confirmations: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """One row per confirmation and level, `source` "confirmation": the launches the answer comes from."""
+    out = []
+    for c in confirmations or []:
+        cfg = c.get("config") or {}
+        base = {int(b["concurrency"]): b.get("output_tok_s") for b in c.get("baseline_levels") or []}
+        by_level = c.get("speedup_by_level") or {}
+        head = {
+            "study": study,
+            "trial": c["trial_number"],
+            "state": f"confirmation {c['state']}",
+            "source": "confirmation",
+            "num_steps": cfg.get("num_steps"),
+            "topk": cfg.get("topk"),
+            "num_draft_tokens": cfg.get("num_draft_tokens"),
+            "cuda_graph_max_bs": cfg.get("cuda_graph_max_bs"),
+            "objective_speedup": c.get("speedup"),
+            "worker_id": c.get("worker_id"),
+        }
+        levels = c.get("levels") or []
+        if not levels:
+            out.append(head)
+        for lv in levels:
+            level = int(lv["concurrency"])
+            out.append(
+                head
+                | {"concurrency": level, "baseline_tok_s": base.get(level), "speedup": by_level.get(str(level))}
+                | {k: lv.get(k) for k in LEVEL_FIELDS}
+            )
+    return out
+
+
+def to_csv(study: str, trials: list[dict[str, Any]], confirmations: list[dict[str, Any]] | None = None) -> str:
+    """Every trial at every level, then every confirmation at every level (the answer's launches)."""
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=COLUMNS, extrasaction="ignore", lineterminator="\n")
     w.writeheader()
-    for r in rows(study, trials):
+    for r in [*rows(study, trials), *confirmation_rows(study, confirmations)]:
         w.writerow({k: cell(r.get(k)) for k in COLUMNS})
     return buf.getvalue()
 

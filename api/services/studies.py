@@ -19,11 +19,11 @@ from api.artifacts import paths_to_names
 from api.context import ServiceContext
 from api.db import db_now
 from api.errors import ConflictError, LimitReachedError
-from api.models import BaselineRow, LeaseRow, StudyRow, TrialConfigRow, WorkerRow
+from api.models import BaselineRow, EventRow, LeaseRow, StudyRow, TrialConfigRow, WorkerRow
 from api.optuna_tables import empty_counts, trial_counts
 from api.services import eligibility as elig
 from api.services import launch_noise, study_life, trial_records
-from api.services.leasing.records import active_refusals
+from api.services.leasing.records import DEPLOY_FAILED, DEPLOY_RETRY, active_refusals
 from api.services.study_specs import runnable_spec, stored_spec
 from optimizer import answers, costs, deploy
 from optimizer import attrs as A
@@ -33,6 +33,7 @@ from optimizer import study as opt
 from optimizer.analysis import Interval, level_intervals
 from optimizer.errors import StudyNotFoundError
 from optimizer.plan import baseline_key
+from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec, describe_workload, validate_spec
 from optimizer.study_state import CONFIRMING_NOTE, FinishReason, Phase, StudyState
@@ -251,6 +252,14 @@ class StudyService:
                 .order_by(LeaseRow.created_at)
             ).all()
             fresh_by_trial = _fresh_by_trial(confirm_rows)
+            events = [
+                (e.kind, e.detail or "")
+                for e in s.scalars(
+                    select(EventRow)
+                    .where(EventRow.study_name == name, EventRow.kind.in_((DEPLOY_RETRY, DEPLOY_FAILED)))
+                    .order_by(EventRow.at)
+                )
+            ]
             cost = study_cost(s, name)
             refusals = [
                 # Names, not host paths (rows stored before the API redacted them too).
@@ -274,6 +283,7 @@ class StudyService:
             baselines = [
                 {"worker_id": w, "measured_at": b.measured_at, "tok_s": b.tok_s} for w, b in sorted(latest.items())
             ]
+            latest_levels = {w: b.metrics.get("levels") or [] for w, b in latest.items()}
         counts, trials = self._trial_counts(name)
         with self.ctx.sessions() as s:
             noise = launch_noise.study_noise(s, spec, trials)
@@ -297,6 +307,11 @@ class StudyService:
             exported=exported,
             version=(winner or {}).get("sglang_version") or DEFAULT_SGLANG_VERSION,
         )
+        deployment, unproven = _proof(deployment, winner, confirmations, events)
+        # Hosts whose baselines disagree beyond the noise seen: one is probably saturated.
+        hosts_note = confirm.host_disagreement(latest_levels, noise.variance / 2)
+        if winner is not None and deployment is not None and deployment.proven_by is not None:
+            winner["launch_command"] = deployment.command()
         return {
             "name": name,
             "state": row.state,
@@ -315,7 +330,10 @@ class StudyService:
             "baselines_measured": baselines_measured,
             # Output tok/s without speculation per host and level: what every speedup divides by.
             "baselines": baselines,
-            "best": best_doc,
+            # `best` is the answer everywhere (the winner: confirmed, else the search's best);
+            # the search's own best measured trial is `best_measured`.
+            "best": winner,
+            "best_measured": best_doc,
             "winner": winner,
             "confirmation": confirmations,
             "best_by_level": {
@@ -324,9 +342,16 @@ class StudyService:
             # Launch-to-launch noise in every interval shown, and what it was estimated from.
             "launch_noise": noise.as_json(),
             "adaptive_spec": None if exported is None else exported.as_json(),
-            "verdict": cond.verdict(
-                answer, measured, adaptive=deployment.reason if deployment and deployment.mode == "adaptive" else None
+            "verdict": _with_note(
+                unproven
+                or cond.verdict(
+                    answer,
+                    measured,
+                    adaptive=deployment.reason if deployment and deployment.mode == "adaptive" else None,
+                ),
+                hosts_note,
             ),
+            "host_check": hosts_note,
             # Launches and GPU-hours spent, by kind, next to SGLang's grid (optimizer.costs).
             "cost": cost.as_json(),
             # Workers that refused what this study asks (a study fault: they are not offered it
@@ -377,6 +402,14 @@ class StudyService:
                 "speedup_interval_by_level": top["speedup_interval_by_level"],
                 "confirmed": True,
                 "confirmed_on": top["worker_id"],
+                # One record: the launch the answer's numbers come from, its host, what it measured.
+                "worker_id": top["worker_id"],
+                "search_worker_id": doc.get("worker_id"),
+                "lease_id": top.get("lease_id"),
+                "levels": top.get("levels"),
+                "baseline_levels": top.get("baseline_levels"),
+                "server": top.get("server"),
+                "envelope_note": top.get("envelope_note") or "",
                 "saturated": top.get("saturated") or {},
                 # Confirmed candidates the answer cannot be told apart from (overlapping intervals).
                 "ties": [
@@ -507,6 +540,13 @@ def _confirmations(spec: StudySpec, rows: Sequence[LeaseRow], extra_var: float =
                 "speedup_interval_by_level": info.get("speedup_interval_by_level"),
                 "violation": info.get("violation"),
                 "baseline_measured_at": info.get("baseline_measured_at"),
+                # The launch: its lease, the server it started, what it measured (one record).
+                "lease_id": r.id,
+                "server": ((r.result or {}).get("deployment") or {}).get("server"),
+                "envelope_note": ((r.result or {}).get("deployment") or {}).get("note") or "",
+                "levels": None if measured is None else measured[1],
+                "baseline_levels": None if measured is None else measured[2],
+                "extra_passes": ((r.result or {}).get("metrics") or {}).get("extra_passes") or 0,
                 "saturated": {
                     str(k): v
                     for k, v in confirm.saturated_levels(
@@ -563,3 +603,41 @@ def _answer_of(winner: dict[str, Any] | None, fresh_by_trial: dict[int, bool]) -
         saturated={int(k): v for k, v in (winner.get("saturated") or {}).items()},
         tie_note=winner.get("tie_note"),
     )
+
+
+def _proof(
+    deployment: deploy.Deployment | None,
+    winner: dict[str, Any] | None,
+    confirmations: list[dict[str, Any]],
+    events: list[tuple[str, str]],
+) -> tuple[deploy.Deployment | None, str | None]:
+    """The deployment as the launch that proved it started it, and a verdict when none did.
+
+    A static answer confirmed in its deployment envelope is printed with the server that
+    confirmation started (a smaller graph envelope after an out-of-memory start says so).  When
+    the study confirmed candidates and none of their deployments started, there is no command to
+    print: the verdict says so, with why.
+    """
+    failed = [d for k, d in events if k == DEPLOY_FAILED]
+    retried = [d for k, d in events if k == DEPLOY_RETRY]
+    if winner is None or deployment is None:
+        return deployment, None
+    if winner.get("confirmed") and deployment.mode == "static" and winner.get("server"):
+        settings = ServerSettings.model_validate(winner["server"])
+        c = winner["config"]
+        mine = [d for d in retried if d.startswith(f"{c['num_steps']}/{c['topk']}/{c['num_draft_tokens']} ")]
+        note = mine[-1] if mine else ""
+        if not note and winner.get("envelope_note"):
+            note = (
+                "the planned envelope was skipped: a configuration needing no more graph memory ran out of memory "
+                f"in it; started with {winner['envelope_note']}"
+            )
+        return deployment.proven(str(winner.get("lease_id")), settings, note), None
+    tried = [c for c in confirmations if c.get("server") is not None or c["state"] == "failed"]
+    if not winner.get("confirmed") and failed and not any(c["state"] == "completed" for c in tried):
+        return None, "no command: none of the candidates' deployments started (" + "; ".join(failed) + ")"
+    return deployment, None
+
+
+def _with_note(verdict: str, note: str | None) -> str:
+    return verdict if note is None else f"{verdict}; warning: {note}"

@@ -28,6 +28,7 @@ from api.services.leasing.states import LeaseKind
 from api.services.study_specs import baseline_key_of
 from api.settings import Settings
 from optimizer import conductor as c
+from optimizer import deploy
 from optimizer.spec import StudySpec
 from optimizer.study_state import Ending, FinishReason, Phase, StudyState
 
@@ -172,11 +173,20 @@ def persist(s: Session, spec: StudySpec, action: c.Action, now: datetime) -> Non
         log.info("study %s finished (%s): %s", spec.name, action.reason.value, action.detail)
         return
     for cand in action.candidates:
+        # Each candidate is confirmed as it would be deployed: the winner's confirmation is then
+        # the launch that proves the printed command (issue 17 item 1), no launch added.
+        tier, env = deploy.envelopes_to_try(spec, cand.config)[0]
         payload = lease_payload(
             spec,
             cand.config,
-            confirm={"avoid_worker": cand.avoid_worker, "search_speedup": cand.search_speedup},
+            confirm={
+                "avoid_worker": cand.avoid_worker,
+                "search_speedup": cand.search_speedup,
+                "tier": tier,
+                "envelope_note": env.note,
+            },
         )
+        payload["server"] = env.settings.model_dump(mode="json")
         s.add(
             new_lease_row(
                 spec,

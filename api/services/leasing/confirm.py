@@ -20,11 +20,13 @@ from api.models import BaselineRow, LeaseRow
 from api.services import study_life
 from api.services.launch_noise import confirm_measurement, study_noise
 from api.services.leasing import records
-from api.services.leasing.records import CONFIG_FAILURES, HostHealth, event
+from api.services.leasing.records import CONFIG_FAILURES, DEPLOY_FAILED, DEPLOY_RETRY, HostHealth, event
 from api.services.leasing.states import LeaseKind, LeaseState, claim, end
 from api.services.study_specs import baseline_key_of, study_trials
 from optimizer import confirmation as confirm
+from optimizer import deploy
 from optimizer.conductor import Confirm
+from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 from spectune_protocol import CompleteIn, CompleteOut
 
@@ -49,6 +51,17 @@ class ConfirmLeases:
         base = s.get(BaselineRow, action.baseline_id)
         assert base is not None
         payload = {**lease.payload, "confirm": info, "resolve": resolve_order(s, spec, base, lease)}
+        # What the study's deployments taught since it was queued: skip an envelope known to fail.
+        lease_config = payload.get("config")
+        if lease_config is not None and "tier" in info:
+            tiers = deploy.envelopes_to_try(
+                spec, SpecConfig.model_validate(lease_config), deploy_failures(s, spec.name)
+            )
+            later = [(t, e) for t, e in tiers if t >= int(info["tier"])]
+            if later and later[0][0] != int(info["tier"]):
+                tier, env = later[0]
+                info |= {"tier": tier, "envelope_note": env.note}
+                payload["server"] = env.settings.model_dump(mode="json")
         claim(s, lease, action.worker_id, now, self.settings.lease_ttl_s, payload=payload)
         log.info(
             "lease %s: study %s confirms trial %s on %s", lease.id, spec.name, lease.trial_number, action.worker_id
@@ -96,6 +109,12 @@ class ConfirmLeases:
                         "baseline_fresh": fresh,
                         "baseline_levels": base_levels,
                     },
+                    # The server this launch started: the deployment it proves (issue 17 item 1).
+                    "deployment": {
+                        "tier": info.get("tier"),
+                        "note": info.get("envelope_note") or "",
+                        "server": lease.payload.get("server"),
+                    },
                 }
                 end(s, lease, LeaseState.COMPLETED, now, speedup=result.value, result=stored)
                 self.health.success(s, lease.worker_id)
@@ -107,10 +126,51 @@ class ConfirmLeases:
                     if records.counts_against_host(failure.kind):
                         self.health.failure(s, lease.worker_id, reason)
                     self.retry(s, lease, now, reason)
+                elif failure is not None and failure.kind in ("oom", "launch_timeout") and "tier" in info:
+                    self.next_envelope(s, spec, lease, now, failure.kind, failure.message)
                 else:
                     event(s, "confirm_failed", lease, reason)
             study_life.settle(s, spec, now, trials, self.settings)
             return CompleteOut(lease_id=lease.id, state=lease.state, speedup=lease.speedup)
+
+    def next_envelope(
+        self, s: Session, spec: StudySpec, lease: LeaseRow, now: datetime, kind: str, message: str
+    ) -> None:
+        """The deployment did not start: the same configuration in the next smaller graph envelope
+        the serving section allows, or, when none is left, the candidate is out (stated)."""
+        info = dict(lease.payload.get("confirm") or {})
+        cfg = SpecConfig.model_validate(lease.payload["config"])
+        why = deploy.deployment_failure(kind, message)
+        tried = int(info["tier"])
+        later = [(t, e) for t, e in deploy.envelopes_to_try(spec, cfg, deploy_failures(s, spec.name)) if t > tried]
+        label = f"{cfg.num_steps}/{cfg.topk}/{cfg.num_draft_tokens}"
+        if not later:
+            event(
+                s,
+                DEPLOY_FAILED,
+                lease,
+                f"{label} did not start as it would be deployed ({why}), and the serving envelope leaves no "
+                "smaller graph envelope to try: it cannot be the answer",
+            )
+            return
+        tier, env = later[0]
+        info = {k: v for k, v in info.items() if k not in ("baseline_id", "baseline_fresh")}
+        info |= {"tier": tier, "envelope_note": env.note}
+        s.add(
+            LeaseRow(
+                id=records.new_lease_id(),
+                study_name=lease.study_name,
+                kind=LeaseKind.CONFIRM.value,
+                state=LeaseState.QUEUED.value,
+                worker_id=None,
+                trial_number=lease.trial_number,
+                attempt=lease.attempt + 1,
+                config_key=lease.config_key,
+                payload={**lease.payload, "confirm": info, "server": env.settings.model_dump(mode="json")},
+                created_at=now,
+            )
+        )
+        event(s, DEPLOY_RETRY, lease, f"{label} did not start as it would be deployed ({why}); trying {env.note}")
 
     def retry(self, s: Session, lease: LeaseRow, now: datetime, reason: str) -> None:
         """Queue a confirmation again (its baseline pairing is redone), up to max_attempts."""
@@ -170,3 +230,18 @@ def resolve_order(s: Session, spec: StudySpec, base: BaselineRow, lease: LeaseRo
         "extra_var": noise.variance,
         "max_passes": confirm.EXTRA_PASSES_PER_REPEAT * spec.workload.repeats,
     }
+
+
+def deploy_failures(s: Session, study: str) -> list[tuple[SpecConfig, int]]:
+    """(configuration, envelope tier) of the study's confirmations that ran out of memory at start-up."""
+    out = []
+    for r in s.scalars(
+        select(LeaseRow).where(
+            LeaseRow.study_name == study, LeaseRow.kind == LeaseKind.CONFIRM, LeaseRow.state == LeaseState.FAILED
+        )
+    ):
+        failure = (r.result or {}).get("failure") or {}
+        info = r.payload.get("confirm") or {}
+        if failure.get("kind") == "oom" and "tier" in info and r.payload.get("config"):
+            out.append((SpecConfig.model_validate(r.payload["config"]), int(info["tier"])))
+    return out

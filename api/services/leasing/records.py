@@ -27,6 +27,10 @@ log = logging.getLogger("spectune.api.leasing")
 
 # Failure kinds caused by the configuration itself: taught to the sampler as infeasible.
 CONFIG_FAILURES = frozenset({"invalid_config", "oom", "launch_timeout"})
+# Events of the deployment proof (issue 17 item 2): a candidate's deployment did not start, and
+# the next envelope is tried, or none is left.
+DEPLOY_RETRY = "deploy_retry"
+DEPLOY_FAILED = "deploy_failed"
 
 
 def counts_against_host(kind: str) -> bool:

@@ -1,0 +1,118 @@
+"""The printed command is the measured command (issue 17 items 1, 2, 5), through the REST API.
+
+Simulated workers start each lease's server exactly as leased: a server the simulator's memory
+model says does not fit (the deploy-tight engine: the tuning envelope fits, graphs up to 48 do
+not) is reported as out of memory at graph capture, every other one is measured by the model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from optimizer.sglang import ServerSettings
+from spectune_sim.landscapes import LANDSCAPES
+from spectune_sim.model import check_memory
+from tests.conftest import INVENTORY, Api, small_spec
+from tests.search_support import OOM, lease, ok, sim_levels
+
+
+def _starts(landscape: str, server: dict[str, Any]) -> bool:
+    s = ServerSettings.model_validate(server)
+    return check_memory(
+        LANDSCAPES[landscape],
+        s.speculative,
+        max_running_requests=s.max_running_requests,
+        cuda_graph_max_bs=s.cuda_graph_max_bs,
+        cuda_graph_bs=s.cuda_graph_bs,
+    ).ok
+
+
+def _drive(api: Api, study: str, landscape: str, *, confirm_ooms: bool = False) -> list[dict[str, Any]]:
+    handed: list[dict[str, Any]] = []
+    for _ in range(80):  # bounded: a few trials, their baselines and confirmations
+        if api.get(f"/v1/studies/{study}", "user").json()["state"] != "running":
+            return handed
+        for w in ("w1", "w2"):
+            got = lease(api, w, INVENTORY | {"models": ["deploy-tight", "deploy-tight-eagle3"]})
+            if got is None:
+                continue
+            handed.append(got)
+            levels = got["workload"]["concurrency"]
+            if not _starts(landscape, got["server"]) or (confirm_ooms and got["kind"] == "confirm"):
+                body: dict[str, Any] = OOM
+            else:
+                body = ok(sim_levels(landscape, got["config"] if got["kind"] != "baseline" else None, levels))
+            assert api.post(f"/v1/leases/{got['lease_id']}/complete", "worker", body).status_code == 200
+    raise AssertionError("the study did not finish")
+
+
+def test_the_printed_command_is_the_server_a_confirmation_started(api: Api) -> None:
+    spec = small_spec("proof", budget={"max_trials": 4})
+    spec["model"] = {"target": "deploy-tight", "draft": "deploy-tight-eagle3"}
+    spec["workload"] = {**spec["workload"], "concurrency": [16], "repeats": 2}
+    spec["serving"] = {"max_running_requests": 48}
+    spec["confirmation"] = {"top": 2}
+    api.post("/v1/studies", "user", spec)
+    handed = _drive(api, "proof", "deploy-tight")
+    shown = api.get("/v1/studies/proof", "user").json()
+    assert shown["state"] == "finished", shown["finish_reason"]
+    confirms = [h for h in handed if h["kind"] == "confirm"]
+    # Candidates are confirmed as they would be deployed: max running requests 48, graphs to 48 ...
+    first = confirms[0]["server"]
+    assert first["max_running_requests"] == 48 and first["cuda_graph_max_bs"] == 48 and first["cuda_graph_bs"] is None
+    # ... which does not fit on this engine: the same configuration again with graphs up to 16.
+    assert any(c["server"]["cuda_graph_max_bs"] == 16 for c in confirms)
+    dep = shown["deployment"]
+    winner = shown["winner"]
+    assert dep["proven_by"] == winner["lease_id"] and dep["proven_by"] is not None
+    assert "CUDA graphs up to batch 16" in dep["reason"] and "out of memory" in dep["reason"].replace("GPU ", "")
+    # The printed server is exactly the one that confirmation started, and it starts.
+    proving = next(c for c in confirms if c["lease_id"] == dep["proven_by"])
+    assert dep["server"] == proving["server"] and _starts("deploy-tight", dep["server"])
+    assert "--max-running-requests 48" in dep["launch_command"]
+    assert "--cuda-graph-max-bs-decode 16" in dep["launch_command"]
+    # One record: best is the answer; the search's best trial is best_measured.
+    assert shown["best"] == winner and shown["best_measured"]["trial_number"] is not None
+    assert winner["launch_command"] == dep["launch_command"]
+    assert winner["levels"] and winner["baseline_levels"]
+    # The host is the confirming one everywhere; the search's host is kept apart.
+    assert winner["worker_id"] == winner["confirmed_on"] and "search_worker_id" in winner
+
+
+def test_when_no_deployment_starts_the_study_says_so_and_prints_no_command(api: Api) -> None:
+    spec = small_spec("noproof", budget={"max_trials": 3})
+    spec["model"] = {"target": "deploy-tight", "draft": "deploy-tight-eagle3"}
+    spec["workload"] = {**spec["workload"], "concurrency": [16], "repeats": 2}
+    spec["serving"] = {"max_running_requests": 48}
+    spec["confirmation"] = {"top": 1}
+    api.post("/v1/studies", "user", spec)
+    handed = _drive(api, "noproof", "deploy-tight", confirm_ooms=True)
+    shown = api.get("/v1/studies/noproof", "user").json()
+    assert shown["state"] == "finished"
+    # Every envelope the serving section allows was tried, each a stated failure.
+    assert len([h for h in handed if h["kind"] == "confirm"]) == 3
+    assert shown["deployment"] is None
+    assert shown["verdict"].startswith("no command: none of the candidates' deployments started")
+    assert "out of GPU memory while capturing CUDA graphs" in shown["verdict"]
+
+
+def test_export_has_the_confirmation_rows() -> None:
+    from api.report.export import to_csv
+
+    confirmation = {
+        "trial_number": 3,
+        "state": "completed",
+        "config": {"num_steps": 2, "topk": 1, "num_draft_tokens": 3},
+        "speedup": 1.2,
+        "worker_id": "w2",
+        "speedup_by_level": {"16": 1.2},
+        "levels": [{"concurrency": 16, "output_tok_s": 120.0}],
+        "baseline_levels": [{"concurrency": 16, "output_tok_s": 100.0}],
+    }
+    text = to_csv("s", [], [confirmation])
+    row = text.splitlines()[1].split(",")
+    header = text.splitlines()[0].split(",")
+    got = dict(zip(header, row, strict=True))
+    assert got["source"] == "confirmation" and got["state"] == "confirmation completed"
+    assert got["concurrency"] == "16" and got["speedup"] == "1.2" and got["baseline_tok_s"] == "100.0"
+    assert got["worker_id"] == "w2"
