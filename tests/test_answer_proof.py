@@ -75,6 +75,9 @@ def test_the_printed_command_is_the_server_a_confirmation_started(api: Api) -> N
     assert shown["best"] == winner and shown["best_measured"]["trial_number"] is not None
     assert winner["launch_command"] == dep["launch_command"]
     assert winner["levels"] and winner["baseline_levels"]
+    from api.report.tables import study_summary
+
+    assert f"launched exactly as printed by confirmation lease {dep['proven_by']}" in study_summary(shown)
     # The host is the confirming one everywhere; the search's host is kept apart.
     assert winner["worker_id"] == winner["confirmed_on"] and "search_worker_id" in winner
 
@@ -116,3 +119,21 @@ def test_export_has_the_confirmation_rows() -> None:
     assert got["source"] == "confirmation" and got["state"] == "confirmation completed"
     assert got["concurrency"] == "16" and got["speedup"] == "1.2" and got["baseline_tok_s"] == "100.0"
     assert got["worker_id"] == "w2"
+
+
+def test_a_command_no_launch_started_says_so() -> None:
+    from api.services.studies import _proof
+    from optimizer.deploy import plan_deployment
+    from optimizer.space import SpecConfig
+    from optimizer.spec import parse_spec
+
+    spec = parse_spec({"name": "n", "model": {"target": "t", "draft": "d"}, "workload": {"concurrency": [1, 8]}})
+    cfg = SpecConfig(num_steps=2, topk=1, num_draft_tokens=3)
+    winner = {"config": cfg.model_dump(mode="json"), "confirmed": False, "trial_number": 1}
+    static = plan_deployment(spec, cfg, pays=True, exported=None, version="0.5.23")
+    dep, verdict = _proof(static, winner, [], [])
+    assert verdict is None and dep is not None and dep.proven_by is None
+    assert "not confirmed" in dep.proof_note
+    plain = plan_deployment(spec, cfg, pays=False, exported=None, version="0.5.23")
+    dep, _ = _proof(plain, winner | {"confirmed": True}, [], [])
+    assert dep is not None and "baselines ran this server" in dep.proof_note

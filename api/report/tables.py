@@ -49,6 +49,10 @@ def study_summary(shown: dict[str, Any]) -> str:
         lines += [f"         {line}" for line in dep["launch_command"].splitlines()]
         if dep.get("load_note"):
             lines.append(f"load     {dep['load_note']}")
+        if dep.get("proven_by"):
+            lines.append(f"proven   launched exactly as printed by confirmation lease {dep['proven_by']}")
+        elif dep.get("proof_note"):
+            lines.append(f"proof    {dep['proof_note']}")
     cost = shown.get("cost")
     if cost:
         lines.append(f"cost     {cost['summary']}")

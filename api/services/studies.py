@@ -6,6 +6,7 @@ through api.services.study_life, never here.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -636,7 +637,19 @@ def _proof(
     tried = [c for c in confirmations if c.get("server") is not None or c["state"] == "failed"]
     if not winner.get("confirmed") and failed and not any(c["state"] == "completed" for c in tried):
         return None, "no command: none of the candidates' deployments started (" + "; ".join(failed) + ")"
-    return deployment, None
+    # Not proven by a launch of this study, said with the command (proven_by stays None).
+    if deployment.mode == "adaptive":
+        note = (
+            "not launched by this study as printed: its confirmations ran each configuration statically; "
+            "the adaptive switch itself is SGLang's, unmeasured here"
+        )
+    elif deployment.mode == "no_speculation":
+        note = "the study's baselines ran this server without speculation (sized as its trials were)"
+    elif not winner.get("confirmed"):
+        note = "not confirmed: the search's envelope ran this configuration, not the printed one"
+    else:
+        note = ""
+    return (deployment if not note else dataclasses.replace(deployment, proof_note=note)), None
 
 
 def _with_note(verdict: str, note: str | None) -> str:
