@@ -28,7 +28,7 @@ import pytest
 from tests.conftest import INVENTORY, make_tokens, pg_clone, small_spec
 from tests.helpers import api_server
 
-schemathesis = pytest.importorskip("schemathesis", reason="pip install 'spectune[dev]' (schemathesis)")
+schemathesis = pytest.importorskip("schemathesis", reason="schemathesis: make setup installs it (the dev extra)")
 from hypothesis import HealthCheck, given, settings  # noqa: E402  (after the importorskip)
 from hypothesis.errors import Unsatisfiable  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
