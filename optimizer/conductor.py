@@ -375,6 +375,29 @@ def _unleased_running(snap: Snapshot) -> bool:
     return any(t.state == TrialState.RUNNING and t.number not in held for t in snap.trials)
 
 
+# ----------------------------------------------------------------------------------- study faults
+
+# A study whose baseline failed for what it asks on this many hosts is stopped: the fault follows it.
+STOP_AFTER_HOSTS = 2
+
+
+def baseline_fault(kind: str, message: str, hosts: int) -> Ending | None:
+    """Does a baseline that failed for what the study asks stop the study?  (None: not yet.)
+
+    At once for a value the engine rejects (`invalid_config`: wrong on every host); after
+    STOP_AFTER_HOSTS hosts for a fault that depends on the host's GPUs (memory, start-up time).
+    The study is stopped, not finished: fixed and created again, it starts from nothing wrong.
+    """
+    if kind != "invalid_config" and hosts < STOP_AFTER_HOSTS:
+        return None
+    where = "the engine rejects its settings" if kind == "invalid_config" else f"on {hosts} hosts"
+    return Ending(
+        FinishReason.STUDY_FAULT,
+        f"stopped: its baseline failed ({where}): {kind}: {message[:120]}; fix the study's model "
+        "settings and create it again",
+    )
+
+
 # ----------------------------------------------------------------------------------- confirmation
 
 

@@ -348,3 +348,38 @@ def test_fresh_is_said_only_of_a_fresh_baseline() -> None:
     assert "fresh" not in text and "not measured for it" in text
     assert not c.pays(replace(answer, interval=Interval(1.01, 0.99, 1.03)))
     assert c.verdict(None, 0) == "no result yet"
+
+
+# ------------------------------------------------------------------ study faults, and who decides
+
+
+def test_a_baseline_the_study_makes_fail_stops_it_when_the_fault_follows_the_study() -> None:
+    rejected = c.baseline_fault("invalid_config", "--mem-fraction-static 1.5: invalid choice", 1)
+    assert rejected is not None and rejected.reason == FinishReason.STUDY_FAULT
+    assert "the engine rejects its settings" in rejected.detail
+    assert c.baseline_fault("oom", "CUDA out of memory", 1) is None  # may be this host's GPUs
+    on_two = c.baseline_fault("oom", "CUDA out of memory", 2)
+    assert on_two is not None and "on 2 hosts" in on_two.detail
+
+
+def test_only_the_conductor_decides_a_studys_life() -> None:
+    """No lease module imports the study service, and the study service imports no life rule."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+
+    def imports(path: Path) -> set[str]:
+        out: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                out |= {a.name for a in node.names}
+        return out
+
+    for path in sorted((root / "api" / "services" / "leasing").glob("*.py")):
+        assert "api.services.studies" not in imports(path), path.name
+    service = imports(root / "api" / "services" / "studies.py")
+    for rule in ("optimizer.convergence", "optimizer.budget", "optimizer.infeasible", "optimizer.stop_rules"):
+        assert rule not in service, rule

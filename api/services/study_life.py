@@ -158,6 +158,19 @@ def next_for(
     return action
 
 
+def stop_for_fault(s: Session, spec: StudySpec, ending: Ending, now: datetime) -> bool:
+    """Stop a running study whose own settings fail (optimizer.conductor.baseline_fault)."""
+    row = s.get(StudyRow, spec.name, with_for_update=True)
+    if row is None or row.state != StudyState.RUNNING:
+        return False
+    row.state = StudyState.STOPPED.value
+    row.finished_at = now
+    row.finish_rule = ending.reason.value
+    row.finish_reason = ending.detail[:256]
+    log.info("study %s stopped (%s): %s", spec.name, ending.reason.value, ending.detail)
+    return True
+
+
 def persist(s: Session, spec: StudySpec, action: c.Action, now: datetime) -> None:
     """Write a study-level decision (`StartConfirmation`, `Finish`); others change nothing here."""
     if not isinstance(action, c.StartConfirmation | c.Finish):

@@ -20,20 +20,19 @@ from sqlalchemy.orm import Session
 
 from api.context import Unit
 from api.db import db_now
-from api.models import BaselineRow, EventRow, LeaseRow, StudyRow
+from api.models import BaselineRow, EventRow, LeaseRow
+from api.services import study_life
 from api.services.leasing import records
 from api.services.leasing.records import CONFIG_FAILURES, HostHealth, counts_against_host, event
-from api.services.leasing.states import LeaseKind, LeaseState, StudyState, end
+from api.services.leasing.states import LeaseKind, LeaseState, end
 from api.services.study_specs import baseline_key_of
 from api.settings import Settings
+from optimizer import conductor
 from optimizer.spec import StudySpec
-from optimizer.study_state import FinishReason
 from spectune_protocol import CompleteIn, CompleteOut, Failure
 
 # Event kind of a baseline that failed for what its study asks (charge_study).
 BASELINE_STUDY_FAULT = "baseline_study_fault"
-# A study whose baseline failed so on this many hosts is stopped: the fault follows the study.
-STOP_AFTER_HOSTS = 2
 
 
 def is_study_fault(failure: Failure) -> bool:
@@ -104,7 +103,7 @@ class BaselineLeases:
           `refused_by` with the reason; it ends when the worker's config changes or an admin
           clears it), and it is stopped, saying why, at once for a value the engine rejects
           (`invalid_config`: wrong on every host), or once its baseline failed so on
-          STOP_AFTER_HOSTS hosts (memory and start-up time depend on the host's GPUs).  The host's
+          two hosts (memory and start-up time depend on the host's GPUs; optimizer.conductor.baseline_fault).  The host's
           health is untouched.  (Two broken studies in a row on one host once looked like a sick
           host: what the settings did elsewhere is the evidence, not how many failed here.)
         """
@@ -130,17 +129,6 @@ class BaselineLeases:
                 )
             )
         )
-        if failure.kind != "invalid_config" and len(hosts) < STOP_AFTER_HOSTS:
-            return
-        row = s.get(StudyRow, spec.name)
-        if row is None or row.state != StudyState.RUNNING:
-            return
-        row.state = StudyState.STOPPED.value
-        row.finished_at = now
-        row.finish_rule = FinishReason.STUDY_FAULT.value
-        where = "the engine rejects its settings" if failure.kind == "invalid_config" else f"on {len(hosts)} hosts"
-        row.finish_reason = (
-            f"stopped: its baseline failed ({where}): {failure.kind}: {failure.message[:120]}; fix the study's model "
-            "settings and create it again"
-        )[:256]
-        event(s, "study_stopped_by_its_fault", lease, row.finish_reason)
+        ending = conductor.baseline_fault(failure.kind, failure.message, len(hosts))
+        if ending is not None and study_life.stop_for_fault(s, spec, ending, now):
+            event(s, "study_stopped_by_its_fault", lease, ending.detail)
