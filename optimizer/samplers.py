@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 import optuna
 
 from optimizer.errors import SpecError
 from optimizer.model_sampler import ModelSampler
 from optimizer.spec import StudySpec
+
+log = logging.getLogger("spectune.optimizer")
 
 # torch is an optional extra (`gp`): the API host's `server` install must not pull a CUDA build.
 GP_INSTALL_HINT = (
@@ -46,7 +49,12 @@ def make_sampler(spec: StudySpec, seed: int | None) -> optuna.samplers.BaseSampl
         # warm-start configurations already spread over the space.
         return optuna.samplers.TPESampler(seed=seed, n_startup_trials=5)
     if name == "gp":
-        check_sampler_installed(spec)
+        if not gp_available():
+            # A gp study created where torch was installed, now served by an API process without
+            # it: creation refuses this (check_sampler_installed), but a running study must still
+            # hand out work, so it asks TPE and says so.  What is measured does not change.
+            log.warning("study %s: sampler gp needs torch, which this API process lacks; asking TPE", spec.name)
+            return optuna.samplers.TPESampler(seed=seed, n_startup_trials=5)
         return optuna.samplers.GPSampler(seed=seed, n_startup_trials=5)
     if name in ("random", "grid", "list"):
         return optuna.samplers.RandomSampler(seed=seed)
