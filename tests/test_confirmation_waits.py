@@ -54,6 +54,19 @@ def _refused_then_searched_elsewhere(api: Api) -> None:
     raise AssertionError("the search of x did not end")
 
 
+def test_a_study_whose_only_capable_worker_refused_it_says_so_at_the_next_read(api: Api) -> None:
+    spec = small_spec("lonely", budget={"max_trials": 4, "converge": False})
+    assert api.post("/v1/studies", "user", spec).status_code == 201
+    first = lease(api, "w1")
+    assert first is not None and first["study"] == "lonely"
+    assert api.post(f"/v1/leases/{first['lease_id']}/complete", "worker", REFUSED).status_code == 200
+    shown = api.get("/v1/studies/lonely", "user").json()
+    assert shown["state"] == "running" and shown["phase"] == "search"
+    assert shown["eligibility"]["unmet"] == ["refused"]
+    assert "refused what it asks (w1" in shown["eligibility"]["warning"]
+    assert lease(api, "w1") is None
+
+
 def test_a_worker_that_refused_the_study_keeps_no_confirmation_waiting(api: Api) -> None:
     _refused_then_searched_elsewhere(api)
     shown = api.get("/v1/studies/x", "user").json()
