@@ -221,7 +221,11 @@ def describe_workload(w: Workload) -> str:
     if w.request_rate is None:
         load = f"closed loop at concurrency {levels}"
     else:
-        load = f"open loop: Poisson arrivals at {w.request_rate:g} req/s, at most {levels} in flight"
+        load = (
+            f"open loop: Poisson arrivals at {w.request_rate:g} req/s, at most {levels} in flight "
+            "(speedups compare output tok/s at this rate, equal wherever the server keeps up; "
+            "per-user tok/s and latencies show the rest)"
+        )
     return f"{w.prompts}; {inp}; {out}; {load}; {w.num_prompts} requests x {w.repeats} passes"
 
 
