@@ -89,6 +89,14 @@ def render_note(shown: dict[str, Any], baselines: list[str]) -> str:
         )
         for level, iv in (best.get("speedup_interval_by_level") or {}).items():
             out.append(f"- concurrency {level}: 95% interval {iv['low']:.3f}–{iv['high']:.3f}")
+        if best.get("confirmed"):
+            # One record: the launch the answer's numbers come from (issue 17 item 5).
+            out.append(f"- confirmed on {best.get('confirmed_on')} (lease {best.get('lease_id')})")
+        dep = shown.get("deployment") or {}
+        if dep.get("proven_by"):
+            out.append(f"- the command below was launched exactly as printed (lease {dep['proven_by']})")
+        elif dep.get("proof_note"):
+            out.append(f"- {dep['proof_note']}")
         out += ["", "```", best["launch_command"], "```"]
     return "\n".join(out) + "\n"
 

@@ -78,6 +78,10 @@ def test_the_printed_command_is_the_server_a_confirmation_started(api: Api) -> N
     from api.report.tables import study_summary
 
     assert f"launched exactly as printed by confirmation lease {dep['proven_by']}" in study_summary(shown)
+    from api.notes import render_note
+
+    note = render_note(shown, [])
+    assert f"launched exactly as printed (lease {dep['proven_by']})" in note and dep["launch_command"] in note
     # The host is the confirming one everywhere; the search's host is kept apart.
     assert winner["worker_id"] == winner["confirmed_on"] and "search_worker_id" in winner
 
