@@ -80,7 +80,7 @@ def snapshot(
         )
     ]
     # A worker id that moved to another token: its baselines before the move are not its own.
-    moved = {w: at for w, at in s.execute(select(WorkerIdentity.worker_id, WorkerIdentity.moved_at)).tuples() if at}
+    moved = {w: at for w, at in s.execute(select(WorkerIdentity.worker_id, WorkerIdentity.moved_at)) if at}
     baselines = [
         c.Baseline(
             b.id,
