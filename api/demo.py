@@ -23,6 +23,8 @@ from typing import Any
 import httpx
 import typer
 
+from api.documents import StudyDocument, TrialRow
+from optimizer.space import SpecConfig
 from workers.lifeline import child_env
 
 # The simulated engine runs this much faster than real time (all rates scale equally, so the
@@ -153,62 +155,60 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeo
     raise RuntimeError(f"the API did not come up within {timeout:.0f} s; see {log_path}")
 
 
-def _progress_line(elapsed: float, study: dict[str, Any]) -> str:
-    t = study["trials"]
-    best = study.get("best")
+def _progress_line(elapsed: float, study: StudyDocument) -> str:
+    t = study.trials
+    best = study.best
     best_s = "none yet"
     if best:
-        c = best["config"]
-        best_s = (
-            f"{best['speedup']:.3f}x (steps {c['num_steps']}, topk {c['topk']}, draft tokens {c['num_draft_tokens']})"
-        )
+        c = best.config
+        best_s = f"{best.speedup or 0.0:.3f}x (steps {c.num_steps}, topk {c.topk}, draft tokens {c.num_draft_tokens})"
     return (
-        f"[{elapsed:5.0f} s] baselines measured {study['baselines_measured']} | trials: "
-        f"{t.get('COMPLETE', 0)} done, {t.get('RUNNING', 0)} running, {t.get('FAIL', 0)} failed | best so far {best_s}"
+        f"[{elapsed:5.0f} s] baselines measured {study.baselines_measured} | trials: "
+        f"{t.COMPLETE} done, {t.RUNNING} running, {t.FAIL} failed | best so far {best_s}"
     )
 
 
-def _config_text(c: dict[str, Any]) -> str:
-    return f"num_steps={c['num_steps']} topk={c['topk']} num_draft_tokens={c['num_draft_tokens']}"
+def _config_text(c: SpecConfig) -> str:
+    return f"num_steps={c.num_steps} topk={c.topk} num_draft_tokens={c.num_draft_tokens}"
 
 
-def _print_result(study: dict[str, Any], trials: list[dict[str, Any]], db_url: str, wall_s: float) -> None:
+def _print_result(study: StudyDocument, trials: list[TrialRow], db_url: str, wall_s: float) -> None:
     echo = typer.echo
     echo("")
-    echo(f"Study {study['name']}: {study['state']} ({study.get('finish_reason') or 'deadline'}) in {wall_s:.0f} s")
-    launched = [t for t in trials if t.get("duplicate_of") is None and t.get("inferred_from") is None]
-    measured = [t for t in launched if t["state"] == "COMPLETE" and t["feasible"]]
-    failed = [t for t in launched if t["state"] == "COMPLETE" and not t["feasible"]]
-    pruned = [t for t in launched if t["state"] == "PRUNED"]
+    echo(f"Study {study.name}: {study.state} ({study.finish_reason or 'deadline'}) in {wall_s:.0f} s")
+    launched = [t for t in trials if t.duplicate_of is None and t.inferred_from is None]
+    measured = [t for t in launched if t.state == "COMPLETE" and t.feasible]
+    failed = [t for t in launched if t.state == "COMPLETE" and not t.feasible]
+    pruned = [t for t in launched if t.state == "PRUNED"]
     echo(
-        f"  {study.get('configurations_launched', len(launched))} server restarts: {len(measured)} measured, "
+        f"  {study.configurations_launched} server restarts: {len(measured)} measured, "
         f"{len(pruned)} pruned early, {len(failed)} could not run; every worker measured its baseline first"
     )
-    if study.get("cost"):
-        echo(f"  cost: {study['cost']['summary']}")
+    echo(f"  cost: {study.cost.summary}")
     # The answer is the confirmed winner; without confirmation, the best trial of the search.
-    answer = study.get("winner") or study.get("best")
+    answer = study.winner or study.best
     if not answer:
         echo("  no configuration finished; see the logs under the demo folder")
         return
     echo("")
-    echo(study["verdict"])
-    for row in study.get("confirmation") or []:
-        iv = row.get("speedup_interval") or {}
-        band = f" ({iv['low']:.3f}-{iv['high']:.3f})" if iv else ""
-        got = f"{row['speedup']:.3f}x{band}" if row.get("speedup") is not None else row.get("state", "?")
-        echo(f"  confirmed {_config_text(row['config'])}: search {row['search_speedup']:.3f}x, re-measured {got}")
-    echo(f"  answer: {_config_text(answer['config'])} (trial {answer['trial_number']})")
-    for level, lv_speedup in (answer.get("speedup_by_level") or {}).items():
-        iv = (answer.get("speedup_interval_by_level") or {}).get(level)
-        spread = f", 95% interval {iv['low']:.3f}-{iv['high']:.3f}" if iv else ""
-        lv = next((x for x in answer.get("levels") or [] if str(x["concurrency"]) == level), None)
-        al = f", accept length {lv['accept_length']:.2f}" if lv and lv.get("accept_length") else ""
+    echo(study.verdict)
+    for row in study.confirmation:
+        iv = row.speedup_interval
+        band = f" ({iv.low:.3f}-{iv.high:.3f})" if iv else ""
+        got = f"{row.speedup:.3f}x{band}" if row.speedup is not None else row.state
+        config = "?" if row.config is None else _config_text(row.config)
+        echo(f"  confirmed {config}: search {row.search_speedup or 0.0:.3f}x, re-measured {got}")
+    echo(f"  answer: {_config_text(answer.config)} (trial {answer.trial_number})")
+    for level, lv_speedup in (answer.speedup_by_level or {}).items():
+        iv = answer.speedup_interval_by_level.get(level)
+        spread = f", 95% interval {iv.low:.3f}-{iv.high:.3f}" if iv else ""
+        lv = next((x for x in answer.levels or [] if str(x.concurrency) == level), None)
+        al = f", accept length {lv.accept_length:.2f}" if lv and lv.accept_length else ""
         echo(f"  concurrency {level}: {lv_speedup:.3f}x the speed without speculation{spread}{al}")
     echo("")
-    dep = study.get("deployment") or {}
-    echo(f"Launch it ({dep.get('reason') or 'the answer'}; replace the <local path of ...> placeholders):")
-    for line in (dep.get("launch_command") or answer["launch_command"]).splitlines():
+    dep = study.deployment
+    echo(f"Launch it ({(dep.reason if dep else '') or 'the answer'}; replace the <local path of ...> placeholders):")
+    for line in (answer.launch_command if dep is None else dep.launch_command).splitlines():
         echo(f"  {line}")
     echo("")
     echo("Look at it again in the dashboard (behind spectune's login):")
@@ -283,14 +283,14 @@ def run_demo(
             )
             workers.append((proc, log_path))
         last = ""
-        study: dict[str, Any] = {}
+        raw: dict[str, Any] = {}
         while time.monotonic() - started < deadline_s:
-            study = httpx.get(f"{api_url}/v1/studies/{study_name}", headers=headers, timeout=30).json()
-            line = _progress_line(time.monotonic() - started, study)
+            raw = httpx.get(f"{api_url}/v1/studies/{study_name}", headers=headers, timeout=30).json()
+            line = _progress_line(time.monotonic() - started, StudyDocument.model_validate(raw))
             if line.split("]", 1)[1] != last:
                 typer.echo(line)
                 last = line.split("]", 1)[1]
-            if study["state"] != "running":
+            if raw["state"] != "running":
                 break
             if all(p.poll() is not None for p, _ in workers):
                 tail = workers[0][1].read_text()[-1500:]
@@ -299,10 +299,11 @@ def run_demo(
             time.sleep(1.0)
         else:
             typer.echo("demo deadline reached: stopping the study")
-            study = httpx.post(f"{api_url}/v1/studies/{study_name}/stop", headers=headers, timeout=30).json()
-        trials = httpx.get(f"{api_url}/v1/studies/{study_name}/trials", headers=headers, timeout=30).json()
+            raw = httpx.post(f"{api_url}/v1/studies/{study_name}/stop", headers=headers, timeout=30).json()
+        raw_trials = httpx.get(f"{api_url}/v1/studies/{study_name}/trials", headers=headers, timeout=30).json()
         typer.echo("stopping workers and their engines...")
-    _print_result(study, trials, db_url, time.monotonic() - started)
-    (workdir / "result.json").write_text(json.dumps({"study": study, "trials": trials}, indent=2, default=str))
+    study = StudyDocument.model_validate(raw)
+    _print_result(study, [TrialRow.model_validate(t) for t in raw_trials], db_url, time.monotonic() - started)
+    (workdir / "result.json").write_text(json.dumps({"study": raw, "trials": raw_trials}, indent=2, default=str))
     typer.echo(f"(logs and the full result are in {workdir})")
-    return 0 if study.get("best") else 1
+    return 0 if study.best else 1

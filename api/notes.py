@@ -14,9 +14,11 @@ from optuna_dashboard import get_note, save_note
 from sqlalchemy import select
 
 from api.context import ServiceContext
+from api.documents import StudyDocument
 from api.models import BaselineRow, StudyRow
 from api.services.studies import StudyService
 from optimizer.errors import StudyNotFoundError
+from optimizer.spec import Objective
 
 log = logging.getLogger("spectune.api.notes")
 
@@ -41,34 +43,38 @@ def baseline_lines(ctx: ServiceContext, baseline_key: str) -> list[str]:
     return lines
 
 
-def objective_text(objective: dict[str, Any]) -> str:
-    level = objective.get("concurrency")
+def objective_text(objective: Objective) -> str:
+    level = objective.concurrency
     text = f"speedup at concurrency {level}" if level else "geometric-mean speedup over the concurrency levels"
-    limits = [f"{k.removeprefix('max_')} ≤ {v}" for k, v in objective.items() if k.startswith("max_") and v is not None]
+    limits = [
+        f"{k.removeprefix('max_')} ≤ {v}"
+        for k, v in objective.model_dump().items()
+        if k.startswith("max_") and v is not None
+    ]
     return text + (f" with {', '.join(limits)}" if limits else "")
 
 
-def render_note(shown: dict[str, Any], baselines: list[str]) -> str:
-    """The markdown note for a study, from `StudyService.show` output and the baseline lines."""
-    spec = shown["spec"]
-    model, space, workload, budget = spec["model"], spec["search_space"], spec["workload"], spec["budget"]
-    counts = shown["trials"]
+def render_note(shown: StudyDocument, baselines: list[str]) -> str:
+    """The markdown note for a study, from its document and the baseline lines."""
+    spec = shown.spec
+    model, space, workload = spec.model, spec.search_space, spec.workload
+    counts = shown.trials.model_dump()
     out = [
-        f"# {shown['name']}",
+        f"# {shown.name}",
         "",
-        f"**State:** {shown['state']}" + (f" — {shown['finish_reason']}" if shown.get("finish_reason") else ""),
+        f"**State:** {shown.state}" + (f" — {shown.finish_reason}" if shown.finish_reason else ""),
         "",
-        f"**Verdict:** {shown['verdict']}",
+        f"**Verdict:** {shown.verdict}",
         "",
         "## Spec",
-        f"- model `{model['target']}`, draft `{model['draft']}`, tp {model.get('tp_size', 1)}, "
-        f"attention backend `{model.get('attention_backend')}`",
-        f"- search: steps {space['num_steps']['low']}–{space['num_steps']['high']}, topk {space['topk']}, "
-        f"draft tokens {space['num_draft_tokens']['low']}–{space['num_draft_tokens']['high']}",
-        f"- workload: concurrency {workload['concurrency']}, output {workload['output_len']} tokens, "
-        f"{workload['num_prompts']} prompts × {workload['repeats']} repeats",
-        f"- objective: {objective_text(spec.get('objective') or {})}; sampler `{spec.get('sampler')}`",
-        "- budget: " + ", ".join(f"{k} {v}" for k, v in budget.items() if v is not None),
+        f"- model `{model.target}`, draft `{model.draft}`, tp {model.tp_size}, "
+        f"attention backend `{model.attention_backend}`",
+        f"- search: steps {space.num_steps.low}–{space.num_steps.high}, topk {space.topk}, "
+        f"draft tokens {space.num_draft_tokens.low}–{space.num_draft_tokens.high}",
+        f"- workload: concurrency {workload.concurrency}, output {workload.output_len} tokens, "
+        f"{workload.num_prompts} prompts × {workload.repeats} repeats",
+        f"- objective: {objective_text(spec.objective)}; sampler `{spec.sampler}`",
+        "- budget: " + ", ".join(f"{k} {v}" for k, v in spec.budget.model_dump().items() if v is not None),
         "",
         "## Baseline (no speculation)",
         *(baselines or ["- not measured yet"]),
@@ -78,26 +84,26 @@ def render_note(shown: dict[str, Any], baselines: list[str]) -> str:
         "",
         "## Best so far",
     ]
-    best = shown.get("best")
+    best = shown.best
     if best is None:
         out.append("- none yet")
     else:
-        c = best["config"]
+        c = best.config
         out.append(
-            f"- trial {best['trial_number']}: steps {c['num_steps']}, topk {c['topk']}, "
-            f"draft tokens {c['num_draft_tokens']} → **{_fmt(best['speedup'])}×** the baseline"
+            f"- trial {best.trial_number}: steps {c.num_steps}, topk {c.topk}, "
+            f"draft tokens {c.num_draft_tokens} → **{_fmt(best.speedup)}×** the baseline"
         )
-        for level, iv in (best.get("speedup_interval_by_level") or {}).items():
-            out.append(f"- concurrency {level}: 95% interval {iv['low']:.3f}–{iv['high']:.3f}")
-        if best.get("confirmed"):
+        for level, iv in best.speedup_interval_by_level.items():
+            out.append(f"- concurrency {level}: 95% interval {iv.low:.3f}–{iv.high:.3f}")
+        if best.confirmed:
             # One record: the launch the answer's numbers come from (issue 17 item 5).
-            out.append(f"- confirmed on {best.get('confirmed_on')} (lease {best.get('lease_id')})")
-        dep = shown.get("deployment") or {}
-        if dep.get("proven_by"):
-            out.append(f"- the command below was launched exactly as printed (lease {dep['proven_by']})")
-        elif dep.get("proof_note"):
-            out.append(f"- {dep['proof_note']}")
-        out += ["", "```", best["launch_command"], "```"]
+            out.append(f"- confirmed on {best.confirmed_on} (lease {best.lease_id})")
+        dep = shown.deployment
+        if dep is not None and dep.proven_by:
+            out.append(f"- the command below was launched exactly as printed (lease {dep.proven_by})")
+        elif dep is not None and dep.proof_note:
+            out.append(f"- {dep.proof_note}")
+        out += ["", "```", best.launch_command, "```"]
     return "\n".join(out) + "\n"
 
 

@@ -47,6 +47,7 @@ from typing import Any
 
 import httpx
 
+from optimizer.attrs import records
 from tests.e2e_support import WorkerProc, group_alive, kill_engines, start_worker, write_worker_config
 from tests.helpers import free_port, spawn_api
 from workers.lifeline import child_env
@@ -479,16 +480,16 @@ def check(cluster: Cluster, log: ChaosLog, orphans: list[int], *, faults: bool =
     finally:
         storage.engine.dispose()
     states: dict[str, int] = defaultdict(int)
-    for t in trials:
-        states[t.state.name] += 1
-        if t.state.name in ("RUNNING", "WAITING"):
-            problems.append(f"trial {t.number} is still {t.state.name}")
-        if t.state.name == "FAIL" and not (t.user_attrs.get("failure_kind") and t.user_attrs.get("failure_message")):
-            problems.append(f"trial {t.number} FAILED without a failure kind and message: {t.user_attrs}")
+    for r in records(trials):
+        states[r.state.name] += 1
+        if r.state.name in ("RUNNING", "WAITING"):
+            problems.append(f"trial {r.number} is still {r.state.name}")
+        if r.state.name == "FAIL" and not (r.failure_kind and r.failure_message):
+            problems.append(f"trial {r.number} FAILED without a failure kind and message: {r.trial.user_attrs}")
     fail_reasons: dict[str, int] = defaultdict(int)
-    for t in trials:
-        if t.state.name == "FAIL":
-            reason = f"{t.user_attrs.get('failure_kind')}: {t.user_attrs.get('failure_message')}"
+    for r in records(trials):
+        if r.state.name == "FAIL":
+            reason = f"{r.failure_kind}: {r.failure_message}"
             fail_reasons[re.sub(r"\d+", "N", reason)[:80]] += 1
     measured_per_trial: dict[int, int] = defaultdict(int)
     for le in leases:

@@ -64,18 +64,17 @@ def best_by_level(
 ) -> dict[int, LevelAnswer]:
     """The best measured configuration at each concurrency level of the workload."""
     out: dict[int, LevelAnswer] = {}
-    for t in A.measured_feasible(trials, A.CONFIG, A.SPEEDUP_BY_LEVEL):
-        config = SpecConfig.model_validate(t.user_attrs["config"]).canonical()
+    for r in A.records(A.measured_feasible(trials, A.CONFIG, A.SPEEDUP_BY_LEVEL)):
+        config = r.config.canonical()
         if chains_only and config.topk != 1:
             continue
-        by_level = t.user_attrs["speedup_by_level"]
-        ivs = level_intervals(t.user_attrs.get("levels") or [], t.user_attrs.get("baseline_levels") or [], extra_var)
+        ivs = level_intervals(r.levels, r.baseline_levels, extra_var)
         for level in spec.workload.concurrency:
-            v = by_level.get(str(level))
+            v = r.speedup_at(level)
             if v is None:
                 continue
-            if level not in out or float(v) > out[level].speedup:
-                out[level] = LevelAnswer(level, t.number, config, float(v), ivs.get(level))
+            if level not in out or v > out[level].speedup:
+                out[level] = LevelAnswer(level, r.number, config, v, ivs.get(level))
     return out
 
 

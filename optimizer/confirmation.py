@@ -39,8 +39,9 @@ CANDIDATE_WINDOW = 0.05
 
 def search_interval(spec: StudySpec, t: FrozenTrial, extra_var: float = 0.0) -> Interval | None:
     """The 95% interval of a trial's objective as measured in the search."""
-    ivs = level_intervals(t.user_attrs.get("levels") or [], t.user_attrs.get("baseline_levels") or [], extra_var)
-    return objective_interval(spec, float(t.value or 0.0), ivs, extra_var)
+    r = A.TrialRecord(t)
+    ivs = level_intervals(r.levels, r.baseline_levels, extra_var)
+    return objective_interval(spec, float(r.value or 0.0), ivs, extra_var)
 
 
 def study_relaunches(
@@ -64,9 +65,9 @@ def study_relaunches(
             if w is not None and not lv.get("saturated"):
                 out.append(Relaunch(f"base:{host}:{int(lv['concurrency'])}", float(lv["output_tok_s"]), w, 2.0))
     speedups: list[tuple[str, Sequence[Mapping[str, Any]], Sequence[Mapping[str, Any]]]] = [
-        (str(t.user_attrs["config_key"]), t.user_attrs["levels"], t.user_attrs["baseline_levels"])
-        for t in A.measured_feasible(trials, A.LEVELS)
-        if t.user_attrs.get("config_key") and t.user_attrs.get("baseline_levels")
+        (r.config_key, r.levels, r.baseline_levels)
+        for r in A.records(A.measured_feasible(trials, A.LEVELS))
+        if r.config_key and r.baseline_levels
     ]
     for key, levels, base_levels in [*speedups, *confirmations]:
         base = {int(b["concurrency"]): b for b in base_levels}
@@ -116,7 +117,7 @@ def candidates(
     seen: set[str] = set()
     lead_iv: Interval | None = None
     for t in ranked:
-        key = str(t.user_attrs.get("config_key"))
+        key = str(A.TrialRecord(t).config_key)
         if key in seen:
             continue
         if out and float(t.value or 0.0) < float(out[0].value or 0.0) * (1.0 - CANDIDATE_WINDOW):

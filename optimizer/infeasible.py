@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from optuna.trial import FrozenTrial, TrialState
 
+from optimizer import attrs as A
 from optimizer.space import SpecConfig
 
 # Failure kinds that say "this much memory does not fit".
@@ -43,13 +44,12 @@ def needs_at_least(candidate: SpecConfig, failed: SpecConfig) -> bool:
 def oom_points(trials: Iterable[FrozenTrial]) -> list[OomPoint]:
     """Configurations that ran out of memory in these trials (measured failures, not inferred ones)."""
     out = []
-    for t in trials:
-        ua = t.user_attrs
-        if t.state != TrialState.COMPLETE or ua.get("failure_kind") not in MEMORY_FAILURES:
+    for r in A.records(trials):
+        if r.state != TrialState.COMPLETE or r.failure_kind not in MEMORY_FAILURES:
             continue
-        if "inferred_from" in ua or "config" not in ua:
+        if r.has(A.INFERRED_FROM) or not r.has_config:
             continue
-        out.append(OomPoint(t.number, SpecConfig.model_validate(ua["config"])))
+        out.append(OomPoint(r.number, r.config))
     return out
 
 

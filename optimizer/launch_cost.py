@@ -21,6 +21,7 @@ from numpy.typing import NDArray
 from optuna.trial import FrozenTrial, TrialState
 from scipy.optimize import lsq_linear
 
+from optimizer import attrs as A
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 
@@ -72,19 +73,18 @@ def fit(spec: StudySpec, trials: Sequence[FrozenTrial]) -> LaunchCost:
     configs: list[SpecConfig] = []
     secs: list[float] = []
     base_tok_s: dict[int, float] = {}
-    for t in trials:
-        ua = t.user_attrs
-        if t.state not in (TrialState.COMPLETE, TrialState.PRUNED) or "config" not in ua:
+    for r in A.records(trials):
+        if r.state not in (TrialState.COMPLETE, TrialState.PRUNED) or not r.has_config:
             continue
-        for b in ua.get("baseline_levels") or []:
+        for b in r.baseline_levels:
             if b.get("output_tok_s"):
                 base_tok_s.setdefault(int(b["concurrency"]), float(b["output_tok_s"]))
-        for c, v in (ua.get("baseline_tok_s") or {}).items():
-            base_tok_s.setdefault(int(c), float(v))
-        s = ua.get("startup_s")
-        if isinstance(s, int | float) and s > 0 and "duplicate_of" not in ua:
-            configs.append(SpecConfig.model_validate(ua["config"]))
-            secs.append(float(s))
+        for c, v in r.baseline_tok_s.items():
+            base_tok_s.setdefault(c, v)
+        s = r.startup_s
+        if s is not None and s > 0 and not r.has(A.DUPLICATE_OF):
+            configs.append(r.config)
+            secs.append(s)
     wl = spec.workload
     tokens = wl.num_prompts * wl.output_len * wl.repeats
     bench = sum(tokens / base_tok_s[c] for c in wl.concurrency if base_tok_s.get(c))

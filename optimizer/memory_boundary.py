@@ -27,6 +27,7 @@ import numpy as np
 from numpy.typing import NDArray
 from optuna.trial import FrozenTrial, TrialState
 
+from optimizer import attrs as A
 from optimizer.infeasible import MEMORY_FAILURES
 from optimizer.space import SpecConfig
 
@@ -66,14 +67,13 @@ class MemoryBoundary:
         """None when no launch ran out of memory, or the launches fit no such boundary."""
         ok: list[SpecConfig] = []
         bad: list[SpecConfig] = []
-        for t in trials:
-            ua = t.user_attrs
-            if "config" not in ua or "inferred_from" in ua or "duplicate_of" in ua:
+        for r in A.records(trials):
+            if not r.has_config or not r.launched:
                 continue
-            if t.state == TrialState.COMPLETE and ua.get("failure_kind") in MEMORY_FAILURES:
-                bad.append(SpecConfig.model_validate(ua["config"]))
-            elif t.state in (TrialState.COMPLETE, TrialState.PRUNED) and ua.get("levels"):
-                ok.append(SpecConfig.model_validate(ua["config"]))
+            if r.state == TrialState.COMPLETE and r.failure_kind in MEMORY_FAILURES:
+                bad.append(r.config)
+            elif r.state in (TrialState.COMPLETE, TrialState.PRUNED) and r.has_levels:
+                ok.append(r.config)
         if not bad:
             return None
         theta = np.linspace(0.0, math.pi / 2, _ANGLES)

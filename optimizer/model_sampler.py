@@ -33,6 +33,7 @@ from optuna.study import Study
 from optuna.trial import FrozenTrial, TrialState
 from scipy.stats import norm
 
+from optimizer import attrs as A
 from optimizer import launch_cost
 from optimizer.infeasible import known_to_fail, oom_points
 from optimizer.memory_boundary import PROBABLE_FAILURE, MemoryBoundary, default_batch_of
@@ -52,7 +53,7 @@ from optimizer.spec import StudySpec
 # Above this many valid configurations, score a random subset each ask (plus the neighbours of
 # the best measured one); the default space has ~750.
 MAX_SCORED = 20_000
-PREDICTION_ATTR = "model_prediction"
+PREDICTION_ATTR = A.MODEL_PREDICTION
 # Two configurations closer than this (optimizer.model_sampler.coords) are near-copies: never
 # both in flight.
 NEAR_COPY = 0.75
@@ -87,22 +88,20 @@ def space_configs(space: SearchSpace) -> tuple[SpecConfig, ...]:
 
 def observations_of(trials: Sequence[FrozenTrial]) -> list[Observation]:
     out: list[Observation] = []
-    for t in trials:
-        ua = t.user_attrs
-        if t.state not in (TrialState.COMPLETE, TrialState.PRUNED) or "duplicate_of" in ua:
+    for r in A.records(trials):
+        if r.state not in (TrialState.COMPLETE, TrialState.PRUNED) or r.has(A.DUPLICATE_OF):
             continue
-        if "levels" not in ua or "config" not in ua:
+        if not r.has(A.LEVELS) or not r.has_config:
             continue
-        out.extend(observations_from_attrs(ua["config"], ua["levels"], ua.get("baseline_levels") or []))
+        out.extend(observations_from_attrs(r.config.model_dump(mode="json"), r.levels, r.baseline_levels))
     return out
 
 
 def _tried_keys(trials: Sequence[FrozenTrial]) -> set[str]:
     keys = set()
-    for t in trials:
-        key = t.user_attrs.get("config_key")
-        if key is not None:
-            keys.add(key)
+    for r in A.records(trials):
+        if r.config_key is not None:
+            keys.add(r.config_key)
     return keys
 
 
@@ -119,7 +118,7 @@ def best_measured_trial(trials: Sequence[FrozenTrial]) -> FrozenTrial | None:
             continue
         if t.constraints and any(v > 0 for v in t.constraints.values()):
             continue
-        if "config" not in t.user_attrs:
+        if not A.TrialRecord(t).has_config:
             continue
         if best is None or t.value > (best.value or 0.0):
             best = t
@@ -152,11 +151,7 @@ class OpenPool:
 
 def pending_configs(trials: Sequence[FrozenTrial]) -> list[SpecConfig]:
     """Configurations in flight (asked, leased, not yet told)."""
-    return [
-        SpecConfig.model_validate(t.user_attrs["config"])
-        for t in trials
-        if t.state == TrialState.RUNNING and "config" in t.user_attrs
-    ]
+    return [r.config for r in A.records(trials) if r.state == TrialState.RUNNING and r.has_config]
 
 
 def open_pool(spec: StudySpec, trials: Sequence[FrozenTrial]) -> OpenPool:
@@ -231,7 +226,7 @@ def propose(
         # The question the convergence stop asks (optimizer.convergence): how much may each
         # candidate beat the incumbent, as the model sees both, by more than min_gain?  Measuring
         # where that is most likely also settles the study soonest.
-        ref = SpecConfig.model_validate(best.user_attrs["config"])
+        ref = A.TrialRecord(best).config
         diff, sd = gain_over(spec, model, pool, ref)
         z = (diff - math.log1p(spec.budget.min_gain)) / sd
     else:

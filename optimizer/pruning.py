@@ -50,9 +50,9 @@ def run_spread(levels: Iterable[Mapping[str, Any]]) -> list[float]:
 
 def noise_margin(trials: Sequence[FrozenTrial], repeats: int) -> float:
     cvs: list[float] = []
-    for t in trials:
-        cvs += run_spread(t.user_attrs.get("levels") or [])
-        cvs += run_spread(t.user_attrs.get("baseline_levels") or [])
+    for r in A.records(trials):
+        cvs += run_spread(r.levels)
+        cvs += run_spread(r.baseline_levels)
     if not cvs:
         return MIN_MARGIN
     cv = math.sqrt(statistics.fmean(c * c for c in cvs))
@@ -77,7 +77,7 @@ def decide(spec: StudySpec, trials: Sequence[FrozenTrial], partial: Mapping[int,
         if level in partial:
             v = partial[level]
         else:
-            seen = [float(t.user_attrs["speedup_by_level"].get(str(level), 0.0)) for t in measured]
+            seen = [A.TrialRecord(t).speedup_at(level) or 0.0 for t in measured]
             v = max(seen) if seen else math.inf
         if v <= 0:
             v = 1e-9

@@ -29,6 +29,7 @@ import optuna
 from optuna.storages import BaseStorage
 from optuna.trial import FrozenTrial, TrialState
 
+from optimizer import attrs as A
 from optimizer.errors import StudyExistsError, StudyNotFoundError, TrialStateError
 from optimizer.objective import CONSTRAINT_KEY, FAILED_LAUNCH_VIOLATION
 from optimizer.samplers import check_sampler_installed, make_sampler
@@ -92,7 +93,7 @@ def create_study(storage: BaseStorage, spec: StudySpec, prior: Sequence[SpecConf
             if cfg.key in prior_keys
             else "warm_start"
         )
-        study.enqueue_trial(params_of(cfg), user_attrs={"source": source})
+        study.enqueue_trial(params_of(cfg), user_attrs={A.SOURCE: source})
     return study
 
 

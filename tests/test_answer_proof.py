@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from api.documents import Confirmation, StudyDocument, Winner
 from optimizer.sglang import ServerSettings
 from spectune_sim.landscapes import LANDSCAPES
 from spectune_sim.model import check_memory
@@ -77,10 +78,11 @@ def test_the_printed_command_is_the_server_a_confirmation_started(api: Api) -> N
     assert winner["levels"] and winner["baseline_levels"]
     from api.report.tables import study_summary
 
-    assert f"launched exactly as printed by confirmation lease {dep['proven_by']}" in study_summary(shown)
+    document = StudyDocument.model_validate(shown)
+    assert f"launched exactly as printed by confirmation lease {dep['proven_by']}" in study_summary(document)
     from api.notes import render_note
 
-    note = render_note(shown, [])
+    note = render_note(document, [])
     assert f"launched exactly as printed (lease {dep['proven_by']})" in note and dep["launch_command"] in note
     # The host is the confirming one everywhere; the search's host is kept apart.
     assert winner["worker_id"] == winner["confirmed_on"] and "search_worker_id" in winner
@@ -106,16 +108,24 @@ def test_when_no_deployment_starts_the_study_says_so_and_prints_no_command(api: 
 def test_export_has_the_confirmation_rows() -> None:
     from api.report.export import to_csv
 
-    confirmation = {
-        "trial_number": 3,
-        "state": "completed",
-        "config": {"num_steps": 2, "topk": 1, "num_draft_tokens": 3},
-        "speedup": 1.2,
-        "worker_id": "w2",
-        "speedup_by_level": {"16": 1.2},
-        "levels": [{"concurrency": 16, "output_tok_s": 120.0}],
-        "baseline_levels": [{"concurrency": 16, "output_tok_s": 100.0}],
-    }
+    confirmation = Confirmation.model_validate(
+        dict.fromkeys(Confirmation.model_fields)
+        | {
+            "trial_number": 3,
+            "state": "completed",
+            "attempt": 1,
+            "lease_id": "L-3",
+            "envelope_note": "",
+            "extra_passes": 0,
+            "saturated": {},
+            "config": {"num_steps": 2, "topk": 1, "num_draft_tokens": 3},
+            "speedup": 1.2,
+            "worker_id": "w2",
+            "speedup_by_level": {"16": 1.2},
+            "levels": [{"concurrency": 16, "output_tok_s": 120.0}],
+            "baseline_levels": [{"concurrency": 16, "output_tok_s": 100.0}],
+        }
+    )
     text = to_csv("s", [], [confirmation])
     row = text.splitlines()[1].split(",")
     header = text.splitlines()[0].split(",")
@@ -133,11 +143,11 @@ def test_a_command_no_launch_started_says_so() -> None:
 
     spec = parse_spec({"name": "n", "model": {"target": "t", "draft": "d"}, "workload": {"concurrency": [1, 8]}})
     cfg = SpecConfig(num_steps=2, topk=1, num_draft_tokens=3)
-    winner = {"config": cfg.model_dump(mode="json"), "confirmed": False, "trial_number": 1}
+    winner = Winner.model_construct(config=cfg, confirmed=False, trial_number=1, server=None, envelope_note="")
     static = plan_deployment(spec, cfg, pays=True, exported=None, version="0.5.23")
     dep, verdict = _proof(static, winner, [], [])
     assert verdict is None and dep is not None and dep.proven_by is None
     assert "not confirmed" in dep.proof_note
     plain = plan_deployment(spec, cfg, pays=False, exported=None, version="0.5.23")
-    dep, _ = _proof(plain, winner | {"confirmed": True}, [], [])
+    dep, _ = _proof(plain, winner.model_copy(update={"confirmed": True}), [], [])
     assert dep is not None and "baselines ran this server" in dep.proof_note

@@ -28,6 +28,50 @@ def test_healthz_is_open_and_docs_served(api: Api) -> None:
     assert api.client.get("/docs").status_code == 200
 
 
+def _untyped_objects(node: Any, schemas: dict[str, Any], path: str, seen: set[str]) -> list[str]:
+    """Paths inside a JSON schema where an object may hold anything (a bare `additionalProperties: true`,
+    or an object with no properties and no schema for its values); `$ref`s are followed once each."""
+    found: list[str] = []
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            name = ref.rsplit("/", 1)[-1]
+            if name not in seen:
+                seen.add(name)
+                found += _untyped_objects(schemas[name], schemas, f"{path}->{name}", seen)
+        if node.get("additionalProperties") is True or (
+            node.get("type") == "object"
+            and not {"properties", "additionalProperties", "patternProperties"} & node.keys()
+        ):
+            found.append(path)
+        for key, value in node.items():
+            found += _untyped_objects(value, schemas, f"{path}/{key}", seen)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            found += _untyped_objects(value, schemas, f"{path}[{i}]", seen)
+    return found
+
+
+def test_every_study_route_answers_a_typed_document(api: Api) -> None:
+    schema = api.client.get("/openapi.json").json()
+    schemas = schema["components"]["schemas"]
+    routes = {p: ops for p, ops in schema["paths"].items() if p.startswith("/v1/studies")}
+    assert len(routes) >= 4
+    answers = 0
+    for path, ops in routes.items():
+        for method, op in ops.items():
+            body = op["responses"]["201" if method == "post" and path == "/v1/studies" else "200"]
+            content = body["content"]["application/json"]["schema"]
+            assert content, f"{method.upper()} {path} documents no response schema"
+            assert not _untyped_objects(content, schemas, f"{method.upper()} {path}", set())
+            answers += 1
+    assert answers >= 6
+    assert "winner" in schemas["StudyDocument"]["properties"] and "Winner" in schemas and "TrialRow" in schemas
+    # The check sees an untyped object where there is one (e.g. a `dict[str, Any]` field).
+    assert _untyped_objects({"type": "object", "additionalProperties": True}, schemas, "probe", set()) == ["probe"]
+    assert _untyped_objects({"type": "object"}, schemas, "probe", set()) == ["probe"]
+
+
 def test_rest_session_end_to_end(api: Api, db_url: str) -> None:
     r = api.post("/v1/studies", "user", small_spec("e2e"))
     assert r.status_code == 201, r.text

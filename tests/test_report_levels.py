@@ -7,24 +7,33 @@ from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
+from api.documents import LevelAnswer, TrialRow
 from api.report import analysis as an
 from api.report import plots
+from optimizer.space import SpecConfig
 
 
-def trial(number: int, state: str, steps: int, topk: int, tokens: int, **kw: Any) -> dict[str, Any]:
-    return {
-        "number": number,
-        "state": state,
-        "config": {"num_steps": steps, "topk": topk, "num_draft_tokens": tokens},
-        "speedup": kw.get("speedup"),
-        "feasible": True,
-        "speedup_by_level": kw.get("by_level"),
-        "partial_speedup_by_level": kw.get("partial"),
-        "levels": [],
-        "failure_kind": kw.get("failure_kind"),
-        "duplicate_of": None,
-        "startup_s": None,
-    }
+def trial(number: int, state: str, steps: int, topk: int, tokens: int, **kw: Any) -> TrialRow:
+    return TrialRow.model_validate(
+        dict.fromkeys(TrialRow.model_fields)
+        | {
+            "number": number,
+            "state": state,
+            "params": {},
+            "config": {"num_steps": steps, "topk": topk, "num_draft_tokens": tokens},
+            "speedup": kw.get("speedup"),
+            "feasible": True,
+            "speedup_by_level": kw.get("by_level"),
+            "partial_speedup_by_level": kw.get("partial"),
+            "levels": [],
+            "failure_kind": kw.get("failure_kind"),
+        }
+    )
+
+
+def answer(steps: int, topk: int, tokens: int, speedup: float) -> LevelAnswer:
+    config = SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=tokens)
+    return LevelAnswer(trial_number=0, config=config, speedup=speedup, speedup_interval=None, speculation_pays=True)
 
 
 # Trial 0 measured 0.96x at concurrency 1 and 1.2x at 4: its objective (the geometric mean) is above 1.
@@ -61,13 +70,10 @@ def test_speedup_plot_is_labelled_with_its_level_shows_pruned_trials_and_integer
 
 
 def test_level_sentence_comes_from_the_data() -> None:
-    same = {"best_by_level": {
-        "1": {"config": {"num_steps": 3, "topk": 1, "num_draft_tokens": 4}, "speedup": 1.4},
-        "16": {"config": {"num_steps": 3, "topk": 1, "num_draft_tokens": 4}, "speedup": 1.1},
-    }}  # fmt: skip
+    same = {"1": answer(3, 1, 4, 1.4), "16": answer(3, 1, 4, 1.1)}
     text = an.best_by_level_text(same)
     assert text is not None and text.startswith("The best configuration is the same at every level")
-    same["best_by_level"]["16"]["config"] = {"num_steps": 1, "topk": 1, "num_draft_tokens": 2}
+    same["16"] = answer(1, 1, 2, 1.1)
     text = an.best_by_level_text(same)
     assert text is not None and text.startswith("The best configuration differs by level")
     assert "at concurrency 16: 1/1/2 (1.100x)" in text

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from api.documents import StudyDocument, TrialRow, Winner
 from api.report import plots
 from api.report.tradeoff import pareto, series, tradeoff_table
+from optimizer.spec import StudySpec
+from tests.conftest import small_spec
 
 
 def level(c: int, user: float, total: float, itl: float) -> dict[str, Any]:
@@ -15,18 +18,18 @@ def level(c: int, user: float, total: float, itl: float) -> dict[str, Any]:
 BASE = [level(1, 50, 50, 20), level(8, 40, 320, 25)]
 
 
-def trial(n: int, speedup: float, levels: list[dict[str, Any]]) -> dict[str, Any]:
-    return {
-        "number": n, "state": "COMPLETE", "feasible": True, "speedup": speedup, "duplicate_of": None,
+def trial(n: int, speedup: float, levels: list[dict[str, Any]]) -> TrialRow:
+    return TrialRow.model_validate(dict.fromkeys(TrialRow.model_fields) | {
+        "number": n, "state": "COMPLETE", "params": {}, "feasible": True, "speedup": speedup,
         "config": {"num_steps": n, "topk": 1, "num_draft_tokens": n + 1}, "levels": levels, "baseline_levels": BASE,
-    }  # fmt: skip
+    })  # fmt: skip
 
 
-def shown(max_itl: float | None = None) -> dict[str, Any]:
-    return {
-        "spec": {"model": {"tp_size": 2}, "objective": {"max_p99_itl_ms": max_itl}},
-        "winner": {"trial_number": 3},
-    }
+def shown(max_itl: float | None = None) -> StudyDocument:
+    """The parts of a study document the trade-off reads: the spec (tp 2) and the winner's trial."""
+    model = {"target": "moe-pcie", "draft": "moe-pcie-eagle3", "tp_size": 2}
+    spec = StudySpec.model_validate(small_spec("t", model=model, objective={"max_p99_itl_ms": max_itl}))
+    return StudyDocument.model_construct(spec=spec, winner=Winner.model_construct(trial_number=3))
 
 
 TRIALS = [

@@ -8,8 +8,9 @@ from typing import Annotated, Any
 
 import typer
 
-from api.cli.client import study_watch
+from api.cli.client import get_study, get_trials, study_watch
 from api.cli.common import DEFAULT_API_URL, ApiUrl, Token, call, fail
+from api.documents import StudyDocument
 
 
 def parse_config(text: str) -> dict[str, int]:
@@ -114,15 +115,15 @@ def bench(
         spec = bench_spec(base, [parse_config(c) for c in config])
     except ValueError as e:  # pydantic's ValidationError is a ValueError
         fail(f"--config: {e}")
-    out = call("POST", "/v1/studies", api_url, token, spec)
-    typer.echo(f"created study {out['name']}: {len(spec['warm_start'])} configurations and the baseline")
+    created = StudyDocument.model_validate(call("POST", "/v1/studies", api_url, token, spec))
+    typer.echo(f"created study {created.name}: {len(spec['warm_start'])} configurations and the baseline")
     if not wait:
-        typer.echo(f"follow it with: spectune study watch {out['name']}; then spectune study show {out['name']}")
+        typer.echo(f"follow it with: spectune study watch {created.name}; then spectune study show {created.name}")
         return
-    study_watch(out["name"], api_url=api_url, token=token)
+    study_watch(created.name, api_url=api_url, token=token)
     from api.report.tables import levels_table, trials_table
 
-    shown = call("GET", f"/v1/studies/{out['name']}", api_url, token)
-    trials = call("GET", f"/v1/studies/{out['name']}/trials", api_url, token)
+    shown = get_study(created.name, api_url, token)
+    trials = get_trials(created.name, api_url, token)
     typer.echo(levels_table(shown))
     typer.echo(trials_table(shown, trials))

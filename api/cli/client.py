@@ -10,10 +10,26 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from pydantic import TypeAdapter
 
 from api.cli.common import DEFAULT_API_URL, ApiUrl, Token, call, client, ensure_utc, fail, say
+from api.documents import StudyBrief, StudyDocument, StudySummary, TrialRow
+
+# `stop` answers the study document, or a brief one for a study whose stored spec this version cannot read.
+_STOPPED: TypeAdapter[StudyDocument | StudyBrief] = TypeAdapter(StudyDocument | StudyBrief)
 
 study_app = typer.Typer(no_args_is_help=True, help="Studies (talks to the API).")
+
+
+def get_study(name: str, api_url: str, token: str | None) -> StudyDocument:
+    """`GET /v1/studies/{name}` as its typed document."""
+    return StudyDocument.model_validate(call("GET", f"/v1/studies/{name}", api_url, token))
+
+
+def get_trials(name: str, api_url: str, token: str | None) -> list[TrialRow]:
+    """`GET /v1/studies/{name}/trials` as typed rows."""
+    return [TrialRow.model_validate(t) for t in call("GET", f"/v1/studies/{name}/trials", api_url, token)]
+
 
 # `spectune study best` exits with this status when the verdict is "speculation does not pay here"
 # (it then prints the command without speculation); 2 stays "an error".
@@ -35,8 +51,8 @@ def study_create(
         fail(f"cannot read {file}: {e.strerror}")
     except yaml.YAMLError as e:
         fail(f"{file} is not valid YAML/JSON: {e}")
-    out = call("POST", "/v1/studies", api_url, token, data)
-    typer.echo(f"created study {out['name']} ({out['state']})")
+    out = StudyDocument.model_validate(call("POST", "/v1/studies", api_url, token, data))
+    typer.echo(f"created study {out.name} ({out.state})")
 
 
 @study_app.command("list")
@@ -45,9 +61,9 @@ def study_list(api_url: ApiUrl = DEFAULT_API_URL, token: Token = None) -> None:
     from api.report.tables import table
 
     rows = []
-    for st in call("GET", "/v1/studies", api_url, token):
-        t = st["trials"]
-        rows.append([st["name"], st["state"], st["model"], t.get("COMPLETE", 0), t.get("RUNNING", 0), t.get("FAIL", 0)])
+    for st in (StudySummary.model_validate(x) for x in call("GET", "/v1/studies", api_url, token)):
+        t = st.trials
+        rows.append([st.name, st.state, st.model, t.COMPLETE, t.RUNNING, t.FAIL])
     say(table(["study", "state", "model", "complete", "running", "failed"], rows))
 
 
@@ -62,11 +78,11 @@ def study_show(
     from api.report.tables import failures_table, levels_table, study_summary, trials_table
     from api.report.tradeoff import tradeoff_table
 
-    shown = call("GET", f"/v1/studies/{name}", api_url, token)
     if as_json:
-        typer.echo(json.dumps(shown, indent=2, default=str))  # JSON escapes controls itself
-        return
-    trials = call("GET", f"/v1/studies/{name}/trials", api_url, token)
+        typer.echo(json.dumps(call("GET", f"/v1/studies/{name}", api_url, token), indent=2, default=str))
+        return  # JSON escapes controls itself
+    shown = get_study(name, api_url, token)
+    trials = get_trials(name, api_url, token)
     say(study_summary(shown))
     typer.echo("")
     say(levels_table(shown))
@@ -99,17 +115,16 @@ def study_watch(
     deadline = time.monotonic() + timeout
     last = ""
     while True:
-        shown = call("GET", f"/v1/studies/{name}", api_url, token)
+        shown = get_study(name, api_url, token)
         line = progress_line(shown)
         if line != last:
             say(f"{time.strftime('%H:%M:%S', time.gmtime())}  {line}")
             last = line
-        if shown["state"] != "running":
-            say(shown["verdict"])
-            if shown.get("cost"):
-                say(f"cost: {shown['cost']['summary']}")
-            if shown.get("deployment"):
-                say(shown["deployment"]["launch_command"])
+        if shown.state != "running":
+            say(shown.verdict)
+            say(f"cost: {shown.cost.summary}")
+            if shown.deployment is not None:
+                say(shown.deployment.launch_command)
             return
         if time.monotonic() + interval > deadline:
             typer.secho(f"study {name} is still running after {timeout:.0f} s", err=True, fg=typer.colors.YELLOW)
@@ -120,15 +135,15 @@ def study_watch(
 @study_app.command("stop")
 def study_stop(name: str, api_url: ApiUrl = DEFAULT_API_URL, token: Token = None) -> None:
     """Hand out no more trials (leases in flight may still report); `resume` undoes it."""
-    out = call("POST", f"/v1/studies/{name}/stop", api_url, token)
-    typer.echo(f"study {name} is {out['state']}")
+    out = _STOPPED.validate_python(call("POST", f"/v1/studies/{name}/stop", api_url, token))
+    typer.echo(f"study {name} is {out.state}")
 
 
 @study_app.command("resume")
 def study_resume(name: str, api_url: ApiUrl = DEFAULT_API_URL, token: Token = None) -> None:
     """Hand out trials again to a stopped study, with the budget it has left."""
-    out = call("POST", f"/v1/studies/{name}/resume", api_url, token)
-    typer.echo(f"study {name} is {out['state']}")
+    out = StudyDocument.model_validate(call("POST", f"/v1/studies/{name}/resume", api_url, token))
+    typer.echo(f"study {name} is {out.state}")
 
 
 @study_app.command("export")
@@ -144,9 +159,9 @@ def study_export(
 
     if fmt not in ("csv", "json"):
         fail(f"unknown --format {fmt!r}; choose csv or json")
-    shown = call("GET", f"/v1/studies/{name}", api_url, token)
-    trials = call("GET", f"/v1/studies/{name}/trials", api_url, token)
-    text = to_csv(name, trials, shown.get("confirmation")) if fmt == "csv" else to_json(shown, trials) + "\n"
+    shown = get_study(name, api_url, token)
+    trials = get_trials(name, api_url, token)
+    text = to_csv(name, trials, shown.confirmation) if fmt == "csv" else to_json(shown, trials) + "\n"
     if output is None:
         typer.echo(text, nl=False)
         return
@@ -190,12 +205,12 @@ def study_best(
             models = read_model_registry(worker_config)
         except ConfigError as e:
             fail(str(e))
-    shown = call("GET", f"/v1/studies/{name}", api_url, token)
-    doc = shown.get("deployment")
-    if shown.get("best") is not None and doc is None:
-        fail(f"study {name}: {shown['verdict']}")  # no deployment started: no command to print
-    if shown.get("best") is None or doc is None:
-        fail(f"study {name} has no measured configuration yet (state {shown['state']}); try again later")
+    shown = get_study(name, api_url, token)
+    if shown.best is not None and shown.deployment is None:
+        fail(f"study {name}: {shown.verdict}")  # no deployment started: no command to print
+    if shown.best is None or shown.deployment is None:
+        fail(f"study {name} has no measured configuration yet (state {shown.state}); try again later")
+    doc = shown.deployment.model_dump(mode="json")
     deployment = Deployment.from_json(doc)
     missing = [m for m in (deployment.settings.target, deployment.settings.draft) if m and models and m not in models]
     if missing:
@@ -204,16 +219,16 @@ def study_best(
     if fmt == "sglang":
         typer.echo(command)
         if not deployment.speculation:
-            typer.echo(f"# {shown['verdict']}", err=True)
+            typer.echo(f"# {shown.verdict}", err=True)
         if deployment.load_note:
             typer.echo(f"# {deployment.load_note}", err=True)
     else:
         out = {
             "study": name,
-            "state": shown["state"],
-            "verdict": shown["verdict"],
-            "speculation_pays": shown.get("speculation_pays"),
-            "winner": shown.get("winner"),
+            "state": shown.state,
+            "verdict": shown.verdict,
+            "speculation_pays": shown.speculation_pays,
+            "winner": None if shown.winner is None else shown.winner.model_dump(mode="json"),
             "deployment": doc | {"launch_command": command},
         }
         typer.echo(json.dumps(out, indent=2))

@@ -1,4 +1,4 @@
-"""What the report plots, computed from a study's trials (the `/v1/studies/{name}/trials` shape).
+"""What the report plots, computed from a study's trials (`/v1/studies/{name}/trials`, as `TrialRow`s).
 
 Speculative decoding, per request: tokens per cycle = accept length (AL); cycle time ≈ draft
 steps × draft cost + verify cost(draft tokens) + overhead; throughput = AL / cycle time.  So for
@@ -17,10 +17,12 @@ each measured trial at the level of interest:
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
+
+from api.documents import LevelAnswer, StudyDocument, TrialRow
 
 MIN_FIT_TRIALS = 4
 
@@ -83,14 +85,13 @@ class CycleFit:
         return self.overhead_ms + self.verify_token_ms * p.draft_tokens
 
 
-def level_of_interest(shown: dict[str, Any]) -> int:
+def level_of_interest(shown: StudyDocument) -> int:
     """The objective's concurrency, or the lowest measured one for a geometric-mean objective."""
-    spec = shown["spec"]
-    level = (spec.get("objective") or {}).get("concurrency")
-    return int(level) if level else int(min(spec["workload"]["concurrency"]))
+    spec = shown.spec
+    return spec.objective.concurrency or min(spec.workload.concurrency)
 
 
-def points(trials: list[dict[str, Any]], level: int) -> list[Point]:
+def points(trials: Sequence[TrialRow], level: int) -> list[Point]:
     """Every configuration launched and measured at `level` (duplicates answered from another trial skipped).
 
     Completed trials (measured, or failed with a placeholder value) and pruned trials that measured
@@ -98,68 +99,63 @@ def points(trials: list[dict[str, Any]], level: int) -> list[Point]:
     """
     out = []
     for t in trials:
-        config = t.get("config")
-        if config is None or t.get("duplicate_of") is not None:
+        config = t.config
+        if config is None or t.duplicate_of is not None:
             continue
-        pruned = t["state"] == "PRUNED"
+        pruned = t.state == "PRUNED"
         if pruned:
-            by_level = t.get("partial_speedup_by_level") or {}
-        elif t["state"] == "COMPLETE" and t["speedup"] is not None:
-            by_level = t.get("speedup_by_level") or {}
+            by_level = t.partial_speedup_by_level or {}
+        elif t.state == "COMPLETE" and t.speedup is not None:
+            by_level = t.speedup_by_level or {}
         else:
             continue
         by_level_f = {int(k): float(v) for k, v in by_level.items()}
-        failed = bool(t.get("failure_kind")) or not bool(t.get("feasible", True))
+        failed = bool(t.failure_kind) or not t.feasible
         if level in by_level_f:
             value = by_level_f[level]
-        elif failed and not pruned and t["speedup"] is not None:
-            value = float(t["speedup"])  # the placeholder told to Optuna: no level was measured
+        elif failed and not pruned and t.speedup is not None:
+            value = t.speedup  # the placeholder told to Optuna: no level was measured
         else:
             continue
-        at = next((lv for lv in t.get("levels") or [] if lv.get("concurrency") == level), None)
+        at = next((lv for lv in t.levels or [] if lv.concurrency == level), None)
         out.append(
             Point(
-                number=t["number"],
-                steps=int(config["num_steps"]),
-                topk=int(config["topk"]),
-                draft_tokens=int(config["num_draft_tokens"]),
+                number=t.number,
+                steps=config.num_steps,
+                topk=config.topk,
+                draft_tokens=config.num_draft_tokens,
                 speedup=value,
                 feasible=not failed,
-                accept_length=None if at is None else at.get("accept_length"),
-                per_user_tok_s=None if at is None else at.get("per_user_tok_s"),
-                startup_s=t.get("startup_s"),
+                accept_length=None if at is None else at.accept_length,
+                per_user_tok_s=None if at is None else at.per_user_tok_s,
+                startup_s=t.startup_s,
                 speedup_by_level=by_level_f,
                 level=level,
-                objective=None if pruned or t.get("speedup") is None else float(t["speedup"]),
+                objective=None if pruned else t.speedup,
                 pruned=pruned,
             )
         )
     return out
 
 
-def pruned_before(trials: list[dict[str, Any]], level: int) -> int:
+def pruned_before(trials: Sequence[TrialRow], level: int) -> int:
     """Pruned trials stopped before they measured `level` (not drawn at that level)."""
     return sum(
         1
         for t in trials
-        if t["state"] == "PRUNED"
-        and t.get("duplicate_of") is None
-        and str(level) not in (t.get("partial_speedup_by_level") or {})
+        if t.state == "PRUNED" and t.duplicate_of is None and str(level) not in (t.partial_speedup_by_level or {})
     )
 
 
-def best_by_level_text(shown: dict[str, Any]) -> str | None:
-    """What the study's own data say about the best configuration per level, in one sentence."""
-    best = shown.get("best_by_level") or {}
+def best_by_level_text(best: Mapping[str, LevelAnswer]) -> str | None:
+    """What the study's own data (its `best_by_level`) say about the best configuration per level, in one sentence."""
     if len(best) < 2:
         return None
     parts = []
     for level, a in sorted(best.items(), key=lambda kv: int(kv[0])):
-        c = a["config"]
-        parts.append(
-            f"at concurrency {level}: {c['num_steps']}/{c['topk']}/{c['num_draft_tokens']} ({a['speedup']:.3f}x)"
-        )
-    configs = {(a["config"]["num_steps"], a["config"]["topk"], a["config"]["num_draft_tokens"]) for a in best.values()}
+        c = a.config
+        parts.append(f"at concurrency {level}: {c.num_steps}/{c.topk}/{c.num_draft_tokens} ({a.speedup:.3f}x)")
+    configs = {(a.config.num_steps, a.config.topk, a.config.num_draft_tokens) for a in best.values()}
     lead = (
         "The best configuration is the same at every level"
         if len(configs) == 1
@@ -184,15 +180,15 @@ def fit_cycle(pts: list[Point]) -> CycleFit | None:
     return CycleFit(float(coef[0]), float(coef[1]), float(coef[2]), r2, len(usable))
 
 
-def failures_by_kind(trials: list[dict[str, Any]]) -> Counter[str]:
+def failures_by_kind(trials: Sequence[TrialRow]) -> Counter[str]:
     """Failure kinds told to Optuna, plus trials that ended FAIL (host faults after retries)."""
     kinds: Counter[str] = Counter()
     for t in trials:
-        if t.get("duplicate_of") is not None:  # answered from another trial, never launched
+        if t.duplicate_of is not None:  # answered from another trial, never launched
             continue
-        if t.get("failure_kind"):
-            kinds[str(t["failure_kind"])] += 1
-        elif t["state"] == "FAIL":
+        if t.failure_kind:
+            kinds[t.failure_kind] += 1
+        elif t.state == "FAIL":
             kinds["gave up (host faults)"] += 1
     return kinds
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 import csv
 import io
 import json
+from collections.abc import Sequence
 from typing import Any
+
+from api.documents import Confirmation, StudyDocument, TrialRow
 
 LEVEL_FIELDS = (
     "output_tok_s",
@@ -41,43 +44,41 @@ COLUMNS = (
 )
 
 
-def rows(study: str, trials: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def rows(study: str, trials: Sequence[TrialRow]) -> list[dict[str, Any]]:
     """One row per trial and measured level (a trial without measurements: one row, no level)."""
     out = []
-    for t in sorted(trials, key=lambda t: t["number"]):
-        c = t.get("config") or {}
-        base = {int(b["concurrency"]): b.get("output_tok_s") for b in t.get("baseline_levels") or []}
-        by_level = t.get("speedup_by_level") or t.get("partial_speedup_by_level") or {}
+    for t in sorted(trials, key=lambda t: t.number):
+        c = t.config
+        base = {b.concurrency: b.output_tok_s for b in t.baseline_levels or []}
+        by_level = t.speedup_by_level or t.partial_speedup_by_level or {}
         head = {
             "study": study,
-            "trial": t["number"],
-            "state": t["state"],
-            "source": t.get("source"),
-            "num_steps": c.get("num_steps"),
-            "topk": c.get("topk"),
-            "num_draft_tokens": c.get("num_draft_tokens"),
-            "cuda_graph_max_bs": c.get("cuda_graph_max_bs"),
-            "objective_speedup": t.get("speedup"),
-            "feasible": t.get("feasible"),
-            "startup_s": t.get("startup_s"),
-            "worker_id": t.get("worker_id"),
-            "failure_kind": t.get("failure_kind"),
-            "failure_message": t.get("failure_message"),
-            "pruned_after_concurrency": (t.get("pruned") or {}).get("after_concurrency"),
-            "duplicate_of": t.get("duplicate_of"),
+            "trial": t.number,
+            "state": t.state,
+            "source": t.source,
+            "num_steps": None if c is None else c.num_steps,
+            "topk": None if c is None else c.topk,
+            "num_draft_tokens": None if c is None else c.num_draft_tokens,
+            "cuda_graph_max_bs": None if c is None else c.cuda_graph_max_bs,
+            "objective_speedup": t.speedup,
+            "feasible": t.feasible,
+            "startup_s": t.startup_s,
+            "worker_id": t.worker_id,
+            "failure_kind": t.failure_kind,
+            "failure_message": t.failure_message,
+            "pruned_after_concurrency": None if t.pruned is None else t.pruned.after_concurrency,
+            "duplicate_of": t.duplicate_of,
         }
-        levels = t.get("levels") or []
-        if not levels:
+        if not t.levels:
             out.append(head)
             continue
-        for lv in levels:
-            level = int(lv["concurrency"])
+        for lv in t.levels:
             row = head | {
-                "concurrency": level,
-                "baseline_tok_s": base.get(level),
-                "speedup": by_level.get(str(level)),
+                "concurrency": lv.concurrency,
+                "baseline_tok_s": base.get(lv.concurrency),
+                "speedup": by_level.get(str(lv.concurrency)),
             }
-            row |= {k: lv.get(k) for k in LEVEL_FIELDS}
+            row |= {k: getattr(lv, k) for k in LEVEL_FIELDS}
             out.append(row)
     return out
 
@@ -97,39 +98,41 @@ def cell(value: Any) -> Any:
     return value
 
 
-def confirmation_rows(study: str, confirmations: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+def confirmation_rows(study: str, confirmations: Sequence[Confirmation] | None) -> list[dict[str, Any]]:
     """One row per confirmation and level, `source` "confirmation": the launches the answer comes from."""
     out = []
     for c in confirmations or []:
-        cfg = c.get("config") or {}
-        base = {int(b["concurrency"]): b.get("output_tok_s") for b in c.get("baseline_levels") or []}
-        by_level = c.get("speedup_by_level") or {}
+        cfg = c.config
+        base = {b.concurrency: b.output_tok_s for b in c.baseline_levels or []}
+        by_level = c.speedup_by_level or {}
         head = {
             "study": study,
-            "trial": c["trial_number"],
-            "state": f"confirmation {c['state']}",
+            "trial": c.trial_number,
+            "state": f"confirmation {c.state}",
             "source": "confirmation",
-            "num_steps": cfg.get("num_steps"),
-            "topk": cfg.get("topk"),
-            "num_draft_tokens": cfg.get("num_draft_tokens"),
-            "cuda_graph_max_bs": cfg.get("cuda_graph_max_bs"),
-            "objective_speedup": c.get("speedup"),
-            "worker_id": c.get("worker_id"),
+            "num_steps": None if cfg is None else cfg.num_steps,
+            "topk": None if cfg is None else cfg.topk,
+            "num_draft_tokens": None if cfg is None else cfg.num_draft_tokens,
+            "cuda_graph_max_bs": None if cfg is None else cfg.cuda_graph_max_bs,
+            "objective_speedup": c.speedup,
+            "worker_id": c.worker_id,
         }
-        levels = c.get("levels") or []
-        if not levels:
+        if not c.levels:
             out.append(head)
-        for lv in levels:
-            level = int(lv["concurrency"])
+        for lv in c.levels or []:
             out.append(
                 head
-                | {"concurrency": level, "baseline_tok_s": base.get(level), "speedup": by_level.get(str(level))}
-                | {k: lv.get(k) for k in LEVEL_FIELDS}
+                | {
+                    "concurrency": lv.concurrency,
+                    "baseline_tok_s": base.get(lv.concurrency),
+                    "speedup": by_level.get(str(lv.concurrency)),
+                }
+                | {k: getattr(lv, k) for k in LEVEL_FIELDS}
             )
     return out
 
 
-def to_csv(study: str, trials: list[dict[str, Any]], confirmations: list[dict[str, Any]] | None = None) -> str:
+def to_csv(study: str, trials: Sequence[TrialRow], confirmations: Sequence[Confirmation] | None = None) -> str:
     """Every trial at every level, then every confirmation at every level (the answer's launches)."""
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=COLUMNS, extrasaction="ignore", lineterminator="\n")
@@ -139,6 +142,7 @@ def to_csv(study: str, trials: list[dict[str, Any]], confirmations: list[dict[st
     return buf.getvalue()
 
 
-def to_json(shown: dict[str, Any], trials: list[dict[str, Any]]) -> str:
+def to_json(shown: StudyDocument, trials: Sequence[TrialRow]) -> str:
     """The study document and every trial as the API gives them (nothing dropped)."""
-    return json.dumps({"study": shown, "trials": trials}, indent=2, default=str)
+    doc = {"study": shown.model_dump(mode="json"), "trials": [t.model_dump(mode="json") for t in trials]}
+    return json.dumps(doc, indent=2)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import base64
 import html
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from matplotlib.figure import Figure
 
+from api.documents import StudyDocument, TrialRow
 from api.report import analysis as an
 from api.report import plots, tradeoff
 from api.report.source import StudyData
@@ -41,10 +43,10 @@ def _num(value: float | None, digits: int = 3) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
 
 
-def _objective_text(shown: dict[str, Any]) -> str:
-    spec = shown["spec"]
-    level = (spec.get("objective") or {}).get("concurrency")
-    levels = spec["workload"]["concurrency"]
+def _objective_text(shown: StudyDocument) -> str:
+    spec = shown.spec
+    level = spec.objective.concurrency
+    levels = spec.workload.concurrency
     if level or len(levels) == 1:
         return f"speedup at concurrency {level or levels[0]}"
     return f"geometric-mean speedup over concurrency {', '.join(map(str, levels))}"
@@ -55,7 +57,7 @@ def _plots(data: StudyData, pts: list[an.Point], level: int) -> list[Plot]:
     objective = _objective_text(data.shown)
     wanted: list[tuple[str, str, str, Figure]] = []
     # The speedup plot at the level of interest first, then one per other level measured.
-    others = [c for c in data.shown["spec"]["workload"]["concurrency"] if int(c) != level]
+    others = [c for c in data.shown.spec.workload.concurrency if c != level]
     for c in [level, *others]:
         at = pts if c == level else an.points(data.trials, int(c))
         if not at:
@@ -90,7 +92,7 @@ def _plots(data: StudyData, pts: list[an.Point], level: int) -> list[Plot]:
     if len(an.levels_measured(pts)) > 1:
         wanted.append(
             ("concurrency", "Speedup against concurrency",
-             an.best_by_level_text(data.shown) or "The speedup of the best configurations at each level measured.",
+             an.best_by_level_text(data.shown.best_by_level) or "The speedup of the best configurations at each level measured.",
              plots.speedup_vs_concurrency(pts))
         )  # fmt: skip
     if any(p.startup_s is not None for p in pts):
@@ -116,46 +118,46 @@ def _plots(data: StudyData, pts: list[an.Point], level: int) -> list[Plot]:
     return [Plot(name, title, caption, plots.png(fig)) for name, title, caption, fig in wanted]
 
 
-def _winner(shown: dict[str, Any]) -> str:
-    best = shown.get("best")
+def _winner(shown: StudyDocument) -> str:
+    best = shown.best
     if best is None:
         return "<p>No configuration has been measured yet.</p>"
-    c = best["config"]
-    rows = [
-        ("trial", best["trial_number"]),
-        ("num_steps / topk / num_draft_tokens", f"{c['num_steps']} / {c['topk']} / {c['num_draft_tokens']}"),
-        ("cuda_graph_max_bs", c.get("cuda_graph_max_bs") or "default"),
-        ("speedup (objective)", _num(best["speedup"])),
+    c = best.config
+    rows: list[tuple[str, Any]] = [
+        ("trial", best.trial_number),
+        ("num_steps / topk / num_draft_tokens", f"{c.num_steps} / {c.topk} / {c.num_draft_tokens}"),
+        ("cuda_graph_max_bs", c.cuda_graph_max_bs or "default"),
+        ("speedup (objective)", _num(best.speedup)),
     ]
-    intervals = best.get("speedup_interval_by_level") or {}
-    for level, value in sorted((best.get("speedup_by_level") or {}).items(), key=lambda kv: int(kv[0])):
+    intervals = best.speedup_interval_by_level
+    for level, value in sorted((best.speedup_by_level or {}).items(), key=lambda kv: int(kv[0])):
         iv = intervals.get(level)
-        band = f" (95% interval {iv['low']:.3f}–{iv['high']:.3f})" if iv else " (no interval: fewer than 2 repeats)"
+        band = f" (95% interval {iv.low:.3f}–{iv.high:.3f})" if iv else " (no interval: fewer than 2 repeats)"
         rows.append((f"speedup at concurrency {level}", f"{value:.3f}{band}"))
-    rows += [("measured on", best.get("worker_id") or "—"), ("SGLang", best.get("sglang_version") or "—")]
+    rows += [("measured on", best.worker_id or "—"), ("SGLang", best.sglang_version or "—")]
     table = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in rows)
-    return f'<table class="kv">{table}</table><p>Launch command:</p><pre class="cmd">{_e(best["launch_command"])}</pre>'
+    return f'<table class="kv">{table}</table><p>Launch command:</p><pre class="cmd">{_e(best.launch_command)}</pre>'
 
 
-def _trial_table(trials: list[dict[str, Any]], level: int) -> str:
+def _trial_table(trials: Sequence[TrialRow], level: int) -> str:
     pts = {p.number: p for p in an.points(trials, level)}
     head = (
         "<tr><th>#</th><th>state</th><th>steps/topk/tokens</th><th>speedup</th><th>accept length</th>"
         "<th>accept rate</th><th>cycle ms</th><th>start-up s</th><th>worker</th><th>failure / note</th></tr>"
     )
     rows = []
-    for t in sorted(trials, key=lambda t: t["number"]):
-        c = t.get("config") or {}
-        p = pts.get(t["number"])
-        note = t.get("failure_kind") or ""
-        if t.get("duplicate_of") is not None:
-            note = f"same configuration as trial {t['duplicate_of']}"
-        cfg = f"{c.get('num_steps')}/{c.get('topk')}/{c.get('num_draft_tokens')}" if c else "—"
+    for t in sorted(trials, key=lambda t: t.number):
+        c = t.config
+        p = pts.get(t.number)
+        note = t.failure_kind or ""
+        if t.duplicate_of is not None:
+            note = f"same configuration as trial {t.duplicate_of}"
+        cfg = "—" if c is None else f"{c.num_steps}/{c.topk}/{c.num_draft_tokens}"
         rows.append(
-            f"<tr><td>{t['number']}</td><td>{_e(t['state'])}</td><td>{_e(cfg)}</td>"
-            f"<td>{_num(t.get('speedup'))}</td><td>{_num(p.accept_length if p else None, 2)}</td>"
+            f"<tr><td>{t.number}</td><td>{_e(t.state)}</td><td>{_e(cfg)}</td>"
+            f"<td>{_num(t.speedup)}</td><td>{_num(p.accept_length if p else None, 2)}</td>"
             f"<td>{_num(p.accept_rate if p else None, 2)}</td><td>{_num(p.cycle_ms if p else None, 1)}</td>"
-            f"<td>{_num(t.get('startup_s'), 1)}</td><td>{_e(t.get('worker_id') or '—')}</td><td>{_e(note)}</td></tr>"
+            f"<td>{_num(t.startup_s, 1)}</td><td>{_e(t.worker_id or '—')}</td><td>{_e(note)}</td></tr>"
         )
     return f'<table class="trials">{head}{"".join(rows)}</table>'
 
@@ -174,10 +176,10 @@ figcaption { color: #444; font-size: .9rem; }
 """
 
 
-def _levels_note(shown: dict[str, Any], level: int) -> str:
-    spec = shown["spec"]
-    levels = spec["workload"]["concurrency"]
-    if (spec.get("objective") or {}).get("concurrency"):
+def _levels_note(shown: StudyDocument, level: int) -> str:
+    spec = shown.spec
+    levels = spec.workload.concurrency
+    if spec.objective.concurrency:
         why = "the objective's level"
     elif len(levels) == 1:
         why = "the only level"
@@ -193,10 +195,9 @@ def build_report(data: StudyData, *, generated_at: datetime | None = None) -> Re
     pts = an.points(data.trials, level)
     figures = _plots(data, pts, level)
     when = (generated_at or datetime.now(UTC)).strftime("%Y-%m-%d %H:%M UTC")
-    spec = shown["spec"]
-    model = spec["model"]
-    state = shown["state"] + (f" — {shown['finish_reason']}" if shown.get("finish_reason") else "")
-    counts = ", ".join(f"{k.lower()} {v}" for k, v in shown["trials"].items() if v) or "none"
+    model = shown.spec.model
+    state = shown.state + (f" — {shown.finish_reason}" if shown.finish_reason else "")
+    counts = ", ".join(f"{k.lower()} {v}" for k, v in shown.trials.model_dump().items() if v) or "none"
     figure_html = "".join(
         f'<figure id="plot-{p.name}"><h3>{_e(p.title)}</h3>'
         f'<img src="data:image/png;base64,{base64.b64encode(p.png).decode()}" alt="{_e(p.title)}">'
@@ -204,14 +205,14 @@ def build_report(data: StudyData, *, generated_at: datetime | None = None) -> Re
         for p in figures
     )
     doc = f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>spectune report: {_e(shown["name"])}</title>
+<html lang="en"><head><meta charset="utf-8"><title>spectune report: {_e(shown.name)}</title>
 <style>{CSS}</style></head><body>
-<h1>spectune report: {_e(shown["name"])}</h1>
-<p class="sub">{_e(model["target"])} with draft {_e(model["draft"])}, tp {_e(model.get("tp_size", 1))} ·
+<h1>spectune report: {_e(shown.name)}</h1>
+<p class="sub">{_e(model.target)} with draft {_e(model.draft)}, tp {_e(model.tp_size)} ·
 state {_e(state)} · trials: {_e(counts)} · generated {when}</p>
-<p class="verdict">{_e(shown["verdict"])}</p>
-<p class="sub">Workload measured: {_e(shown.get("workload") or "not recorded")}</p>
-<p class="sub">Cost: {_e((shown.get("cost") or {}).get("summary") or "not recorded")}</p>
+<p class="verdict">{_e(shown.verdict)}</p>
+<p class="sub">Workload measured: {_e(shown.workload)}</p>
+<p class="sub">Cost: {_e(shown.cost.summary)}</p>
 <h2>The winner</h2>{_winner(shown)}
 <h2>Why</h2>
 <p>{_e(_levels_note(shown, level))} {len(pts)} configurations measured at concurrency {level}.</p>

@@ -1,16 +1,17 @@
 """Where a report's data comes from: the API (with a token) or the database directly.
 
 Both give the same two documents, the study (`GET /v1/studies/{name}`) and its trials
-(`GET /v1/studies/{name}/trials`), as plain JSON values.
+(`GET /v1/studies/{name}/trials`), as their typed models (api/documents.py).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
+from pydantic import ValidationError
+
+from api.documents import StudyDocument, TrialRow
 
 
 class ReportSourceError(Exception):
@@ -19,13 +20,8 @@ class ReportSourceError(Exception):
 
 @dataclass(frozen=True)
 class StudyData:
-    shown: dict[str, Any]
-    trials: list[dict[str, Any]]
-
-
-def _plain(value: Any) -> Any:
-    # Datetimes and the like become strings, exactly as they would over the API.
-    return json.loads(json.dumps(value, default=str))
+    shown: StudyDocument
+    trials: list[TrialRow]
 
 
 def load_from_api(client: httpx.Client, name: str) -> StudyData:
@@ -43,7 +39,12 @@ def load_from_api(client: httpx.Client, name: str) -> StudyData:
                 message = r.text[:200]
             raise ReportSourceError(f"{r.status_code}: {message}")
         docs.append(r.json())
-    return StudyData(shown=docs[0], trials=docs[1])
+    try:
+        return StudyData(
+            shown=StudyDocument.model_validate(docs[0]), trials=[TrialRow.model_validate(t) for t in docs[1]]
+        )
+    except ValidationError as e:
+        raise ReportSourceError(f"the API at {client.base_url} answered documents this version cannot read: {e}") from e
 
 
 def load_from_database(database_url: str, name: str) -> StudyData:
@@ -56,7 +57,7 @@ def load_from_database(database_url: str, name: str) -> StudyData:
     ctx = ServiceContext.open(Settings(database_url=database_url))
     try:
         service = StudyService(ctx)
-        return StudyData(shown=_plain(service.show(name)), trials=_plain(service.trials(name)))
+        return StudyData(shown=service.show(name), trials=service.trials(name))
     except StudyNotFoundError as e:
         raise ReportSourceError(f"no study named {name!r} in this database") from e
     finally:

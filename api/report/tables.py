@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from api.documents import StudyDocument, TrialRow
 from api.report import analysis as an
+from optimizer.space import SpecConfig
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -21,65 +23,65 @@ def _f(value: float | None, digits: int) -> str | None:
     return None if value is None else f"{value:.{digits}f}"
 
 
-def study_summary(shown: dict[str, Any]) -> str:
-    spec = shown["spec"]
-    state = shown["state"] + (f" ({shown['finish_reason']})" if shown.get("finish_reason") else "")
+def _config(c: SpecConfig) -> str:
+    return f"{c.num_steps}/{c.topk}/{c.num_draft_tokens}"
+
+
+def study_summary(shown: StudyDocument) -> str:
+    model = shown.spec.model
+    state = shown.state + (f" ({shown.finish_reason})" if shown.finish_reason else "")
     lines = [
-        f"study    {shown['name']}: {spec['model']['target']} + {spec['model']['draft']}, {state}",
-        f"verdict  {shown['verdict']}",
+        f"study    {shown.name}: {model.target} + {model.draft}, {state}",
+        f"verdict  {shown.verdict}",
     ]
-    if shown.get("workload"):
-        lines.append(f"workload {shown['workload']}")
-    warning = (shown.get("eligibility") or {}).get("warning")
+    lines.append(f"workload {shown.workload}")
+    warning = None if shown.eligibility is None else shown.eligibility.warning
     if warning:
         lines.append(f"WARNING  {warning}")
     base = baselines_line(shown)
     if base:
         lines.append(base)
-    best = shown.get("best")
+    best = shown.best
     if best:
-        c = best["config"]
+        c = best.config
         lines.append(
-            f"best     trial {best['trial_number']}: steps {c['num_steps']}, topk {c['topk']}, "
-            f"draft tokens {c['num_draft_tokens']} -> {best['speedup']:.3f}x"
+            f"best     trial {best.trial_number}: steps {c.num_steps}, topk {c.topk}, "
+            f"draft tokens {c.num_draft_tokens} -> {best.speedup or 0.0:.3f}x"
         )
-    dep = shown.get("deployment")
+    dep = shown.deployment
     if dep:
-        lines.append(f"deploy   ({dep['mode'].replace('_', ' ')}: {dep['reason']})")
-        lines += [f"         {line}" for line in dep["launch_command"].splitlines()]
-        if dep.get("load_note"):
-            lines.append(f"load     {dep['load_note']}")
-        if dep.get("proven_by"):
-            lines.append(f"proven   launched exactly as printed by confirmation lease {dep['proven_by']}")
-        elif dep.get("proof_note"):
-            lines.append(f"proof    {dep['proof_note']}")
-    cost = shown.get("cost")
-    if cost:
-        lines.append(f"cost     {cost['summary']}")
+        lines.append(f"deploy   ({dep.mode.replace('_', ' ')}: {dep.reason})")
+        lines += [f"         {line}" for line in dep.launch_command.splitlines()]
+        if dep.load_note:
+            lines.append(f"load     {dep.load_note}")
+        if dep.proven_by:
+            lines.append(f"proven   launched exactly as printed by confirmation lease {dep.proven_by}")
+        elif dep.proof_note:
+            lines.append(f"proof    {dep.proof_note}")
+    lines.append(f"cost     {shown.cost.summary}")
     return "\n".join(lines)
 
 
-def trials_table(shown: dict[str, Any], trials: list[dict[str, Any]]) -> str:
+def trials_table(shown: StudyDocument, trials: Sequence[TrialRow]) -> str:
     level = an.level_of_interest(shown)
     pts = {p.number: p for p in an.points(trials, level)}
     rows = []
-    for t in sorted(trials, key=lambda t: t["number"]):
-        c = t.get("config") or {}
-        p = pts.get(t["number"])
-        at: dict[str, Any] = next((lv for lv in t.get("levels") or [] if lv.get("concurrency") == level), {})
+    for t in sorted(trials, key=lambda t: t.number):
+        p = pts.get(t.number)
+        at = next((lv for lv in t.levels or [] if lv.concurrency == level), None)
         note = trial_note(t)
         rows.append(
             [
-                t["number"],
-                t["state"],
-                f"{c.get('num_steps')}/{c.get('topk')}/{c.get('num_draft_tokens')}" if c else None,
-                _f(t.get("speedup"), 3),
-                _f(at.get("output_tok_s"), 1),
+                t.number,
+                t.state,
+                None if t.config is None else _config(t.config),
+                _f(t.speedup, 3),
+                _f(None if at is None else at.output_tok_s, 1),
                 _f(p.accept_length if p else None, 2),
                 _f(p.accept_rate if p else None, 2),
-                _f(at.get("itl_ms_p99"), 1),
-                _f(t.get("startup_s"), 1),
-                t.get("worker_id"),
+                _f(None if at is None else at.itl_ms_p99, 1),
+                _f(t.startup_s, 1),
+                t.worker_id,
                 note,
             ]
         )
@@ -90,20 +92,17 @@ def trials_table(shown: dict[str, Any], trials: list[dict[str, Any]]) -> str:
 _SOURCES = {"warm_start": "warm start", "prior_study": "from an earlier study", "grid": "grid", "list": "listed"}
 
 
-def trial_note(t: dict[str, Any]) -> str | None:
+def trial_note(t: TrialRow) -> str | None:
     """What the trials table says about a trial beyond its numbers: why it ended, or where it came from."""
-    if t.get("duplicate_of") is not None:
-        return f"= trial {t['duplicate_of']}"
-    if t.get("inferred_from") is not None:
-        return f"not launched: OOM like trial {t['inferred_from']}"
-    if t.get("failure_kind"):
-        return str(t["failure_kind"])
-    pruned = t.get("pruned")
-    if pruned:
-        after = pruned.get("after_concurrency")
-        return "pruned" if after is None else f"pruned after c={after}"
-    source = t.get("source")
-    return _SOURCES.get(str(source), str(source)) if source else None
+    if t.duplicate_of is not None:
+        return f"= trial {t.duplicate_of}"
+    if t.inferred_from is not None:
+        return f"not launched: OOM like trial {t.inferred_from}"
+    if t.failure_kind:
+        return t.failure_kind
+    if t.pruned:
+        return f"pruned after c={t.pruned.after_concurrency}"
+    return _SOURCES.get(t.source, t.source) if t.source else None
 
 
 def shorten(text: str, width: int) -> str:
@@ -119,45 +118,40 @@ def shorten(text: str, width: int) -> str:
     return (head[:space] if space > width // 2 else head) + "…"
 
 
-def progress_line(shown: dict[str, Any]) -> str:
+def progress_line(shown: StudyDocument) -> str:
     """One line of `study watch`: state, a bar of the trial budget, counts and the best so far."""
-    counts = shown["trials"]
-    budget = int(shown["spec"]["budget"]["max_trials"])
-    launched = int(shown.get("configurations_launched") or 0)
+    counts = shown.trials
+    budget = shown.spec.budget.max_trials
+    launched = shown.configurations_launched
     filled = min(20, round(20 * launched / budget)) if budget else 0
     bar = "#" * filled + "." * (20 - filled)
-    best = shown.get("best")
-    best_text = f"best {best['speedup']:.3f}x (trial {best['trial_number']})" if best else "no result yet"
-    cost = shown.get("cost") or {}
-    spent = f"  {cost['launches']} launches, {cost['gpu_hours']:.2f} GPU-h" if cost else ""
+    best = shown.best
+    best_text = f"best {best.speedup or 0.0:.3f}x (trial {best.trial_number})" if best else "no result yet"
+    cost = shown.cost
+    spent = f"  {cost.launches} launches, {cost.gpu_hours:.2f} GPU-h"
     line = (
-        f"{shown['state']:<8} [{bar}] {launched}/{budget} launched  complete {counts.get('COMPLETE', 0)}  "
-        f"running {counts.get('RUNNING', 0)}  failed {counts.get('FAIL', 0)}  {best_text}{spent}"
+        f"{shown.state:<8} [{bar}] {launched}/{budget} launched  complete {counts.COMPLETE}  "
+        f"running {counts.RUNNING}  failed {counts.FAIL}  {best_text}{spent}"
     )
-    warning = (shown.get("eligibility") or {}).get("warning")
+    warning = None if shown.eligibility is None else shown.eligibility.warning
     return line if not warning else f"{line}\n          WARNING: {warning}"
 
 
-def levels_table(shown: dict[str, Any]) -> str:
+def levels_table(shown: StudyDocument) -> str:
     """One row per concurrency level: baseline tok/s per host, the best configuration there, the winner's speedup."""
-    levels = [int(c) for c in shown["spec"]["workload"]["concurrency"]]
-    best = shown.get("best_by_level") or {}
-    winner = shown.get("winner") or {}
-    w_by_level = winner.get("speedup_by_level") or {}
-    baselines = shown.get("baselines") or []
+    w_by_level = (None if shown.winner is None else shown.winner.speedup_by_level) or {}
     rows = []
-    for level in levels:
-        base = [b["tok_s"].get(str(level)) for b in baselines if b["tok_s"].get(str(level)) is not None]
-        a = best.get(str(level))
-        c = (a or {}).get("config") or {}
-        iv = (a or {}).get("speedup_interval")
+    for level in shown.spec.workload.concurrency:
+        base = [b.tok_s[str(level)] for b in shown.baselines if b.tok_s.get(str(level)) is not None]
+        a = shown.best_by_level.get(str(level))
+        iv = None if a is None else a.speedup_interval
         rows.append(
             [
                 level,
                 " / ".join(f"{v:.1f}" for v in base) or None,
-                f"{c['num_steps']}/{c['topk']}/{c['num_draft_tokens']} (#{a['trial_number']})" if a else None,
-                _f((a or {}).get("speedup"), 3),
-                f"{iv['low']:.3f}-{iv['high']:.3f}" if iv else None,
+                None if a is None else f"{_config(a.config)} (#{a.trial_number})",
+                _f(None if a is None else a.speedup, 3),
+                f"{iv.low:.3f}-{iv.high:.3f}" if iv else None,
                 _f(w_by_level.get(str(level)), 3),
             ]
         )
@@ -165,22 +159,22 @@ def levels_table(shown: dict[str, Any]) -> str:
     return table(headers, rows)
 
 
-def baselines_line(shown: dict[str, Any]) -> str | None:
+def baselines_line(shown: StudyDocument) -> str | None:
     """Each host's latest baseline (no speculation), the denominator of every speedup."""
     parts = []
-    for b in shown.get("baselines") or []:
-        per = ", ".join(f"{v:.1f} tok/s @{k}" for k, v in sorted(b["tok_s"].items(), key=lambda kv: int(kv[0])))
-        parts.append(f"{b['worker_id']}: {per}")
+    for b in shown.baselines:
+        per = ", ".join(f"{v:.1f} tok/s @{k}" for k, v in sorted(b.tok_s.items(), key=lambda kv: int(kv[0])))
+        parts.append(f"{b.worker_id}: {per}")
     return "baseline " + "; ".join(parts) if parts else None
 
 
-def failures_table(trials: list[dict[str, Any]], width: int = 100) -> str | None:
+def failures_table(trials: Sequence[TrialRow], width: int = 100) -> str | None:
     """Why each failed or pruned trial ended, one line each."""
-    rows = []
-    for t in sorted(trials, key=lambda t: t["number"]):
-        if t.get("failure_kind"):
-            rows.append([t["number"], t["failure_kind"], shorten(str(t.get("failure_message") or ""), width)])
-        elif t.get("pruned"):
+    rows: list[list[Any]] = []
+    for t in sorted(trials, key=lambda t: t.number):
+        if t.failure_kind:
+            rows.append([t.number, t.failure_kind, shorten(t.failure_message or "", width)])
+        elif t.pruned:
             # The reason whole: it is one sentence that says why (it was cut mid-sentence at 100).
-            rows.append([t["number"], "pruned", " ".join(str(t["pruned"].get("reason") or "").split())])
+            rows.append([t.number, "pruned", " ".join(t.pruned.reason.split())])
     return table(["#", "why", "message"], rows) if rows else None

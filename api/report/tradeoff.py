@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
+from api.documents import MeasuredLevel, StudyDocument, TrialRow
 from api.report.tables import table
 
 RUNNER_UPS = 2
@@ -35,58 +35,58 @@ class Series:
     points: list[TradeoffPoint] = field(default_factory=list)
 
 
-def _limits(shown: dict[str, Any]) -> dict[str, float]:
-    objective = shown["spec"].get("objective") or {}
+def _limits(shown: StudyDocument) -> dict[str, float]:
+    objective = shown.spec.objective
     out = {}
-    if objective.get("max_p99_itl_ms") is not None:
-        out["itl_ms_p99"] = float(objective["max_p99_itl_ms"])
-    if objective.get("max_p99_ttft_ms") is not None:
-        out["ttft_ms_p99"] = float(objective["max_p99_ttft_ms"])
+    if objective.max_p99_itl_ms is not None:
+        out["itl_ms_p99"] = objective.max_p99_itl_ms
+    if objective.max_p99_ttft_ms is not None:
+        out["ttft_ms_p99"] = objective.max_p99_ttft_ms
     return out
 
 
-def limits_text(shown: dict[str, Any]) -> str | None:
+def limits_text(shown: StudyDocument) -> str | None:
     names = {"itl_ms_p99": "ITL p99", "ttft_ms_p99": "TTFT p99"}
     parts = [f"{names[k]} <= {v:g} ms" for k, v in _limits(shown).items()]
     return " and ".join(parts) or None
 
 
-def _points(levels: Sequence[dict[str, Any]], tp: int, limits: dict[str, float]) -> list[TradeoffPoint]:
+def _points(levels: Sequence[MeasuredLevel], tp: int, limits: dict[str, float]) -> list[TradeoffPoint]:
     out = []
-    for lv in sorted(levels, key=lambda lv: int(lv.get("concurrency", 0))):
-        user, total = lv.get("per_user_tok_s"), lv.get("output_tok_s")
-        if user is None or total is None:
+    for lv in sorted(levels, key=lambda lv: lv.concurrency):
+        user, total = lv.per_user_tok_s, lv.output_tok_s
+        if user is None:
             continue
-        over = tuple(k for k, v in limits.items() if lv.get(k) is not None and float(lv[k]) > v)
-        out.append(TradeoffPoint(int(lv["concurrency"]), float(user), float(total) / tp, over))
+        measured = {"itl_ms_p99": lv.itl_ms_p99, "ttft_ms_p99": lv.ttft_ms_p99}
+        over = tuple(k for k, v in limits.items() if (got := measured.get(k)) is not None and got > v)
+        out.append(TradeoffPoint(lv.concurrency, user, total / tp, over))
     return out
 
 
-def _config_label(t: dict[str, Any]) -> str:
-    c = t.get("config") or {}
-    return f"#{t['number']} {c.get('num_steps')}/{c.get('topk')}/{c.get('num_draft_tokens')}"
+def _config_label(t: TrialRow) -> str:
+    c = t.config
+    return f"#{t.number} " + ("—" if c is None else f"{c.num_steps}/{c.topk}/{c.num_draft_tokens}")
 
 
-def series(shown: dict[str, Any], trials: Sequence[dict[str, Any]]) -> list[Series]:
+def series(shown: StudyDocument, trials: Sequence[TrialRow]) -> list[Series]:
     """Baseline, winner and runner-ups (by speedup), each across the levels it measured."""
-    tp = max(1, int(shown["spec"]["model"].get("tp_size") or 1))
+    tp = max(1, shown.spec.model.tp_size)
     limits = _limits(shown)
     measured = [
         t for t in trials
-        if t.get("state") == "COMPLETE" and t.get("feasible") and t.get("levels") and t.get("speedup") is not None
-        and t.get("duplicate_of") is None
+        if t.state == "COMPLETE" and t.feasible and t.levels and t.speedup is not None and t.duplicate_of is None
     ]  # fmt: skip
-    measured.sort(key=lambda t: -float(t["speedup"]))
-    winner_no = (shown.get("winner") or {}).get("trial_number")
-    winner = next((t for t in measured if t["number"] == winner_no), measured[0] if measured else None)
+    measured.sort(key=lambda t: -(t.speedup or 0.0))
+    winner_no = None if shown.winner is None else shown.winner.trial_number
+    winner = next((t for t in measured if t.number == winner_no), measured[0] if measured else None)
     out: list[Series] = []
-    base_levels = (winner or {}).get("baseline_levels") or []
+    base_levels = (None if winner is None else winner.baseline_levels) or []
     if base_levels:
         out.append(Series("baseline (no speculation)", "baseline", _points(base_levels, tp, limits)))
     if winner is not None:
-        out.append(Series(f"winner {_config_label(winner)}", "winner", _points(winner["levels"], tp, limits)))
+        out.append(Series(f"winner {_config_label(winner)}", "winner", _points(winner.levels or [], tp, limits)))
     for t in [t for t in measured if t is not winner][:RUNNER_UPS]:
-        out.append(Series(f"runner-up {_config_label(t)}", "runner-up", _points(t["levels"], tp, limits)))
+        out.append(Series(f"runner-up {_config_label(t)}", "runner-up", _points(t.levels or [], tp, limits)))
     return [s for s in out if s.points]
 
 
@@ -109,7 +109,7 @@ def pareto(all_series: Sequence[Series]) -> set[tuple[str, int]]:
     return front
 
 
-def tradeoff_table(shown: dict[str, Any], trials: Sequence[dict[str, Any]]) -> str | None:
+def tradeoff_table(shown: StudyDocument, trials: Sequence[TrialRow]) -> str | None:
     """`study show`'s text form: one row per configuration and level; `*` marks the Pareto front."""
     found = series(shown, trials)
     if not found:

@@ -7,8 +7,9 @@ through api.services.study_life, never here.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import optuna
@@ -16,6 +17,7 @@ from optuna.trial import FrozenTrial, TrialState
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from api import documents as D
 from api.artifacts import paths_to_names
 from api.context import ServiceContext
 from api.db import db_now
@@ -34,7 +36,6 @@ from optimizer import study as opt
 from optimizer.analysis import Interval, level_intervals
 from optimizer.errors import StudyNotFoundError
 from optimizer.plan import baseline_key
-from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec, describe_workload, validate_spec
 from optimizer.study_state import CONFIRMING_NOTE, FinishReason, Phase, StudyState
@@ -75,7 +76,7 @@ class StudyService:
     def __init__(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
 
-    def create(self, spec: StudySpec, owner: int | None = None) -> dict[str, Any]:
+    def create(self, spec: StudySpec, owner: int | None = None) -> D.StudyDocument:
         """Store a new study; `owner` (a token id) is held to `max_running_studies_per_user`."""
         validate_spec(spec, max_configs=self.ctx.settings.max_space_configs)
         # One owner's creations are serialised, so two at once cannot both pass the limit.
@@ -147,21 +148,19 @@ class StudyService:
             if not same_model or other.placement != spec.placement:
                 continue
             shown = self.show(row.name)
-            winner = shown.get("winner")
+            winner = shown.winner
             if winner is None:
                 continue
-            measured_on = workers.get(winner.get("confirmed_on") or winner.get("worker_id") or "", {})
+            measured_on = workers.get(winner.confirmed_on or winner.worker_id or "", {})
             gpus_then = {g.get("name") for g in measured_on.get("gpus") or []}
             if gpus_now and gpus_then and not gpus_then & gpus_now:
                 continue
-            configs = [winner["config"]] + [a["config"] for a in (shown.get("best_by_level") or {}).values()]
-            for c in configs:
-                cfg = SpecConfig.model_validate(c)
+            for cfg in [winner.config] + [a.config for a in shown.best_by_level.values()]:
                 if cfg.key not in {x.key for x in out}:
                     out.append(cfg)
         return out[:4]
 
-    def list_studies(self) -> list[dict[str, Any]]:
+    def list_studies(self) -> list[D.StudySummary]:
         """Every study with its trial counts: two queries, however many studies there are."""
         with self.ctx.sessions() as s:
             rows = s.execute(
@@ -171,13 +170,13 @@ class StudyService:
             ).all()
         counts = trial_counts(self.ctx.rdb.engine)
         return [
-            {
-                "name": name,
-                "state": state,
-                "created_at": created_at,
-                "model": ((spec or {}).get("model") or {}).get("target"),
-                "trials": counts.get(name) or empty_counts(),
-            }
+            D.StudySummary(
+                name=name,
+                state=state,
+                created_at=created_at,
+                model=((spec or {}).get("model") or {}).get("target"),
+                trials=D.TrialCounts(**(counts.get(name) or empty_counts())),
+            )
             for name, state, created_at, spec in rows
         ]
 
@@ -192,7 +191,7 @@ class StudyService:
             counts[t.state.name] += 1
         return counts, trials
 
-    def stop(self, name: str) -> dict[str, Any]:
+    def stop(self, name: str) -> D.StudyDocument | D.StudyBrief:
         with self.ctx.unit() as u, u.step() as s:
             row = s.get(StudyRow, name)
             if row is None:
@@ -206,13 +205,13 @@ class StudyService:
                 pass  # stopping twice is harmless
             else:
                 raise ConflictError(f"study {name!r} is already {row.state}")
-            brief = {"name": row.name, "state": row.state, "finish_reason": row.finish_reason}
+            brief = D.StudyBrief(name=row.name, state=row.state, finish_reason=row.finish_reason)
         try:
             return self.show(name)
         except ConflictError:  # a spec an older version stored: stopped all the same
             return brief
 
-    def resume(self, name: str) -> dict[str, Any]:
+    def resume(self, name: str) -> D.StudyDocument:
         """Stopped -> running; the budget rules then apply as before (max_hours counts from creation)."""
         with self.ctx.unit() as u, u.step() as s:
             row = s.get(StudyRow, name)
@@ -233,7 +232,7 @@ class StudyService:
                 )
         return self.show(name)
 
-    def show(self, name: str) -> dict[str, Any]:
+    def show(self, name: str) -> D.StudyDocument:
         with self.ctx.sessions() as s:
             row = s.get(StudyRow, name)
             if row is None:
@@ -264,16 +263,16 @@ class StudyService:
             cost = study_cost(s, name)
             refusals = [
                 # Names, not host paths (rows stored before the API redacted them too).
-                {"worker_id": e.worker_id, "at": e.at, "message": paths_to_names(e.detail or "")}
+                D.Refusal(worker_id=e.worker_id, at=e.at, message=paths_to_names(e.detail or ""))
                 for e in active_refusals(s, study=name)
             ]
             waiting = None
             if row.state == StudyState.RUNNING:
-                waiting = study_eligibility(s, spec).as_json()
-                if waiting["warning"] is None:
+                waiting = D.Eligibility(**study_eligibility(s, spec).as_json())
+                if waiting.warning is None:
                     # A confirmation no host can take now says so (optimizer.conductor).
                     snap = study_life.snapshot(s, spec, db_now(s), (), self.ctx.settings, lock=False)
-                    waiting["warning"] = None if snap is None else cond.confirmation_waits(snap)
+                    waiting.warning = None if snap is None else cond.confirmation_waits(snap)
             baseline_rows = s.scalars(
                 select(BaselineRow)
                 .where(BaselineRow.baseline_key == row.baseline_key)
@@ -282,7 +281,7 @@ class StudyService:
             # The latest baseline per host of this study's server and workload.
             latest = {b.worker_id: b for b in baseline_rows}
             baselines = [
-                {"worker_id": w, "measured_at": b.measured_at, "tok_s": b.tok_s} for w, b in sorted(latest.items())
+                D.HostBaseline(worker_id=w, measured_at=b.measured_at, tok_s=b.tok_s) for w, b in sorted(latest.items())
             ]
             latest_levels = {w: b.metrics.get("levels") or [] for w, b in latest.items()}
         counts, trials = self._trial_counts(name)
@@ -303,47 +302,48 @@ class StudyService:
         pays = cond.pays(answer)
         deployment = deploy.plan_deployment(
             spec,
-            None if winner is None else SpecConfig.model_validate(winner["config"]),
+            None if winner is None else winner.config,
             pays=pays,
             exported=exported,
-            version=(winner or {}).get("sglang_version") or DEFAULT_SGLANG_VERSION,
+            version=DEFAULT_SGLANG_VERSION if winner is None else winner.sglang_version,
         )
         deployment, unproven = _proof(deployment, winner, confirmations, events)
         # Hosts whose baselines disagree beyond the noise seen: one is probably saturated.
         hosts_note = confirm.host_disagreement(latest_levels, noise.variance / 2)
         if winner is not None and deployment is not None and deployment.proven_by is not None:
-            winner["launch_command"] = deployment.command()
-        return {
-            "name": name,
-            "state": row.state,
-            "phase": phase,
+            winner.launch_command = deployment.command()
+        return D.StudyDocument(
+            name=name,
+            state=row.state,
+            phase=phase,
             # While confirming: why the search ended, and that the candidates are being confirmed.
-            "finish_reason": row.finish_reason
+            finish_reason=row.finish_reason
             if row.finish_reason is None or row.state != StudyState.RUNNING or row.phase != Phase.CONFIRMATION
             else row.finish_reason + CONFIRMING_NOTE,
-            "created_at": row.created_at,
-            "finished_at": row.finished_at,
-            "spec": row.spec,
+            created_at=row.created_at,
+            finished_at=row.finished_at,
+            spec=spec,
             # The traffic every baseline and trial of this study measured, in words.
-            "workload": describe_workload(spec.workload),
-            "trials": counts,
-            "configurations_launched": launched,
-            "baselines_measured": baselines_measured,
+            workload=describe_workload(spec.workload),
+            trials=D.TrialCounts(**counts),
+            configurations_launched=launched or 0,
+            baselines_measured=baselines_measured or 0,
             # Output tok/s without speculation per host and level: what every speedup divides by.
-            "baselines": baselines,
+            baselines=baselines,
             # `best` is the answer everywhere (the winner: confirmed, else the search's best);
             # the search's own best measured trial is `best_measured`.
-            "best": winner,
-            "best_measured": best_doc,
-            "winner": winner,
-            "confirmation": confirmations,
-            "best_by_level": {
-                str(k): v.as_json() for k, v in answers.best_by_level(spec, trials, extra_var=extra).items()
+            best=winner,
+            best_measured=best_doc,
+            winner=winner,
+            confirmation=confirmations,
+            best_by_level={
+                str(k): D.LevelAnswer(**v.as_json())
+                for k, v in answers.best_by_level(spec, trials, extra_var=extra).items()
             },
             # Launch-to-launch noise in every interval shown, and what it was estimated from.
-            "launch_noise": noise.as_json(),
-            "adaptive_spec": None if exported is None else exported.as_json(),
-            "verdict": _with_note(
+            launch_noise=D.LaunchNoise(**noise.as_json()),
+            adaptive_spec=None if exported is None else D.AdaptiveExport(**exported.as_json()),
+            verdict=_with_note(
                 unproven
                 or cond.verdict(
                     answer,
@@ -352,163 +352,175 @@ class StudyService:
                 ),
                 hosts_note,
             ),
-            "host_check": hosts_note,
+            # Hosts whose baselines of the same server disagree beyond the noise seen (None: they agree).
+            host_check=hosts_note,
             # Launches and GPU-hours spent, by kind, next to SGLang's grid (optimizer.costs).
-            "cost": cost.as_json(),
+            cost=D.StudyCost(**cost.as_json()),
             # Workers that refused what this study asks (a study fault: they are not offered it
             # again, and it counts nothing against them).
-            "refused_by": refusals,
+            refused_by=refusals,
             # Trials whose stored record holds values that fail today's checks: shown without
             # them (`spectune db repair-trial` removes them for good).
-            "flagged_trials": [
-                {"number": t.number, "problems": t.user_attrs[trial_records.PROBLEMS_ATTR]}
-                for t in trials
-                if trial_records.PROBLEMS_ATTR in t.user_attrs
+            flagged_trials=[
+                D.FlaggedTrial(number=r.number, problems=r.record_problems)
+                for r in A.records(trials)
+                if r.record_problems is not None
             ],
             # Running studies: which workers can take it, and a warning naming the requirement none meets.
-            "eligibility": waiting,
+            eligibility=waiting,
             # None until something was measured; then whether the deployed command speculates.
-            "speculation_pays": None if winner is None else pays,
-            "deployment": None if deployment is None else deployment.as_json(),
-        }
+            speculation_pays=None if winner is None else pays,
+            deployment=None if deployment is None else D.Deployment(**deployment.as_json()),
+        )
 
     def _winner(
         self,
         spec: StudySpec,
         trials: list[FrozenTrial],
         best: FrozenTrial | None,
-        best_doc: dict[str, Any] | None,
-        confirmations: list[dict[str, Any]],
+        best_doc: D.BestTrial | None,
+        confirmations: list[D.Confirmation],
         extra_var: float = 0.0,
-    ) -> dict[str, Any] | None:
+    ) -> D.Winner | None:
         """The recommended configuration: the best confirmed one, else the best measured one.
 
         Confirmed candidates whose intervals overlap the best one's are a tie: the cheapest of
         them is the answer (optimizer.confirmation.choose).
         """
-        done = [c for c in confirmations if c["state"] == "completed" and c.get("speedup") is not None]
-        ok = [c for c in done if (c.get("violation") or 0.0) <= 0] or done
+        done = [c for c in confirmations if c.state == "completed" and c.speedup is not None]
+        ok = [c for c in done if (c.violation or 0.0) <= 0] or done
         # A saturated confirmation measured the host: any clean one comes first.
-        ok = [c for c in ok if not c.get("saturated")] or ok
+        ok = [c for c in ok if not c.saturated] or ok
         if ok:
-            choice = confirm.choose(ok, spec.budget.min_gain)
-            top = choice.winner
-            t = next(t for t in trials if t.number == top["trial_number"])
+            by_number = {c.trial_number: c for c in ok}
+            choice = confirm.choose([c.model_dump(mode="json") for c in ok], spec.budget.min_gain)
+            top = by_number[int(choice.winner["trial_number"])]
+            t = next(t for t in trials if t.number == top.trial_number)
             doc = self._describe_best(spec, t, extra_var)
-            doc |= {
-                "search_speedup": t.value,
-                "speedup": top["speedup"],
-                "speedup_interval": top["speedup_interval"],
-                "speedup_by_level": top["speedup_by_level"],
-                "speedup_interval_by_level": top["speedup_interval_by_level"],
-                "confirmed": True,
-                "confirmed_on": top["worker_id"],
+            return D.Winner(
+                **doc.model_dump(
+                    exclude={"speedup", "speedup_by_level", "speedup_interval_by_level", "worker_id", "levels"}
+                ),
+                search_speedup=t.value,
+                speedup=top.speedup,
+                speedup_interval=top.speedup_interval,
+                speedup_by_level=top.speedup_by_level,
+                speedup_interval_by_level=top.speedup_interval_by_level or {},
+                confirmed=True,
+                confirmed_on=top.worker_id,
                 # One record: the launch the answer's numbers come from, its host, what it measured.
-                "worker_id": top["worker_id"],
-                "search_worker_id": doc.get("worker_id"),
-                "lease_id": top.get("lease_id"),
-                "levels": top.get("levels"),
-                "baseline_levels": top.get("baseline_levels"),
-                "server": top.get("server"),
-                "envelope_note": top.get("envelope_note") or "",
-                "saturated": top.get("saturated") or {},
+                worker_id=top.worker_id,
+                search_worker_id=doc.worker_id,
+                lease_id=top.lease_id,
+                levels=top.levels,
+                baseline_levels=top.baseline_levels,
+                server=top.server,
+                envelope_note=top.envelope_note,
+                saturated=top.saturated,
                 # Confirmed candidates the answer cannot be told apart from (overlapping intervals).
-                "ties": [
-                    {"trial_number": c["trial_number"], "config": c["config"], "speedup": c["speedup"]}
-                    for c in choice.ties
+                ties=[
+                    D.Tie(trial_number=c["trial_number"], config=c["config"], speedup=c["speedup"]) for c in choice.ties
                 ],
-                "tie_note": choice.note,
-            }
-            return doc
+                tie_note=choice.note,
+            )
         if best is None or best_doc is None:
             return None
         iv = confirm.search_interval(spec, best, extra_var)
-        out: dict[str, Any] = best_doc | {
-            "search_speedup": best.value,
-            "speedup_interval": None if iv is None else {"low": iv.low, "high": iv.high},
-            "confirmed": False,
-            "confirmed_on": None,
-            "saturated": {
-                str(k): v
-                for k, v in confirm.saturated_levels(
-                    best.user_attrs.get("levels"), best.user_attrs.get("baseline_levels")
-                ).items()
-            },
-        }
-        return out
+        r = A.TrialRecord(best)
+        return D.Winner(
+            **best_doc.model_dump(),
+            search_speedup=best.value,
+            speedup_interval=None if iv is None else D.Interval(low=iv.low, high=iv.high),
+            confirmed=False,
+            confirmed_on=None,
+            saturated={str(k): v for k, v in confirm.saturated_levels(r.levels, r.baseline_levels).items()},
+        )
 
     @staticmethod
-    def _describe_best(spec: StudySpec, t: FrozenTrial, extra_var: float = 0.0) -> dict[str, Any]:
-        config = SpecConfig.model_validate(t.user_attrs["config"])
-        version = t.user_attrs.get("sglang_version") or DEFAULT_SGLANG_VERSION
-        static = deploy.plan_deployment(spec, config, pays=True, exported=None, version=version)
+    def _describe_best(spec: StudySpec, t: FrozenTrial, extra_var: float = 0.0) -> D.BestTrial:
+        r = A.TrialRecord(t)
+        version = r.sglang_version or DEFAULT_SGLANG_VERSION
+        static = deploy.plan_deployment(spec, r.config, pays=True, exported=None, version=version)
         assert static is not None
-        return {
-            "trial_number": t.number,
-            "params": t.params,
-            "config": config.model_dump(mode="json"),
-            "speedup": t.value,
-            "speedup_by_level": t.user_attrs.get("speedup_by_level"),
-            "speedup_interval_by_level": {
-                str(c): {"low": iv.low, "high": iv.high}
-                for c, iv in level_intervals(
-                    t.user_attrs.get("levels") or [], t.user_attrs.get("baseline_levels") or [], extra_var
-                ).items()
+        return D.BestTrial(
+            trial_number=r.number,
+            params=r.params,
+            config=r.config,
+            speedup=r.value,
+            speedup_by_level=r.speedup_by_level,
+            speedup_interval_by_level={
+                str(c): D.Interval(low=iv.low, high=iv.high)
+                for c, iv in level_intervals(r.levels, r.baseline_levels, extra_var).items()
             },
-            "levels": t.user_attrs.get("levels"),
-            "worker_id": t.user_attrs.get("worker_id"),
-            "sglang_version": version,
+            levels=_levels(r.levels if r.has(A.LEVELS) else None),
+            worker_id=r.worker_id,
+            sglang_version=version,
             # This configuration deployed for the study's serving envelope (model paths are placeholders).
-            "launch_command": static.command(),
-        }
+            launch_command=static.command(),
+        )
 
-    def trials(self, name: str) -> list[dict[str, Any]]:
+    def trials(self, name: str) -> list[D.TrialRow]:
         with self.ctx.sessions() as s:
             if s.get(StudyRow, name) is None:
                 raise StudyNotFoundError(name)
         _, trials = self._trial_counts(name)
-        out = []
-        for t in trials:
-            ua = t.user_attrs
-            out.append(
-                {
-                    "number": t.number,
-                    "state": t.state.name,
-                    "params": t.params,
-                    "config": ua.get("config"),
-                    "speedup": t.value,
-                    "feasible": opt.is_feasible(t),
-                    "constraints": t.constraints,
-                    "speedup_by_level": ua.get("speedup_by_level"),
-                    "levels": ua.get("levels"),
-                    # The baseline each level's speedup divides by (same host, measured before it).
-                    "baseline_levels": ua.get("baseline_levels"),
-                    "effective": ua.get("effective"),
-                    "startup_s": ua.get("startup_s"),
-                    "worker_id": ua.get("worker_id"),
-                    "failure_kind": ua.get("failure_kind"),
-                    "failure_message": ua.get("failure_message"),
-                    "record_problems": ua.get(trial_records.PROBLEMS_ATTR),
-                    "duplicate_of": ua.get("duplicate_of"),
-                    # Not launched: needs at least the memory of this trial, which ran out of it.
-                    "inferred_from": ua.get("inferred_from"),
-                    # Why a PRUNED trial was stopped, and what it measured before.
-                    "pruned": ua.get("pruned"),
-                    "partial_speedup_by_level": ua.get("partial_speedup_by_level"),
-                    # A trial given up after its attempts: the levels they measured before the end.
-                    "levels_measured": ua.get(A.LEVELS_MEASURED),
-                    # warm_start | prior_study | grid (enqueued), else the sampler's proposal.
-                    "source": ua.get("source"),
-                    # What the `auto` sampler predicted for it when it proposed it.
-                    "model_prediction": ua.get("model_prediction"),
-                    "datetime_start": t.datetime_start,
-                    "datetime_complete": t.datetime_complete,
-                }
-            )
-        return out
+        return [_trial_row(A.TrialRecord(t)) for t in trials]
 
 
-def _confirmations(spec: StudySpec, rows: Sequence[LeaseRow], extra_var: float = 0.0) -> list[dict[str, Any]]:
+def _levels(levels: Sequence[Mapping[str, Any]] | None) -> list[D.MeasuredLevel] | None:
+    return None if levels is None else [D.MeasuredLevel.model_validate(lv) for lv in levels]
+
+
+def _effective(values: Mapping[str, Any] | None) -> dict[str, D.EffectiveValue] | None:
+    """What /server_info reported, as stored; a value of another shape than SGLang's is kept as its JSON text."""
+    if values is None:
+        return None
+    out: dict[str, D.EffectiveValue] = {}
+    for k, v in values.items():
+        scalar = v is None or isinstance(v, str | int | float | bool)
+        flat = isinstance(v, list) and all(x is None or isinstance(x, str | int | float | bool) for x in v)
+        out[k] = v if scalar or flat else json.dumps(v, sort_keys=True)
+    return out
+
+
+def _trial_row(r: A.TrialRecord) -> D.TrialRow:
+    prediction = r.model_prediction
+    return D.TrialRow(
+        number=r.number,
+        state=r.state.name,
+        params=r.params,
+        config=r.config_or_none,
+        speedup=r.value,
+        feasible=opt.is_feasible(r.trial),
+        constraints=r.trial.constraints,
+        speedup_by_level=r.speedup_by_level,
+        levels=_levels(r.levels if r.has(A.LEVELS) else None),
+        # The baseline each level's speedup divides by (same host, measured before it).
+        baseline_levels=_levels(r.baseline_levels if r.has(A.BASELINE_LEVELS) else None),
+        effective=_effective(r.effective),
+        startup_s=r.startup_s,
+        worker_id=r.worker_id,
+        failure_kind=r.failure_kind,
+        failure_message=r.failure_message,
+        record_problems=r.record_problems,
+        duplicate_of=r.duplicate_of,
+        # Not launched: needs at least the memory of this trial, which ran out of it.
+        inferred_from=r.inferred_from,
+        # Why a PRUNED trial was stopped, and what it measured before.
+        pruned=None if r.pruned is None else D.PruneNote.model_validate(r.pruned),
+        partial_speedup_by_level=r.partial_speedup_by_level,
+        # A trial given up after its attempts: the levels they measured before the end.
+        levels_measured=_levels(r.levels_measured),
+        # warm_start | prior_study | grid (enqueued), else the sampler's proposal.
+        source=r.source,
+        # What the `auto` sampler predicted for it when it proposed it.
+        model_prediction=None if prediction is None else D.ModelPrediction.model_validate(prediction),
+        datetime_start=r.trial.datetime_start,
+        datetime_complete=r.trial.datetime_complete,
+    )
+
+
+def _confirmations(spec: StudySpec, rows: Sequence[LeaseRow], extra_var: float = 0.0) -> list[D.Confirmation]:
     """One entry per confirmed candidate: its latest attempt (a completed one wins).
 
     Intervals are recomputed from the stored passes with the study's launch noise as it stands
@@ -527,34 +539,33 @@ def _confirmations(spec: StudySpec, rows: Sequence[LeaseRow], extra_var: float =
         measured = launch_noise.confirm_measurement(r) if r.state == "completed" else None
         if measured is not None:
             info |= confirm.confirm_result(spec, measured[1], measured[2], extra_var).as_json()
+        config = r.payload.get("config")
+        saturated = confirm.saturated_levels(
+            ((r.result or {}).get("metrics") or {}).get("levels"), info.get("baseline_levels")
+        )
         out.append(
-            {
-                "trial_number": number,
-                "config": r.payload.get("config"),
-                "state": r.state,
-                "attempt": r.attempt,
-                "worker_id": r.worker_id,
-                "search_speedup": (r.payload.get("confirm") or {}).get("search_speedup"),
-                "speedup": r.speedup,
-                "speedup_interval": info.get("speedup_interval"),
-                "speedup_by_level": info.get("speedup_by_level"),
-                "speedup_interval_by_level": info.get("speedup_interval_by_level"),
-                "violation": info.get("violation"),
-                "baseline_measured_at": info.get("baseline_measured_at"),
+            D.Confirmation(
+                trial_number=number,
+                config=None if config is None else SpecConfig.model_validate(config),
+                state=r.state,
+                attempt=r.attempt,
+                worker_id=r.worker_id,
+                search_speedup=(r.payload.get("confirm") or {}).get("search_speedup"),
+                speedup=r.speedup,
+                speedup_interval=info.get("speedup_interval"),
+                speedup_by_level=info.get("speedup_by_level"),
+                speedup_interval_by_level=info.get("speedup_interval_by_level"),
+                violation=info.get("violation"),
+                baseline_measured_at=info.get("baseline_measured_at"),
                 # The launch: its lease, the server it started, what it measured (one record).
-                "lease_id": r.id,
-                "server": ((r.result or {}).get("deployment") or {}).get("server"),
-                "envelope_note": ((r.result or {}).get("deployment") or {}).get("note") or "",
-                "levels": None if measured is None else measured[1],
-                "baseline_levels": None if measured is None else measured[2],
-                "extra_passes": ((r.result or {}).get("metrics") or {}).get("extra_passes") or 0,
-                "saturated": {
-                    str(k): v
-                    for k, v in confirm.saturated_levels(
-                        ((r.result or {}).get("metrics") or {}).get("levels"), info.get("baseline_levels")
-                    ).items()
-                },
-            }
+                lease_id=r.id,
+                server=((r.result or {}).get("deployment") or {}).get("server"),
+                envelope_note=((r.result or {}).get("deployment") or {}).get("note") or "",
+                levels=None if measured is None else _levels(measured[1]),
+                baseline_levels=None if measured is None else _levels(measured[2]),
+                extra_passes=((r.result or {}).get("metrics") or {}).get("extra_passes") or 0,
+                saturated={str(k): v for k, v in saturated.items()},
+            )
         )
     return out
 
@@ -586,30 +597,30 @@ def _fresh_by_trial(rows: Sequence[LeaseRow]) -> dict[int, bool]:
     return out
 
 
-def _answer_of(winner: dict[str, Any] | None, fresh_by_trial: dict[int, bool]) -> cond.Answer | None:
+def _answer_of(winner: D.Winner | None, fresh_by_trial: dict[int, bool]) -> cond.Answer | None:
     """The study document's winner as the conductor's verdict reads it."""
-    if winner is None or winner.get("speedup") is None:
+    if winner is None or winner.speedup is None:
         return None
-    c = winner["config"]
-    label = f"steps {c['num_steps']} / topk {c['topk']} / draft tokens {c['num_draft_tokens']} (trial {winner['trial_number']})"
-    iv = winner.get("speedup_interval")
-    value = float(winner["speedup"])
+    c = winner.config
+    label = f"steps {c.num_steps} / topk {c.topk} / draft tokens {c.num_draft_tokens} (trial {winner.trial_number})"
+    iv = winner.speedup_interval
+    value = winner.speedup
     return cond.Answer(
         speedup=value,
-        interval=None if iv is None else Interval(value, float(iv["low"]), float(iv["high"])),
+        interval=None if iv is None else Interval(value, iv.low, iv.high),
         label=label,
-        confirmed=bool(winner["confirmed"]),
-        confirmed_on=winner.get("confirmed_on"),
-        fresh_baseline=fresh_by_trial.get(int(winner["trial_number"]), True),
-        saturated={int(k): v for k, v in (winner.get("saturated") or {}).items()},
-        tie_note=winner.get("tie_note"),
+        confirmed=winner.confirmed,
+        confirmed_on=winner.confirmed_on,
+        fresh_baseline=fresh_by_trial.get(winner.trial_number, True),
+        saturated={int(k): v for k, v in winner.saturated.items()},
+        tie_note=winner.tie_note,
     )
 
 
 def _proof(
     deployment: deploy.Deployment | None,
-    winner: dict[str, Any] | None,
-    confirmations: list[dict[str, Any]],
+    winner: D.Winner | None,
+    confirmations: list[D.Confirmation],
     events: list[tuple[str, str]],
 ) -> tuple[deploy.Deployment | None, str | None]:
     """The deployment as the launch that proved it started it, and a verdict when none did.
@@ -623,19 +634,18 @@ def _proof(
     retried = [d for k, d in events if k == DEPLOY_RETRY]
     if winner is None or deployment is None:
         return deployment, None
-    if winner.get("confirmed") and deployment.mode == "static" and winner.get("server"):
-        settings = ServerSettings.model_validate(winner["server"])
-        c = winner["config"]
-        mine = [d for d in retried if d.startswith(f"{c['num_steps']}/{c['topk']}/{c['num_draft_tokens']} ")]
+    if winner.confirmed and deployment.mode == "static" and winner.server is not None:
+        c = winner.config
+        mine = [d for d in retried if d.startswith(f"{c.num_steps}/{c.topk}/{c.num_draft_tokens} ")]
         note = mine[-1] if mine else ""
-        if not note and winner.get("envelope_note"):
+        if not note and winner.envelope_note:
             note = (
                 "the planned envelope was skipped: a configuration needing no more graph memory ran out of memory "
-                f"in it; started with {winner['envelope_note']}"
+                f"in it; started with {winner.envelope_note}"
             )
-        return deployment.proven(str(winner.get("lease_id")), settings, note), None
-    tried = [c for c in confirmations if c.get("server") is not None or c["state"] == "failed"]
-    if not winner.get("confirmed") and failed and not any(c["state"] == "completed" for c in tried):
+        return deployment.proven(str(winner.lease_id), winner.server, note), None
+    tried = [c for c in confirmations if c.server is not None or c.state == "failed"]
+    if not winner.confirmed and failed and not any(c.state == "completed" for c in tried):
         return None, "no command: none of the candidates' deployments started (" + "; ".join(failed) + ")"
     # Not proven by a launch of this study, said with the command (proven_by stays None).
     if deployment.mode == "adaptive":
@@ -645,7 +655,7 @@ def _proof(
         )
     elif deployment.mode == "no_speculation":
         note = "the study's baselines ran this server without speculation (sized as its trials were)"
-    elif not winner.get("confirmed"):
+    elif not winner.confirmed:
         note = "not confirmed: the search's envelope ran this configuration, not the printed one"
     else:
         note = ""

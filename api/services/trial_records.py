@@ -31,12 +31,13 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.db import db_now, transaction
 from api.errors import NotFoundError
 from api.models import EventRow
+from optimizer import attrs as A
 from optimizer.space import SpecConfig
 from spectune_protocol import MAX_EFFECTIVE_DEPTH, LevelMetrics, Version, json_problem
 
 TRIAL_QUARANTINED = "trial_quarantined"
 TRIAL_REPAIRED = "trial_record_repaired"
-PROBLEMS_ATTR = "record_problems"
+PROBLEMS_ATTR = A.RECORD_PROBLEMS
 
 _VERSION = TypeAdapter(Version | None)
 _LEVELS = TypeAdapter(list[LevelMetrics])

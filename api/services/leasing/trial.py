@@ -213,7 +213,7 @@ class TrialLeases:
             trial = opt.get_trial(study, number)
             if trial.state.is_finished():
                 raise TrialStateError(f"trial {number} is {trial.state.name}")
-            partial = {int(k): float(v) for k, v in (trial.user_attrs.get(A.PROGRESS_SPEEDUP_BY_LEVEL) or {}).items()}
+            partial = A.TrialRecord(trial).progress_speedup_by_level
             partial[body.concurrency] = speedup
             attrs: dict[str, Any] = {A.PROGRESS_SPEEDUP_BY_LEVEL: {str(k): v for k, v in partial.items()}}
             decision = None

@@ -1,0 +1,319 @@
+"""The documents the study routes answer with, typed (OpenAPI shows each field).
+
+`GET /v1/studies/{name}` is a `StudyDocument`, `GET .../trials` a list of `TrialRow`; the CLI,
+the report and the dashboard notes read them through these models instead of indexing dicts by
+string.  The JSON is what the routes always sent; the models only name it.
+
+A worker-only install has no `api/` but needs none of this: every reader of these documents
+(CLI client, report, dashboard) runs where the server extra is installed.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from optimizer.deploy import Mode
+from optimizer.sglang import ServerSettings
+from optimizer.space import SpecConfig
+from optimizer.spec import StudySpec
+from spectune_protocol import LevelMetrics
+
+StudyState = Literal["running", "stopped", "finished"]
+# What SGLang's /server_info reported for the fields the worker reads back (workers/launcher/server_info.py).
+EffectiveValue = str | int | float | bool | list[str | int | float | bool | None] | None
+
+
+class _Document(BaseModel):
+    # Built by the service field by field: a key it does not know is a bug, not a silent drop.
+    model_config = ConfigDict(extra="forbid")
+
+
+class Interval(_Document):
+    low: float
+    high: float
+
+
+class MeasuredLevel(LevelMetrics):
+    """One concurrency level as a worker reported it (stored with the trial)."""
+
+    # Read back from storage: a key an older or newer version wrote is not an error here.
+    model_config = ConfigDict(extra="ignore")
+
+
+class TrialCounts(_Document):
+    """Trials of the study by Optuna state."""
+
+    RUNNING: int = 0
+    COMPLETE: int = 0
+    PRUNED: int = 0
+    FAIL: int = 0
+    WAITING: int = 0
+
+
+class StudySummary(_Document):
+    """One row of `GET /v1/studies`."""
+
+    name: str
+    state: StudyState
+    created_at: datetime
+    model: str | None
+    trials: TrialCounts
+
+
+class HostBaseline(_Document):
+    """A host's latest baseline of this study's server and workload: output tok/s per level."""
+
+    worker_id: str
+    measured_at: datetime
+    tok_s: dict[str, float]
+
+
+class BestTrial(_Document):
+    """The best measured trial, and its configuration deployed for the study's serving envelope."""
+
+    trial_number: int
+    params: dict[str, int | float | str]
+    config: SpecConfig
+    speedup: float | None
+    speedup_by_level: dict[str, float] | None
+    speedup_interval_by_level: dict[str, Interval]
+    levels: list[MeasuredLevel] | None
+    worker_id: str | None
+    sglang_version: str
+    launch_command: str
+
+
+class Tie(_Document):
+    """A confirmed candidate the winner cannot be told apart from (overlapping intervals)."""
+
+    trial_number: int
+    config: SpecConfig | None
+    speedup: float | None
+
+
+class Winner(BestTrial):
+    """The recommended configuration: the best confirmed one, else the best measured one."""
+
+    search_speedup: float | None
+    speedup_interval: Interval | None
+    confirmed: bool
+    confirmed_on: str | None
+    # A confirmed winner is one record of the launch its numbers come from (worker_id and levels are that launch's).
+    search_worker_id: str | None = Field(default=None, description="the host the search measured it on")
+    lease_id: str | None = Field(default=None, description="the confirmation lease the numbers come from")
+    baseline_levels: list[MeasuredLevel] | None = None
+    server: ServerSettings | None = Field(default=None, description="the server that confirmation started")
+    envelope_note: str = ""
+    saturated: dict[str, str] = Field(description="levels whose measurement saturated the host, with why")
+    ties: list[Tie] = Field(default_factory=list, description="confirmed candidates tied with the winner")
+    tie_note: str | None = None
+
+
+class Confirmation(_Document):
+    """A candidate's re-measurement against a fresh baseline (its latest attempt)."""
+
+    trial_number: int
+    config: SpecConfig | None
+    state: str
+    attempt: int
+    worker_id: str | None
+    search_speedup: float | None
+    speedup: float | None
+    speedup_interval: Interval | None
+    speedup_by_level: dict[str, float] | None
+    speedup_interval_by_level: dict[str, Interval] | None
+    violation: float | None
+    baseline_measured_at: str | None
+    lease_id: str
+    server: ServerSettings | None = Field(description="the server this confirmation started")
+    envelope_note: str
+    levels: list[MeasuredLevel] | None
+    baseline_levels: list[MeasuredLevel] | None
+    extra_passes: int
+    saturated: dict[str, str] = Field(description="levels whose measurement saturated the host, with why")
+
+
+class LevelAnswer(_Document):
+    """The best measured configuration at one concurrency level."""
+
+    trial_number: int
+    config: SpecConfig
+    speedup: float
+    speedup_interval: Interval | None
+    speculation_pays: bool
+
+
+class AdaptiveSlot(_Document):
+    candidate_steps: list[int]
+
+
+class AdaptiveExport(_Document):
+    """SGLang's adaptive-speculation config from the per-level answers."""
+
+    fits: bool
+    reason: str
+    file_name: str
+    config: dict[str, AdaptiveSlot] | None
+    server_args: list[str]
+    speedup_by_level: dict[str, float]
+
+
+class GridCost(_Document):
+    launches: int
+    gpu_hours: float | None
+
+
+class StudyCost(_Document):
+    """Launches and GPU-hours spent, by kind, next to SGLang's bench_speculative grid."""
+
+    launches: int
+    gpu_hours: float
+    launches_by_kind: dict[str, int]
+    gpu_hours_by_kind: dict[str, float]
+    median_launch_gpu_hours: float | None
+    bench_speculative_grid: GridCost
+    extra_passes: int = Field(description="passes a confirmation added on the warm server to resolve a tie")
+    summary: str
+
+
+class LaunchNoise(_Document):
+    """The launch-to-launch noise every interval shown holds, and what it was estimated from."""
+
+    sd: float
+    relaunched: int
+    degrees_of_freedom: float
+
+
+class Refusal(_Document):
+    """A worker that refused what the study asks (a study fault: it is not offered the study again)."""
+
+    worker_id: str | None
+    at: datetime
+    message: str | None
+
+
+class Eligibility(_Document):
+    """Which workers can take a running study; `warning` names the requirement none meets."""
+
+    eligible_workers: list[str]
+    quarantined_workers: list[str]
+    unmet: list[str]
+    warning: str | None
+
+
+class Deployment(_Document):
+    """The answer to deploy: SGLang's server settings and the exact command (model paths are placeholders)."""
+
+    mode: Mode
+    speculation: bool
+    reason: str
+    sglang_version: str
+    server: ServerSettings
+    pin_max_running_requests: bool
+    adaptive_config: dict[str, AdaptiveSlot] | None
+    adaptive_file: str | None
+    proven_levels: list[int] = Field(description="the concurrency levels this command was measured at")
+    load_note: str = Field(description="what the command admits beyond the measured levels")
+    proven_by: str | None = Field(description="the confirmation lease that started exactly this server")
+    proof_note: str
+    launch_command: str
+
+
+class FlaggedTrial(_Document):
+    """A trial whose stored record holds values that fail today's checks (shown without them)."""
+
+    number: int
+    problems: list[str]
+
+
+class StudyDocument(_Document):
+    """`GET /v1/studies/{name}`: state, counts, baselines, the best and the winner, the answer to deploy."""
+
+    name: str
+    state: StudyState
+    phase: str = Field(description="search | confirmation while running; else done or stopped")
+    finish_reason: str | None
+    created_at: datetime
+    finished_at: datetime | None
+    spec: StudySpec
+    workload: str = Field(description="the traffic every baseline and trial of this study measured, in words")
+    trials: TrialCounts
+    configurations_launched: int
+    baselines_measured: int
+    baselines: list[HostBaseline] = Field(description="output tok/s without speculation per host and level")
+    best: Winner | None = Field(description="the answer (the winner: confirmed, else the search's best)")
+    best_measured: BestTrial | None = Field(description="the search's own best measured trial")
+    winner: Winner | None
+    confirmation: list[Confirmation]
+    best_by_level: dict[str, LevelAnswer]
+    launch_noise: LaunchNoise
+    adaptive_spec: AdaptiveExport | None
+    verdict: str
+    host_check: str | None = Field(description="hosts whose baselines of the same server disagree beyond the noise")
+    cost: StudyCost
+    refused_by: list[Refusal]
+    flagged_trials: list[FlaggedTrial] = Field(description="`spectune db repair-trial` removes their bad values")
+    eligibility: Eligibility | None = Field(description="running studies only")
+    speculation_pays: bool | None = Field(description="None until something was measured")
+    deployment: Deployment | None
+
+
+class StudyBrief(_Document):
+    """What `stop` answers for a study whose stored spec this version cannot read."""
+
+    name: str
+    state: StudyState
+    finish_reason: str | None
+
+
+class PruneNote(_Document):
+    after_concurrency: int
+    reason: str
+
+
+class ModelPrediction(_Document):
+    """What the `auto` sampler predicted for a configuration when it proposed it."""
+
+    speedup: float
+    log_sd: float
+    expected_improvement: float
+    observations: int
+    p_oom: float
+    predicted_cost_s: float
+
+
+class TrialRow(_Document):
+    """One trial of `GET /v1/studies/{name}/trials`."""
+
+    number: int
+    state: Literal["RUNNING", "COMPLETE", "PRUNED", "FAIL", "WAITING"]
+    params: dict[str, int | float | str]
+    config: SpecConfig | None
+    speedup: float | None
+    feasible: bool
+    constraints: dict[str, float] | None
+    speedup_by_level: dict[str, float] | None
+    levels: list[MeasuredLevel] | None
+    baseline_levels: list[MeasuredLevel] | None = Field(
+        description="the baseline each level's speedup divides by (same host, measured before it)"
+    )
+    effective: dict[str, EffectiveValue] | None
+    startup_s: float | None
+    worker_id: str | None
+    failure_kind: str | None
+    failure_message: str | None
+    record_problems: list[str] | None = Field(description="stored values left out: they fail today's checks")
+    duplicate_of: int | None
+    inferred_from: int | None = Field(description="not launched: needs at least the memory of this trial")
+    pruned: PruneNote | None
+    partial_speedup_by_level: dict[str, float] | None
+    levels_measured: list[MeasuredLevel] | None = Field(
+        description="a trial given up after its attempts: the levels they measured before the end"
+    )
+    source: str | None = Field(description="warm_start | prior_study | grid (enqueued), else the sampler's")
+    model_prediction: ModelPrediction | None
+    datetime_start: datetime | None
+    datetime_complete: datetime | None
