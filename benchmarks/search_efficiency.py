@@ -43,6 +43,7 @@ to the `max_trials` cap, with the stop rule that ended each (optimizer.stop_rule
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import random
 import statistics
@@ -321,6 +322,7 @@ class Answer:
     # the optimum: what the stop rule is answerable for, before confirmation chooses among ties.
     incumbent_share: float | None = None
     rule: str | None = None  # the stop rule that ended the search (optimizer.stop_rules.StopRule)
+    wall_h: float | None = None  # hours from the study's start until it finished (the service's studies)
 
 
 def _answer(
@@ -644,8 +646,10 @@ def _study_answer(store: MemoryStudy, hosts: Sequence[Host], truth: Truth) -> An
     assessment = conductor.stop_rule(spec, snap.trials)
     rule = None if assessment is None or assessment.rule is None else assessment.rule.value
 
+    wall_h = (max(h.clock_s for h in hosts) - store.created_at.timestamp()) / 3600
+
     def answer(value: float) -> Answer:
-        return _answer(hosts, truth, value, reason, incumbent, rule)
+        return dataclasses.replace(_answer(hosts, truth, value, reason, incumbent, rule), wall_h=wall_h)
 
     if store.ending.reason == FinishReason.DOES_NOT_PAY:
         return answer(1.0)  # "speculation does not pay": run the baseline
@@ -851,9 +855,9 @@ def calibration_report(results: Sequence[tuple[Case, list[Answer]]], workers: in
     rows = [
         "### Calibration of the stop rule (default study, every case and seed)",
         "",
-        "| case | studies | median launches | answer within 2% | answer > 1% below optimum | "
+        "| case | studies | median launches | median wall-h | answer within 2% | answer > 1% below optimum | "
         "incumbent > 1% below optimum | ran to the cap | stopped by |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     total = below = below_inc = capped = 0
     for case, answers in results:
@@ -865,11 +869,12 @@ def calibration_report(results: Sequence[tuple[Case, list[Answer]]], workers: in
         rules = ", ".join(f"{k} {v}" for k, v in sorted(_endings(answers).items()))
         rows.append(
             f"| {case.label} | {n} | {_median([a.launches for a in answers]):g} | "
+            f"{_median([a.wall_h or 0.0 for a in answers]):.2f} | "
             f"{sum(a.share >= WITHIN for a in answers)}/{n} | {b}/{n} | {bi}/{n} | {cap}/{n} | {rules} |"
         )
     if total:
         rows.append(
-            f"| **all** ({workers} workers) | {total} | | | **{100 * below / total:.1f}%** | "
+            f"| **all** ({workers} workers) | {total} | | | | **{100 * below / total:.1f}%** | "
             f"**{100 * below_inc / total:.1f}%** | **{100 * capped / total:.1f}%** | |"
         )
     rows.append("")
