@@ -149,3 +149,65 @@ def test_an_admin_repairs_or_quarantines_a_trial_record(api: Api, db_url: str, t
     # A trial that does not exist is one clear line.
     missing = spectune_db("repair-trial", "records", "999", "--database-url", db_url)
     assert missing.returncode == 2 and "has no trial 999" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def _confirmation(number: int, config: dict[str, Any], speedup: float) -> Any:
+    """A completed confirmation as the study document builds them (studies._confirmations)."""
+    from api.documents import Confirmation
+
+    return Confirmation.model_validate(
+        {
+            "trial_number": number,
+            "config": config,
+            "state": "completed",
+            "attempt": 1,
+            "worker_id": "w1",
+            "search_speedup": speedup,
+            "speedup": speedup,
+            "speedup_interval": None,
+            "speedup_by_level": {},
+            "speedup_interval_by_level": {},
+            "violation": None,
+            "baseline_measured_at": None,
+            "lease_id": f"lease-{number}",
+            "server": None,
+            "envelope_note": "",
+            "levels": None,
+            "baseline_levels": None,
+            "extra_passes": 0,
+            "saturated": {},
+        }
+    )
+
+
+def test_a_quarantined_trial_no_longer_steers_the_study(api: Api, db_url: str, tmp_path: Path) -> None:
+    from api.services.studies import StudyService
+    from api.services.study_specs import spec_of, study_trials
+    from api.services.trial_records import repair_trial
+
+    good = _measured_study(api)
+    forged = lease(api).json()
+    report = ok_metrics(200.0, sglang_version="0.5.23")
+    assert api.post(f"/v1/leases/{forged['lease_id']}/complete", "worker", report).status_code == 200
+    forged_number = int(forged["trial_number"])
+    assert _readable(api)["best"]["trial_number"] == forged_number  # the forged one leads, until...
+    with fresh_api(db_url, tmp_path) as fresh:
+        ctx = fresh.client.app.state.ctx  # type: ignore[attr-defined]
+        repair_trial(ctx.write_sessions, "records", forged_number, quarantine="forged measurement")
+        doc = _readable(fresh)
+        assert doc["best"]["trial_number"] == good and doc["winner"]["trial_number"] == good
+        # What the conductor, stop rule and confirmations read: the quarantined trial as a failure.
+        snapshot = {t.number: t for t in study_trials(ctx.storage, ctx.sessions, "records")}
+        assert snapshot[forged_number].state.name == "FAIL" and snapshot[forged_number].value is None
+        assert snapshot[good].state.name == "COMPLETE"
+        # A confirmation the quarantined trial had is never the answer, however well it measured.
+        service = StudyService(ctx)
+        with ctx.sessions() as s:
+            spec = spec_of(s, "records")
+        trials = list(snapshot.values())
+        confirmed = [
+            _confirmation(forged_number, snapshot[forged_number].user_attrs["config"], 9.0),
+            _confirmation(good, snapshot[good].user_attrs["config"], 1.2),
+        ]
+        winner = service._winner(spec, trials, snapshot[good], None, confirmed)  # noqa: SLF001
+        assert winner is not None and winner.trial_number == good and winner.confirmed

@@ -387,7 +387,14 @@ class StudyService:
         Confirmed candidates whose intervals overlap the best one's are a tie: the cheapest of
         them is the answer (optimizer.confirmation.choose).
         """
-        done = [c for c in confirmations if c.state == "completed" and c.speedup is not None]
+        # A trial an admin quarantined (screened to FAIL, api.services.trial_records) is never
+        # the answer, however well its confirmation measured.
+        usable = {t.number for t in trials if t.user_attrs.get(A.FAILURE_KIND) != "quarantined"}
+        done = [
+            c
+            for c in confirmations
+            if c.state == "completed" and c.speedup is not None and c.trial_number in usable
+        ]
         ok = [c for c in done if (c.violation or 0.0) <= 0] or done
         # A saturated confirmation measured the host: any clean one comes first.
         ok = [c for c in ok if not c.saturated] or ok

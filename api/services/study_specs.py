@@ -12,7 +12,7 @@ import optuna
 from optuna.trial import FrozenTrial
 from pydantic import ValidationError
 from sqlalchemy import func, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 from api.errors import ConflictError
 from api.models import StudyRow, TrialConfigRow
@@ -66,14 +66,20 @@ def baseline_key_of(spec: StudySpec) -> str:
     return baseline_key(spec)
 
 
-def study_trials(storage: optuna.storages.BaseStorage, name: str) -> list[FrozenTrial]:
+def study_trials(storage: optuna.storages.BaseStorage, sessions: sessionmaker[Session], name: str) -> list[FrozenTrial]:
     """Every trial of a study, read from Optuna's storage for the conductor's snapshot.
 
     Read before our write transaction opens: on SQLite, calling Optuna while we hold the write
     lock would wait for ourselves (api/db.py install_sqlite_transactions).
     """
+    # A trial an admin quarantined reads as a failure here too: Optuna still stores it COMPLETE
+    # with its value, and it must not steer the stop rule, candidates or confirmations.
+    with sessions() as s:
+        quarantine = trial_records.quarantined(s, name)
     # Screened: a stored value that fails today's checks can never make a reader raise.
-    return trial_records.screened(storage.get_all_trials(storage.get_study_id_from_name(name), deepcopy=False))
+    return trial_records.screened(
+        storage.get_all_trials(storage.get_study_id_from_name(name), deepcopy=False), quarantine
+    )
 
 
 def launched_count(s: Session, study: str) -> int:

@@ -70,7 +70,7 @@ class ConfirmLeases:
 
     def complete(self, u: Unit, spec: StudySpec, lease_id: str, body: CompleteIn, late: bool) -> CompleteOut:
         """A candidate re-measured: its speedup and interval against the baseline paired with it."""
-        trials = study_trials(self.ctx.storage, spec.name)
+        trials = study_trials(self.ctx.storage, self.ctx.sessions, spec.name)
         with u.step() as s:
             now = db_now(s)
             lease = s.get(LeaseRow, lease_id)

@@ -63,7 +63,7 @@ class Expiry:
             for give_up in give_ups:
                 self.trials.tell_given_up(give_up)
             for spec in touched.values():
-                snapshot = study_trials(self.ctx.storage, spec.name)
+                snapshot = study_trials(self.ctx.storage, self.ctx.sessions, spec.name)
                 with u.step() as s:
                     study_life.settle(s, spec, db_now(s), snapshot, self.settings)
         self.fail_orphans()
@@ -109,6 +109,6 @@ class Expiry:
                     GiveUp(spec, number, {A.FAILURE_KIND: "not_leased", A.FAILURE_MESSAGE: message})
                 )
             if orphans:
-                snapshot = study_trials(storage, name)
+                snapshot = study_trials(storage, self.ctx.sessions, name)
                 with self.ctx.unit() as u, u.step() as s:
                     study_life.settle(s, spec, db_now(s), snapshot, self.settings)

@@ -168,7 +168,7 @@ class LeaseService:
         """Carry out the conductor's next action for this worker (api.services.study_life asks it)."""
         with self.ctx.unit(lock=f"study:{spec.name}") as u:
             # Read before the write step (SQLite: Optuna must not wait for our write lock).
-            trials = study_trials(self.ctx.storage, spec.name)
+            trials = study_trials(self.ctx.storage, self.ctx.sessions, spec.name)
             with u.step() as s:
                 now = db_now(s)
                 action = study_life.next_for(s, spec, worker_id, now, trials, self.settings)

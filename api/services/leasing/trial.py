@@ -132,7 +132,7 @@ class TrialLeases:
                 )
                 raise
         # Every proposal was a duplicate or known to fail: the space may be used up.
-        trials = study_trials(storage, spec.name)
+        trials = study_trials(storage, self.ctx.sessions, spec.name)
         with u.step() as s:
             study_life.settle(s, spec, db_now(s), trials, self.settings)
         return None
@@ -267,7 +267,7 @@ class TrialLeases:
         store_trial_artifacts(self.ctx, spec.name, number, report, log_tail or None)
         outcome_state, speedup = self._tell(study, spec, number, body, base, attrs)
         give_up = None
-        trials = study_trials(self.ctx.storage, spec.name)
+        trials = study_trials(self.ctx.storage, self.ctx.sessions, spec.name)
         with u.step() as s:
             now = db_now(s)
             lease = s.get(LeaseRow, lease_id)
