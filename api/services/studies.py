@@ -391,9 +391,7 @@ class StudyService:
         # the answer, however well its confirmation measured.
         usable = {t.number for t in trials if t.user_attrs.get(A.FAILURE_KIND) != "quarantined"}
         done = [
-            c
-            for c in confirmations
-            if c.state == "completed" and c.speedup is not None and c.trial_number in usable
+            c for c in confirmations if c.state == "completed" and c.speedup is not None and c.trial_number in usable
         ]
         ok = [c for c in done if (c.violation or 0.0) <= 0] or done
         # A saturated confirmation measured the host: any clean one comes first.
