@@ -358,3 +358,22 @@ def test_host_offsets_are_noise_the_misfit_expects() -> None:
     assert convergence.host_misfit(resid, sd, hosts) < 1.3
     # Unlabelled, the same residuals read as a model 1.5x worse than it says.
     assert convergence.host_misfit(resid, sd, [None] * 16) > 1.5
+
+
+def test_the_improvement_rate_rule_stops_a_model_that_keeps_seeing_a_chance() -> None:
+    # The model predicts well (trusted) yet keeps seeing a >= 10% chance somewhere; after
+    # stall_needed(1) = 8 launches without a gain over the first one, the backstop ends the study.
+    extra = [
+        SpecConfig(num_steps=1, topk=1, num_draft_tokens=2),
+        SpecConfig(num_steps=2, topk=2, num_draft_tokens=3),
+        SpecConfig(num_steps=4, topk=1, num_draft_tokens=5),
+        SpecConfig(num_steps=3, topk=4, num_draft_tokens=6),
+    ]
+    run = ZIGZAG_RUN + extra
+    assert stop_rules.stall_needed(1) == 8 == len(run) - 1
+    before = convergence.assess(spec(), _run_with_predictions(run[:-1], miss=1.0))
+    assert not before.settled and before.model_trusted and before.best_chance >= convergence.P_MATTERS, before.reason
+    a = convergence.assess(spec(), _run_with_predictions(run, miss=1.0))
+    assert a.settled and a.rule is StopRule.IMPROVEMENT_RATE and a.model_trusted, a.reason
+    assert a.reason.startswith("converged after 9 configurations (improvement-rate rule)"), a.reason
+    assert "none of the last 8 launches beat s6-k4-n16" in a.reason and "found at launch 1" in a.reason
