@@ -151,3 +151,80 @@ def test_a_command_no_launch_started_says_so() -> None:
     plain = plan_deployment(spec, cfg, pays=False, exported=None, version="0.5.23")
     dep, _ = _proof(plain, winner.model_copy(update={"confirmed": True}), [], [])
     assert dep is not None and "baselines ran this server" in dep.proof_note
+
+
+def test_a_confirmation_whose_every_envelope_is_known_to_run_out_of_memory_is_not_launched(api: Api) -> None:
+    """Issue 17 item 1: a smaller configuration ran out of memory in every envelope the serving
+    section leaves, so a queued confirmation of a larger one would only repeat that failure."""
+    from datetime import UTC, datetime
+
+    from api.models import EventRow, LeaseRow
+    from api.services.leasing.records import DEPLOY_FAILED
+
+    spec = small_spec("known-oom", budget={"max_trials": 3})
+    spec["model"] = {"target": "deploy-tight", "draft": "deploy-tight-eagle3"}
+    spec["workload"] = {**spec["workload"], "concurrency": [16], "repeats": 2}
+    spec["serving"] = {"max_running_requests": 48}
+    spec["confirmation"] = {"top": 1}
+    api.post("/v1/studies", "user", spec)
+    ctx = api.client.app.state.ctx  # type: ignore[attr-defined]
+    handed: list[dict[str, Any]] = []
+    taught = False
+    for _ in range(80):  # bounded: a few trials, their baselines and confirmations
+        shown = api.get("/v1/studies/known-oom", "user").json()
+        if shown["state"] != "running":
+            break
+        if shown["phase"] == "confirmation" and not taught:
+            # The smallest configuration failed at start-up in every tier (what another
+            # candidate's confirmations would have taught).
+            with ctx.write_sessions() as s, s.begin():
+                for tier in range(6):
+                    s.add(
+                        LeaseRow(
+                            id=f"taught-{tier}",
+                            study_name="known-oom",
+                            kind="confirm",
+                            state="failed",
+                            worker_id="w9",
+                            trial_number=None,
+                            attempt=1,
+                            config_key=None,
+                            payload={
+                                "config": {"num_steps": 1, "topk": 1, "num_draft_tokens": 2},
+                                "confirm": {"tier": tier},
+                            },
+                            created_at=datetime.now(UTC).replace(tzinfo=None),
+                            result={"outcome": "failed", "failure": {"kind": "oom", "message": "capturing cuda graph"}},
+                        )
+                    )
+            taught = True
+        got = lease(api, "w1", INVENTORY | {"models": ["deploy-tight", "deploy-tight-eagle3"]})
+        if got is None:
+            continue
+        handed.append(got)
+        if not _starts("deploy-tight", got["server"]):
+            body: dict[str, Any] = OOM
+        else:
+            body = ok(
+                sim_levels(
+                    "deploy-tight", got["config"] if got["kind"] != "baseline" else None, got["workload"]["concurrency"]
+                )
+            )
+        assert api.post(f"/v1/leases/{got['lease_id']}/complete", "worker", body).status_code == 200
+    else:
+        raise AssertionError("the study did not finish")
+    assert taught
+    # No confirmation was launched: the queued one ended as a deployment failure, stated.
+    assert [h for h in handed if h["kind"] == "confirm"] == []
+    with ctx.sessions() as s:
+        from sqlalchemy import select
+
+        ended = s.scalars(
+            select(LeaseRow).where(
+                LeaseRow.study_name == "known-oom", LeaseRow.kind == "confirm", LeaseRow.trial_number.is_not(None)
+            )
+        ).all()
+        assert ended and all(r.state == "failed" and r.leased_at is None for r in ended)
+        said = [e.detail for e in s.scalars(select(EventRow).where(EventRow.kind == DEPLOY_FAILED))]
+    assert any("was not launched" in d for d in said), said
+    assert shown["deployment"] is None or shown["deployment"]["proven_by"] is None

@@ -58,7 +58,21 @@ class ConfirmLeases:
                 spec, SpecConfig.model_validate(lease_config), deploy_failures(s, spec.name)
             )
             later = [(t, e) for t, e in tiers if t >= int(info["tier"])]
-            if later and later[0][0] != int(info["tier"]):
+            if not later:
+                # Every envelope left is known to run out of memory: launching the queued one
+                # would only repeat a known failure.  The candidate is out, without a launch.
+                cfg = SpecConfig.model_validate(lease_config)
+                end(s, lease, LeaseState.FAILED, now)
+                event(
+                    s,
+                    DEPLOY_FAILED,
+                    lease,
+                    f"{cfg.num_steps}/{cfg.topk}/{cfg.num_draft_tokens} was not launched: a configuration needing "
+                    "no more graph memory ran out of memory in every graph envelope the serving section leaves; "
+                    "it cannot be the answer",
+                )
+                return None
+            if later[0][0] != int(info["tier"]):
                 tier, env = later[0]
                 info |= {"tier": tier, "envelope_note": env.note}
                 payload["server"] = env.settings.model_dump(mode="json")

@@ -65,7 +65,9 @@ class ConfigState(StrEnum):
 LIVE = (LeaseState.QUEUED, LeaseState.ACTIVE)
 
 TRANSITIONS: dict[LeaseState, frozenset[LeaseState]] = {
-    LeaseState.QUEUED: frozenset({LeaseState.ACTIVE, LeaseState.SUPERSEDED}),
+    # queued -> failed: a confirmation whose every remaining envelope is known to run out of
+    # memory ends without a launch (ConfirmLeases.claim).
+    LeaseState.QUEUED: frozenset({LeaseState.ACTIVE, LeaseState.SUPERSEDED, LeaseState.FAILED}),
     LeaseState.ACTIVE: frozenset({LeaseState.COMPLETED, LeaseState.FAILED, LeaseState.EXPIRED, LeaseState.SUPERSEDED}),
     LeaseState.EXPIRED: frozenset({LeaseState.COMPLETED, LeaseState.FAILED}),
     LeaseState.COMPLETED: frozenset(),
