@@ -240,8 +240,12 @@ def install_error_handlers(app: FastAPI, on_unhandled: Callable[[Request, Except
 
         try:
             await run_in_threadpool(check)
-        except AuthError as e:
+        except ApiError as e:  # AuthError (401), or a busy lock (503)
             return await _api_error(request, e)
+        except (SQLAlchemyError, StorageInternalError) as e:
+            # Raised inside a handler it would escape as a bare 500: the documented 503 (or the
+            # 500 of a bug) comes from the same mapping every route's errors get.
+            return await _db_error(request, e)
         return None
 
     @app.exception_handler(RequestValidationError)

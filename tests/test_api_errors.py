@@ -188,3 +188,23 @@ def test_unknown_api_paths_answer_the_api_error_shape(api: Api) -> None:
     assert r.json()["error"]["code"] == "method_not_allowed"
     r = api.client.request("GET", "/v1/leases/00000000-0000-0000-0000-000000000000/complete", headers=api.h("worker"))
     assert r.status_code == 405 and r.headers["allow"] == "POST", r.text
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"[" * 100_000])
+def test_a_database_outage_while_checking_the_token_of_a_bad_body_is_a_503(api: Api, body: bytes) -> None:
+    """The token of an unparsable body is checked in the error handler (api.errors): a database
+    that cannot be reached there is the documented 503 with Retry-After, not a bare 500."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.orm import sessionmaker
+
+    ctx = api.client.app.state.ctx  # type: ignore[attr-defined]
+    # A real database server that is down: nothing listens on port 1 of the loopback.
+    down = create_engine("postgresql+psycopg://postgres@127.0.0.1:1/spectune", connect_args={"connect_timeout": 5})
+    reads, ctx.sessions = ctx.sessions, sessionmaker(down)
+    try:
+        r = api.client.post("/v1/studies", content=body, headers={**api.h("user"), "Content-Type": "application/json"})
+    finally:
+        ctx.sessions = reads
+        down.dispose()
+    assert r.status_code == 503, r.text
+    assert r.headers["Retry-After"] and r.json()["error"]["code"] == "storage_unavailable"
