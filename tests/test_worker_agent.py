@@ -535,3 +535,36 @@ def test_inventory_lists_the_configured_gpus_and_derives_placement_labels():
     # Labels from the config win over derived ones; no NVML means no GPUs and no driver.
     bare = build_inventory(sglang_version="0.5.23", models=[], labels={"gpu_count": "8"}, probe=None)
     assert bare.gpus == [] and bare.driver_version is None and bare.labels == {"gpu_count": "8"}
+
+
+def test_the_config_digest_changes_with_whatever_can_end_a_refusal(tmp_path):
+    """The API ends a worker's refusals when its digest changes: an upgraded SGLang or another
+    engine cures an unknown flag, other GPUs cure an OOM, so each must change it."""
+    from workers.inventory import config_digest, gpu_inventory
+
+    (tmp_path / "p.jsonl").write_text("{}\n")
+    gpus = gpu_inventory(FourGpus(), [0, 2])[0]
+    base: dict[str, Any] = {
+        "allowed_extra_args": ["--a"],
+        "models": {"m": tmp_path},
+        "prompt_dir": tmp_path,
+        "files": ["p.jsonl"],
+        "sglang_version": "0.5.23",
+        "engine_python": "/opt/sglang/bin/python",
+        "engine_module": "sglang.launch_server",
+        "gpus": gpus,
+    }
+    digest = config_digest(**base)
+    assert config_digest(**base) == digest  # the same host, the same digest
+    changes = {
+        "allowed_extra_args": ["--a", "--b"],
+        "models": {"m": tmp_path / "other"},
+        "files": [],
+        "sglang_version": "0.5.24",
+        "engine_python": "/opt/sglang-next/bin/python",
+        "engine_module": "spectune_sim",
+        "gpus": gpu_inventory(FourGpus(), [0, 1])[0],
+    }
+    for key, value in changes.items():
+        assert config_digest(**(base | {key: value})) != digest, key
+    assert config_digest(**(base | {"gpus": []})) != digest  # no GPUs (or other ones) found

@@ -63,11 +63,21 @@ def prompt_files(prompt_dir: Path | None) -> list[str]:
 
 
 def config_digest(
-    *, allowed_extra_args: Sequence[str], models: Mapping[str, Path], prompt_dir: Path | None, files: Sequence[str]
+    *,
+    allowed_extra_args: Sequence[str],
+    models: Mapping[str, Path],
+    prompt_dir: Path | None,
+    files: Sequence[str],
+    sglang_version: str,
+    engine_python: str | Path,
+    engine_module: str,
+    gpus: Sequence[GpuInfo],
 ) -> str:
-    """A digest of what decides what this worker refuses: its flag allowlist, its model registry
-    and its prompt files (name, size, modification time).  The API ends the worker's refusals
-    when it changes, so a fixed config is offered the studies it refused before."""
+    """A digest of what decides what this worker refuses: its flag allowlist, its model registry,
+    its prompt files (name, size, modification time), the engine it runs (SGLang's version, the
+    interpreter and module: an unknown flag is cured by an upgrade) and the GPUs it may use
+    (index, model, memory: an OOM is cured by bigger ones).  The API ends the worker's refusals
+    when it changes, so a fixed host is offered the studies it refused before."""
     stats = {}
     for name in files:
         st = (prompt_dir / name).stat() if prompt_dir is not None else None
@@ -77,6 +87,9 @@ def config_digest(
             "allowed_extra_args": sorted(allowed_extra_args),
             "models": {k: str(v) for k, v in sorted(models.items())},
             "prompt_files": stats,
+            "sglang_version": sglang_version,
+            "engine": [str(engine_python), engine_module],
+            "gpus": sorted([g.index, g.name, g.memory_mib] for g in gpus),
         },
         sort_keys=True,
     )

@@ -20,7 +20,7 @@ from workers.client import ApiClient, Backoff, make_http_client
 from workers.config import WorkerConfig, load_config, read_token
 from workers.errors import ConfigError
 from workers.gpu import GpuProbe, open_probe
-from workers.inventory import build_inventory, config_digest, prompt_files
+from workers.inventory import build_inventory, config_digest, gpu_inventory, prompt_files
 from workers.lifeline import exit_with_parent
 from workers.outbox import Outbox
 from workers.preflight import check_engine_imports, check_gpus, check_prompt_dir
@@ -84,7 +84,14 @@ def build_agent(cfg: WorkerConfig, *, stop_event: threading.Event, http: Any, pr
     version = detect_sglang_version(engine.python, cfg.engine.sglang_version, env=server_env(engine))
     files = prompt_files(cfg.prompt_dir)
     digest = config_digest(
-        allowed_extra_args=cfg.engine.allowed_extra_args, models=cfg.models, prompt_dir=cfg.prompt_dir, files=files
+        allowed_extra_args=cfg.engine.allowed_extra_args,
+        models=cfg.models,
+        prompt_dir=cfg.prompt_dir,
+        files=files,
+        sglang_version=version,
+        engine_python=engine.python,
+        engine_module=engine.module,
+        gpus=gpu_inventory(probe, cfg.gpus)[0],
     )
     inventory = build_inventory(
         sglang_version=version,
