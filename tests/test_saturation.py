@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,15 +43,24 @@ def simulator(speed: float, log_path: Path) -> Iterator[tuple[str, int]]:
         yield url, pgid
 
 
+# A core kept busy until it is told to stop, or until its parent is gone: a pytest killed
+# outright (SIGKILL, a CI timeout) must not leave loops spinning on the host forever.  The
+# lifeline (workers/lifeline.py, armed by child_env) watches from a thread; the default SIGTERM
+# it sends ends the loop.
+BUSY_LOOP = "from workers.lifeline import exit_with_parent\nexit_with_parent()\nwhile True: pass"
+
+
+def start_busy_loop() -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", BUSY_LOOP], env=child_env(), start_new_session=True)
+
+
 @contextlib.contextmanager
 def busy_loops(n: int) -> Iterator[None]:
     """`n` processes spinning on a core each, killed (with their groups) on the way out."""
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for _ in range(n):
-            procs.append(
-                subprocess.Popen([sys.executable, "-c", "while True: pass"], env=child_env(), start_new_session=True)
-            )
+            procs.append(start_busy_loop())
         yield
     finally:
         for p in procs:
@@ -143,3 +153,46 @@ def test_hosts_whose_baselines_disagree_beyond_their_noise_are_named() -> None:
     # Passes as spread as the gap: nothing to say beyond the noise.
     wide = [{"concurrency": 16, "output_tok_s": 26000.0, "output_tok_s_runs": [18000.0, 26000.0, 34000.0]}]
     assert host_disagreement({"w1": wide, "w2": lv(29850.0)}) is None
+
+
+def _gone(pid: int) -> bool:
+    """Has `pid` exited (gone, or a zombie its new parent has not reaped yet)?"""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_a_busy_loop_ends_when_its_parent_is_killed_outright() -> None:
+    """A parent SIGKILLed (as pytest may be) takes its busy loops with it: none spins on."""
+    parent_code = (
+        "import sys\n"
+        "from tests.test_saturation import start_busy_loop\n"
+        "p = start_busy_loop()\n"
+        "print(p.pid, flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", parent_code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=child_env(),
+        start_new_session=True,
+    )
+    assert parent.stdout is not None
+    loop = int(parent.stdout.readline())
+    try:
+        assert not _gone(loop)  # it spins while its parent lives
+        parent.kill()
+        parent.wait(10)
+        for _ in range(300):  # the lifeline polls every 0.5 s; bounded at ~30 s
+            if _gone(loop):
+                break
+            time.sleep(0.1)
+        assert _gone(loop), "the busy loop outlived its parent"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(loop, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(parent.pid, signal.SIGKILL)
