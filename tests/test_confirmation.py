@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from optimizer.study_state import CONFIRMING_NOTE
 from tests.conftest import Api, small_spec
 from tests.search_support import drive, key_of, lease, ok, sim_levels
 
@@ -133,3 +134,44 @@ def test_a_host_that_drifted_measures_a_baseline_before_each_confirmation(api: A
     for i, k in enumerate(kinds):
         if k == "confirm":
             assert kinds[i - 1] == "baseline", kinds
+
+
+def test_a_study_stopped_while_confirming_resumes_its_confirmations_and_keeps_its_search_ending(api: Api) -> None:
+    """Issue 17: resume after a stop during confirmation must not finish with an ending nobody decided."""
+    spec = small_spec("stopconf", budget={"max_trials": 3})
+    spec["confirmation"] = {"top": 2}
+    api.post("/v1/studies", "user", spec)
+    handed: list[dict[str, Any]] = []
+    stopped = False
+    search_reason = None
+    for _ in range(80):  # bounded: three trials, baselines, two confirmations
+        shown = api.get("/v1/studies/stopconf", "user").json()
+        if shown["state"] == "finished":
+            break
+        if shown["phase"] == "confirmation" and not stopped:
+            search_reason = shown["finish_reason"]
+            assert api.post("/v1/studies/stopconf/stop", "user").status_code == 200
+            stopped_doc = api.get("/v1/studies/stopconf", "user").json()
+            assert stopped_doc["state"] == "stopped" and stopped_doc["finish_reason"] == "stopped by a user"
+            assert lease(api, "w1") is None  # a stopped study hands out nothing
+            r = api.post("/v1/studies/stopconf/resume", "user")
+            assert r.status_code == 200, r.text
+            resumed = r.json()
+            assert resumed["state"] == "running" and resumed["phase"] == "confirmation"
+            assert resumed["finish_reason"] == search_reason
+            stopped = True
+        for w in ("w1", "w2"):
+            got = lease(api, w)
+            if got is None:
+                continue
+            handed.append(got)
+            body = ok(sim_levels("moe-pcie", None if got["kind"] == "baseline" else got["config"], [1]))
+            assert api.post(f"/v1/leases/{got['lease_id']}/complete", "worker", body).status_code == 200
+    else:
+        raise AssertionError("the study did not finish")
+    assert stopped and search_reason is not None
+    # The confirmations ran after the resume, and the study ends with its search's ending.
+    assert any(le["kind"] == "confirm" for le in handed)
+    assert shown["finish_reason"].startswith(search_reason.removesuffix(CONFIRMING_NOTE) + ";")
+    assert "max_trials=3" in shown["finish_reason"] and "budget used" not in shown["finish_reason"]
+    assert "confirmed" in shown["finish_reason"]

@@ -197,6 +197,7 @@ class StudyService:
             if row is None:
                 raise StudyNotFoundError(name)
             if row.state == StudyState.RUNNING:
+                study_life.keep_search_ending(s, row, db_now(s))
                 row.state = StudyState.STOPPED.value
                 row.finished_at = db_now(s)
                 row.finish_reason = "stopped by a user"
@@ -223,8 +224,11 @@ class StudyService:
                     self._check_running_limit(s, row.created_by)
                 row.state = StudyState.RUNNING.value
                 row.finished_at = None
-                row.finish_reason = None
-                row.finish_rule = None
+                # Stopped while confirming: it goes on confirming, and ends with its search's own
+                # ending (kept by `stop`), not one made up.  Otherwise it searches again.
+                kept = study_life.kept_search_ending(s, name) if row.phase == Phase.CONFIRMATION else None
+                row.finish_reason = None if kept is None else kept.detail
+                row.finish_rule = None if kept is None else kept.reason.value
             elif row.state == "finished":
                 raise ConflictError(
                     f"study {name!r} is finished (its budget is used); create a new study of the same model: "

@@ -20,7 +20,7 @@ from optuna.trial import FrozenTrial
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
-from api.models import BaselineRow, LeaseRow, StudyRow, TrialConfigRow, WorkerIdentity, WorkerRow
+from api.models import BaselineRow, EventRow, LeaseRow, StudyRow, TrialConfigRow, WorkerIdentity, WorkerRow
 from api.services.eligibility import requirements_unmet
 from api.services.launch_noise import confirm_measurement
 from api.services.leasing.records import active_refusals, lease_payload, new_lease_row
@@ -48,6 +48,36 @@ def ending_of(row: StudyRow) -> Ending | None:
     if row.finish_rule is None or row.finish_reason is None:
         return None
     return Ending(FinishReason(row.finish_rule), row.finish_reason)
+
+
+# The search's ending of a study stopped while it confirmed: `finish_rule`/`finish_reason` then
+# say "stopped by a user", so the search's own ending is kept here for `resume` to put back
+# (without it the conductor would finish the confirmations with an ending nobody decided).
+SEARCH_ENDING_KEPT = "search_ending_kept"
+
+
+def keep_search_ending(s: Session, row: StudyRow, now: datetime) -> None:
+    """Before a stop overwrites it: the ending of a study's search, while it confirms."""
+    ending = ending_of(row)
+    if row.phase != Phase.CONFIRMATION or ending is None:
+        return
+    s.add(
+        EventRow(at=now, kind=SEARCH_ENDING_KEPT, study_name=row.name, detail=f"{ending.reason.value}: {ending.detail}")
+    )
+
+
+def kept_search_ending(s: Session, name: str) -> Ending | None:
+    """The search ending `keep_search_ending` kept last for this study (None when none was)."""
+    detail = s.scalars(
+        select(EventRow.detail)
+        .where(EventRow.study_name == name, EventRow.kind == SEARCH_ENDING_KEPT)
+        .order_by(EventRow.id.desc())
+        .limit(1)
+    ).first()
+    if detail is None:
+        return None
+    rule, _, reason = detail.partition(": ")
+    return Ending(FinishReason(rule), reason)
 
 
 def snapshot(
@@ -163,6 +193,7 @@ def stop_for_fault(s: Session, spec: StudySpec, ending: Ending, now: datetime) -
     row = s.get(StudyRow, spec.name, with_for_update=True)
     if row is None or row.state != StudyState.RUNNING:
         return False
+    keep_search_ending(s, row, now)
     row.state = StudyState.STOPPED.value
     row.finished_at = now
     row.finish_rule = ending.reason.value
