@@ -10,10 +10,10 @@ A worker-only install has no `api/` but needs none of this: every reader of thes
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Literal
+from datetime import UTC, datetime
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from optimizer.deploy import Mode
 from optimizer.sglang import ServerSettings
@@ -22,6 +22,15 @@ from optimizer.spec import StudySpec
 from spectune_protocol import LevelMetrics
 
 StudyState = Literal["running", "stopped", "finished"]
+
+
+def _utc(value: datetime) -> datetime:
+    # The database and Optuna keep naive UTC timestamps (docs/optuna.md §1); the API says so.
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+# A timestamp in UTC, sent with its offset (RFC 3339 date-time, as the schema states).
+UtcDatetime = Annotated[datetime, AfterValidator(_utc)]
 # What SGLang's /server_info reported for the fields the worker reads back (workers/launcher/server_info.py).
 EffectiveValue = str | int | float | bool | list[str | int | float | bool | None] | None
 
@@ -58,7 +67,7 @@ class StudySummary(_Document):
 
     name: str
     state: StudyState
-    created_at: datetime
+    created_at: UtcDatetime
     model: str | None
     trials: TrialCounts
 
@@ -67,7 +76,7 @@ class HostBaseline(_Document):
     """A host's latest baseline of this study's server and workload: output tok/s per level."""
 
     worker_id: str
-    measured_at: datetime
+    measured_at: UtcDatetime
     tok_s: dict[str, float]
 
 
@@ -191,7 +200,7 @@ class Refusal(_Document):
     """A worker that refused what the study asks (a study fault: it is not offered the study again)."""
 
     worker_id: str | None
-    at: datetime
+    at: UtcDatetime
     message: str | None
 
 
@@ -236,8 +245,8 @@ class StudyDocument(_Document):
     state: StudyState
     phase: str = Field(description="search | confirmation while running; else done or stopped")
     finish_reason: str | None
-    created_at: datetime
-    finished_at: datetime | None
+    created_at: UtcDatetime
+    finished_at: UtcDatetime | None
     spec: StudySpec
     workload: str = Field(description="the traffic every baseline and trial of this study measured, in words")
     trials: TrialCounts
@@ -315,5 +324,5 @@ class TrialRow(_Document):
     )
     source: str | None = Field(description="warm_start | prior_study | grid (enqueued), else the sampler's")
     model_prediction: ModelPrediction | None
-    datetime_start: datetime | None
-    datetime_complete: datetime | None
+    datetime_start: UtcDatetime | None
+    datetime_complete: UtcDatetime | None
