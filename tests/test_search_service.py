@@ -105,6 +105,18 @@ def test_a_trial_clearly_worse_after_its_first_level_is_pruned(api: Api) -> None
     # A pruned configuration counts as launched and is never launched again.
     assert shown["configurations_launched"] == 3
 
+    # Once an admin quarantines every measured trial, nothing is left to prune against: the same
+    # slow first level continues.
+    from api.services.trial_records import repair_trial
+
+    ctx = api.client.app.state.ctx  # type: ignore[attr-defined]
+    for number in (first["trial_number"], second["trial_number"]):
+        repair_trial(ctx.write_sessions, "prune", number, quarantine="forged measurement")
+    fourth = lease(api, "w1")
+    assert fourth is not None and fourth["kind"] == "trial"
+    r = api.post(f"/v1/leases/{fourth['lease_id']}/progress", "worker", _progress(0, slow[0]))
+    assert r.json()["action"] == "continue", r.json()
+
 
 def test_oom_report_then_same_region_from_tpe_is_not_relaunched(api: Api) -> None:
     # The same inference with a sampler that keeps proposing large trees (TPE, seeded).

@@ -94,7 +94,8 @@ class TrialLeases:
         for _ in range(MAX_DUPLICATE_PROPOSALS):
             study = opt.load_study(storage, spec)
             asked = opt.ask(study, spec)
-            proof = known_to_fail(asked.config, oom_points(study.get_trials(deepcopy=False)))
+            # Screened: a quarantined OOM proves nothing about the region around it.
+            proof = known_to_fail(asked.config, oom_points(study_trials(storage, self.ctx.sessions, spec.name)))
             if proof is not None:
                 # Needs at least the memory of a configuration that ran out of it: no launch.
                 opt.tell_infeasible(
@@ -218,7 +219,9 @@ class TrialLeases:
             attrs: dict[str, Any] = {A.PROGRESS_SPEEDUP_BY_LEVEL: {str(k): v for k, v in partial.items()}}
             decision = None
             if not set(spec.workload.concurrency) <= set(partial):  # else nothing is left to save
-                decision = pruning.decide(spec, study.get_trials(deepcopy=False), partial)
+                # Screened: a quarantined trial is no best to prune against.
+                trials = study_trials(self.ctx.storage, self.ctx.sessions, spec.name)
+                decision = pruning.decide(spec, trials, partial)
                 if decision.prune:
                     attrs[A.PRUNED] = {"after_concurrency": body.concurrency, "reason": decision.reason}
             opt.record_progress(study, number, body.step, speedup, attrs)
