@@ -449,14 +449,43 @@ def _confirmation_for(snap: Snapshot, worker_id: str) -> Action:
     if not queued:
         moved = settle(snap)
         return Wait("this study's confirmations are running elsewhere") if isinstance(moved, Ask) else moved
-    for lease in queued:
-        if lease.avoid_worker == worker_id and _another_host_can_confirm(snap, worker_id):
-            continue
+    mine = [le for le in queued if _may_take(snap, worker_id, le)]
+    if not mine:
+        return Wait("the queued confirmations are for other hosts than the one that found them")
+    if _holds_fresh_baseline(snap, worker_id):
         base = snap.latest_baseline(worker_id)
-        if base is None or not baseline_serves(snap, worker_id, base) or not baseline_fresh(snap, worker_id, base):
-            return MeasureBaseline(worker_id, for_confirmation=True)
-        return Confirm(lease.id, worker_id, base.id, fresh_baseline=True)
-    return Wait("the queued confirmations are for other hosts than the one that found them")
+        assert base is not None
+        return Confirm(mine[0].id, worker_id, base.id, fresh_baseline=True)
+    # A fresh baseline costs a launch: measure one only for a confirmation that the hosts already
+    # holding (or measuring, or confirming next to) a fresh one leave over, so an idle fleet of four
+    # does not measure four baselines for two confirmations.
+    if any(_may_take(snap, worker_id, le) for le in _unclaimed(snap, worker_id, queued)):
+        return MeasureBaseline(worker_id, for_confirmation=True)
+    return Wait("the queued confirmations are taken by hosts that hold a fresh baseline")
+
+
+def _may_take(snap: Snapshot, worker_id: str, lease: LeaseView) -> bool:
+    """May this host confirm `lease`?  Not the host that found it, while another host can."""
+    return not (lease.avoid_worker == worker_id and _another_host_can_confirm(snap, worker_id))
+
+
+def _holds_fresh_baseline(snap: Snapshot, worker_id: str) -> bool:
+    base = snap.latest_baseline(worker_id)
+    return base is not None and baseline_serves(snap, worker_id, base) and baseline_fresh(snap, worker_id, base)
+
+
+def _unclaimed(snap: Snapshot, worker_id: str, queued: Sequence[LeaseView]) -> list[LeaseView]:
+    """The queued confirmations left once every other live host that holds a fresh baseline, is
+    measuring one, or is confirming (it takes the next one after) has claimed one it may take."""
+    busy = {le.worker_id for le in snap.leases if le.state == "active" and le.kind in ("baseline", "confirm")}
+    left = list(queued)
+    for h in snap.live_hosts():
+        if h.id == worker_id or not (h.id in busy or _holds_fresh_baseline(snap, h.id)):
+            continue
+        taken = next((le for le in left if _may_take(snap, h.id, le)), None)
+        if taken is not None:
+            left.remove(taken)
+    return left
 
 
 def _another_host_can_confirm(snap: Snapshot, worker_id: str) -> bool:

@@ -321,6 +321,33 @@ def test_a_drifting_host_measures_a_baseline_before_each_confirmation() -> None:
     assert c.next_action(steady, "w1") == c.Confirm("c1", "w1", 7, fresh_baseline=True)
 
 
+def test_an_idle_fleet_measures_only_the_baselines_its_confirmations_need() -> None:
+    """Four idle hosts, two queued confirmations, no fresh baseline: two hosts measure one (each
+    poll sees the baselines already being measured), the other two get no work."""
+    fleet = tuple(host(f"w{i}") for i in range(1, 5))
+    old = tuple(base(h.id, BEGAN - timedelta(minutes=30), id_=i + 1) for i, h in enumerate(fleet))
+    s = confirming(hosts=fleet, baselines=old)
+    actions = {}
+    for h in fleet:
+        actions[h.id] = action = c.next_action(s, h.id)
+        if isinstance(action, c.MeasureBaseline):
+            measuring = c.LeaseView(f"b-{h.id}", "baseline", "active", worker_id=h.id, created_at=T0, leased_at=T0)
+            s = replace(s, leases=(*s.leases, measuring))
+    assert [a for a in actions.values() if isinstance(a, c.MeasureBaseline)] == [
+        c.MeasureBaseline("w1", for_confirmation=True),
+        c.MeasureBaseline("w2", for_confirmation=True),
+    ]
+    assert all(isinstance(actions[w], c.Wait) for w in ("w3", "w4"))
+    # A host confirming (it takes the next one after) or holding a fresh baseline claims one too.
+    busy = c.LeaseView("c5", "confirm", "active", 3, worker_id="w1", created_at=BEGAN, leased_at=T0)
+    fresh_w2 = base("w2", T0 - timedelta(minutes=1), id_=9)
+    s = confirming(hosts=fleet, baselines=(*old, fresh_w2), leases=(*QUEUED, busy))
+    assert c.next_action(s, "w3") == c.Wait("the queued confirmations are taken by hosts that hold a fresh baseline")
+    # With one more confirmation queued than they claim, an idle host measures.
+    more = c.LeaseView("c6", "confirm", "queued", 2, created_at=BEGAN)
+    assert c.next_action(replace(s, leases=(*s.leases, more)), "w3") == c.MeasureBaseline("w3", for_confirmation=True)
+
+
 def test_the_study_finishes_when_every_confirmation_is_done() -> None:
     done = tuple(replace(le, state="completed", worker_id="w1", finished_at=T0) for le in QUEUED)
     action = c.settle(confirming(leases=done))
