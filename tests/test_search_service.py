@@ -133,3 +133,33 @@ def test_oom_report_then_same_region_from_tpe_is_not_relaunched(api: Api) -> Non
 
 def _progress(step: int, level: dict[str, object]) -> dict[str, object]:
     return {"step": step, "concurrency": level["concurrency"], "output_tok_s": level["output_tok_s"]}
+
+
+def test_a_quarantined_result_is_not_copied_into_its_duplicates(api: Api) -> None:
+    """A proposal of a configuration whose trial an admin quarantined is not answered with the
+    quarantined measurement (that would bring it back under a new number)."""
+    from api.services.trial_records import repair_trial
+
+    space = {"num_steps": {"low": 1, "high": 2}, "topk": [1, 2], "num_draft_tokens": {"low": 2, "high": 3}}
+    spec = small_spec("dupq", search_space=space, sampler="random", budget={"max_trials": 30})
+    spec["confirmation"] = {"top": 0}
+    assert api.post("/v1/studies", "user", spec).status_code == 201
+    base = lease(api, "w1")
+    assert base is not None and base["kind"] == "baseline"
+    api.post(f"/v1/leases/{base['lease_id']}/complete", "worker", ok(sim_levels("moe-pcie", None, [1])))
+    first = lease(api, "w1")
+    assert first is not None and first["kind"] == "trial"
+    api.post(f"/v1/leases/{first['lease_id']}/complete", "worker", ok(sim_levels("moe-pcie", first["config"], [1])))
+    ctx = api.client.app.state.ctx  # type: ignore[attr-defined]
+    repair_trial(ctx.write_sessions, "dupq", first["trial_number"], quarantine="forged measurement")
+    drive(api, "dupq", ["w1"], "moe-pcie")
+
+    trials = api.get("/v1/studies/dupq/trials", "user").json()
+    copies = [t for t in trials if t["duplicate_of"] == first["trial_number"]]
+    assert copies, "the sampler never proposed the quarantined configuration again"
+    for t in copies:
+        assert t["state"] == "FAIL" and t["speedup"] is None and "quarantined" in t["failure_message"], t
+    shown = api.get("/v1/studies/dupq", "user").json()
+    assert shown["best"] is None or shown["best"]["trial_number"] not in {first["trial_number"]} | {
+        t["number"] for t in copies
+    }

@@ -22,7 +22,7 @@ from api.context import ServiceContext, Unit
 from api.db import db_now
 from api.errors import ConflictError
 from api.models import LeaseRow, StudyRow, TrialConfigRow
-from api.services import study_life
+from api.services import study_life, trial_records
 from api.services.leasing import records
 from api.services.leasing.records import CONFIG_FAILURES, HostHealth, event, lease_out
 from api.services.leasing.states import (
@@ -179,6 +179,7 @@ class TrialLeases:
                     TrialConfigRow.study_name == spec.name, TrialConfigRow.config_key == asked.config.key
                 )
             ).one()
+            quarantine = trial_records.quarantined(s, spec.name)
         if prior.trial_number == asked.number:
             # The same trial handed out twice (two asks popped one enqueued trial): the other ask
             # holds it and its lease will report it.  Telling it here would finish a trial whose
@@ -187,7 +188,11 @@ class TrialLeases:
             return
         attrs = {A.DUPLICATE_OF: prior.trial_number}
         previous = opt.get_trial(study, prior.trial_number)
-        if prior.state == ConfigState.DONE and previous.value is not None:
+        if prior.trial_number in quarantine:
+            # Copying an admin-quarantined measurement would bring it back under a new number.
+            message = f"duplicate of trial {prior.trial_number}, which an admin quarantined: its result is not reused"
+            opt.tell_failed(study, asked.number, {**attrs, A.FAILURE_KIND: "quarantined", A.FAILURE_MESSAGE: message})
+        elif prior.state == ConfigState.DONE and previous.value is not None:
             violation = previous.constraints.get(CONSTRAINT_KEY, 0.0)
             opt.tell_value(study, asked.number, previous.value, violation, {**previous.user_attrs, **attrs})
         elif prior.state == ConfigState.INFEASIBLE:
