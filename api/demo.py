@@ -206,10 +206,15 @@ def _print_result(study: StudyDocument, trials: list[TrialRow], db_url: str, wal
         al = f", accept length {lv.accept_length:.2f}" if lv and lv.accept_length else ""
         echo(f"  concurrency {level}: {lv_speedup:.3f}x the speed without speculation{spread}{al}")
     echo("")
-    dep = study.deployment
-    echo(f"Launch it ({(dep.reason if dep else '') or 'the answer'}; replace the <local path of ...> placeholders):")
-    for line in (answer.launch_command if dep is None else dep.launch_command).splitlines():
-        echo(f"  {line}")
+    dep, command, note = study.deployment, study.printed_command(), study.printed_command_note()
+    if dep is None or command is None:
+        echo(f"No command to launch: {note}")
+    else:
+        echo(f"Launch it ({dep.reason or 'the answer'}; replace the <local path of ...> placeholders):")
+        if note:
+            echo(f"  # {note}")
+        for line in command.splitlines():
+            echo(f"  {line}")
     echo("")
     echo("Look at it again in the dashboard (behind spectune's login):")
     echo(f"  spectune server --database-url {db_url}   # then open http://127.0.0.1:8000/login")

@@ -92,7 +92,10 @@ class BestTrial(_Document):
     levels: list[MeasuredLevel] | None
     worker_id: str | None
     sglang_version: str
-    launch_command: str
+    launch_command: str | None = Field(
+        description="the answer's: the study's deployment command (see `deployment`); None for the search's "
+        "best_measured and where no command is printed (the verdict says why)"
+    )
 
 
 class Tie(_Document):
@@ -268,6 +271,22 @@ class StudyDocument(_Document):
     eligibility: Eligibility | None = Field(description="running studies only")
     speculation_pays: bool | None = Field(description="None until something was measured")
     deployment: Deployment | None
+
+    def printed_command(self) -> str | None:
+        """The one command every renderer prints: the deployment's (the server a confirmation
+        started, the baselines' server when speculation does not pay, else with its proof note);
+        None when there is none (`printed_command_note` says why)."""
+        return None if self.deployment is None else self.deployment.launch_command
+
+    def printed_command_note(self) -> str:
+        """What stands behind `printed_command`: the launch that started it, why it is not proven,
+        or, with no command, the verdict saying why (e.g. no candidate's deployment started)."""
+        dep = self.deployment
+        if dep is None:
+            return self.verdict
+        if dep.proven_by:
+            return f"launched exactly as printed (lease {dep.proven_by})"
+        return dep.proof_note
 
 
 class StudyBrief(_Document):

@@ -98,12 +98,15 @@ def render_note(shown: StudyDocument, baselines: list[str]) -> str:
         if best.confirmed:
             # One record: the launch the answer's numbers come from (issue 17 item 5).
             out.append(f"- confirmed on {best.confirmed_on} (lease {best.lease_id})")
-        dep = shown.deployment
-        if dep is not None and dep.proven_by:
-            out.append(f"- the command below was launched exactly as printed (lease {dep.proven_by})")
-        elif dep is not None and dep.proof_note:
-            out.append(f"- {dep.proof_note}")
-        out += ["", "```", best.launch_command, "```"]
+        command, note = shown.printed_command(), shown.printed_command_note()
+        if command is None:
+            out.append(f"- no command to print: {note}")
+        else:
+            if shown.deployment is not None and shown.deployment.proven_by:
+                out.append(f"- the command below was {note}")
+            elif note:
+                out.append(f"- {note}")
+            out += ["", "```", command, "```"]
     return "\n".join(out) + "\n"
 
 

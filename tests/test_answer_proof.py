@@ -47,7 +47,21 @@ def _drive(api: Api, study: str, landscape: str, *, confirm_ooms: bool = False) 
     raise AssertionError("the study did not finish")
 
 
-def test_the_printed_command_is_the_server_a_confirmation_started(api: Api) -> None:
+def _printed(document: StudyDocument, capsys: Any) -> dict[str, str]:
+    """What the dashboard note, the HTML report's winner section and the demo print of the answer."""
+    from api.demo import _print_result
+    from api.notes import render_note
+    from api.report.render import _winner
+
+    capsys.readouterr()
+    _print_result(document, [], "sqlite:///x.db", 1.0)
+    import html
+
+    report = html.unescape(_winner(document))
+    return {"note": render_note(document, []), "report": report, "demo": capsys.readouterr().out}
+
+
+def test_the_printed_command_is_the_server_a_confirmation_started(api: Api, capsys: Any) -> None:
     spec = small_spec("proof", budget={"max_trials": 4})
     spec["model"] = {"target": "deploy-tight", "draft": "deploy-tight-eagle3"}
     spec["workload"] = {**spec["workload"], "concurrency": [16], "repeats": 2}
@@ -84,11 +98,17 @@ def test_the_printed_command_is_the_server_a_confirmation_started(api: Api) -> N
 
     note = render_note(document, [])
     assert f"launched exactly as printed (lease {dep['proven_by']})" in note and dep["launch_command"] in note
+    # Every renderer prints the proven command with the lease that started it, and only it.
+    for where, text in _printed(document, capsys).items():
+        assert dep["launch_command"].splitlines()[-1] in text, where
+        assert dep["proven_by"] in text, where
+    # The search's best trial is not the answer: it prints no command of its own.
+    assert shown["best_measured"]["launch_command"] is None
     # The host is the confirming one everywhere; the search's host is kept apart.
     assert winner["worker_id"] == winner["confirmed_on"] and "search_worker_id" in winner
 
 
-def test_when_no_deployment_starts_the_study_says_so_and_prints_no_command(api: Api) -> None:
+def test_when_no_deployment_starts_the_study_says_so_and_prints_no_command(api: Api, capsys: Any) -> None:
     spec = small_spec("noproof", budget={"max_trials": 3})
     spec["model"] = {"target": "deploy-tight", "draft": "deploy-tight-eagle3"}
     spec["workload"] = {**spec["workload"], "concurrency": [16], "repeats": 2}
@@ -103,6 +123,13 @@ def test_when_no_deployment_starts_the_study_says_so_and_prints_no_command(api: 
     assert shown["deployment"] is None
     assert shown["verdict"].startswith("no command: none of the candidates' deployments started")
     assert "out of GPU memory while capturing CUDA graphs" in shown["verdict"]
+    # No command anywhere: not in the document, the note, the report or the demo (each says why).
+    assert shown["winner"]["launch_command"] is None and shown["best"]["launch_command"] is None
+    document = StudyDocument.model_validate(shown)
+    assert document.printed_command() is None
+    for where, text in _printed(document, capsys).items():
+        assert "sglang.launch_server" not in text and "--speculative" not in text, where
+        assert "none of the candidates' deployments started" in text, where
 
 
 def test_export_has_the_confirmation_rows() -> None:
@@ -228,3 +255,18 @@ def test_a_confirmation_whose_every_envelope_is_known_to_run_out_of_memory_is_no
         said = [e.detail for e in s.scalars(select(EventRow).where(EventRow.kind == DEPLOY_FAILED))]
     assert any("was not launched" in d for d in said), said
     assert shown["deployment"] is None or shown["deployment"]["proven_by"] is None
+
+
+def test_an_unconfirmed_answer_prints_its_command_with_why_it_is_not_proven(api: Api, capsys: Any) -> None:
+    spec = small_spec("unconfirmed", budget={"max_trials": 3})
+    spec["model"] = {"target": "deploy-tight", "draft": "deploy-tight-eagle3"}
+    spec["workload"] = {**spec["workload"], "concurrency": [16], "repeats": 2}
+    spec["confirmation"] = {"top": 0}
+    api.post("/v1/studies", "user", spec)
+    _drive(api, "unconfirmed", "deploy-tight")
+    shown = api.get("/v1/studies/unconfirmed", "user").json()
+    dep = shown["deployment"]
+    assert dep is not None and dep["proven_by"] is None and dep["proof_note"].startswith("not confirmed")
+    assert shown["winner"]["launch_command"] == dep["launch_command"]
+    for where, text in _printed(StudyDocument.model_validate(shown), capsys).items():
+        assert dep["launch_command"].splitlines()[-1] in text and "not confirmed" in text, where

@@ -74,7 +74,7 @@ def test_confirmation_remeasures_the_top_candidates_next_to_fresh_baselines(api:
     assert shown["best"] == winner
 
 
-def test_no_speedup_verdict_on_the_landscape_where_speculation_loses(api: Api) -> None:
+def test_no_speedup_verdict_on_the_landscape_where_speculation_loses(api: Api, capsys: Any) -> None:
     spec = small_spec("nogain", budget={"max_trials": 4})
     spec["model"] = {"target": "moe-pcie", "draft": "moe-pcie-eagle3"}  # names the worker holds
     spec["confirmation"] = {"top": 1}
@@ -89,6 +89,16 @@ def test_no_speedup_verdict_on_the_landscape_where_speculation_loses(api: Api) -
     assert v.startswith("speculation does not pay here")
     assert "4 configurations measured" in v and f"{winner['speedup']:.3f}x" in v
     assert "run without speculation" in v
+    # The printed command is the baselines' server, without speculation flags, everywhere.
+    from api.documents import StudyDocument
+    from tests.test_answer_proof import _printed
+
+    dep = shown["deployment"]
+    assert dep["mode"] == "no_speculation" and "--speculative" not in dep["launch_command"]
+    assert shown["winner"]["launch_command"] == dep["launch_command"]
+    for where, text in _printed(StudyDocument.model_validate(shown), capsys).items():
+        assert dep["launch_command"].splitlines()[-1] in text and "--speculative" not in text, where
+        assert "without speculation" in text, where
 
 
 def test_confirmation_on_a_single_worker_shares_one_fresh_baseline(api: Api) -> None:

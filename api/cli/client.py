@@ -123,8 +123,11 @@ def study_watch(
         if shown.state != "running":
             say(shown.verdict)
             say(f"cost: {shown.cost.summary}")
-            if shown.deployment is not None:
-                say(shown.deployment.launch_command)
+            command = shown.printed_command()
+            if command is not None:
+                say(command)
+            if shown.deployment is not None and shown.printed_command_note():
+                say(f"# {shown.printed_command_note()}")
             return
         if time.monotonic() + interval > deadline:
             typer.secho(f"study {name} is still running after {timeout:.0f} s", err=True, fg=typer.colors.YELLOW)
@@ -220,6 +223,8 @@ def study_best(
         typer.echo(command)
         if not deployment.speculation:
             typer.echo(f"# {shown.verdict}", err=True)
+        if shown.printed_command_note():
+            typer.echo(f"# {shown.printed_command_note()}", err=True)
         if deployment.load_note:
             typer.echo(f"# {deployment.load_note}", err=True)
     else:

@@ -136,7 +136,11 @@ def _winner(shown: StudyDocument) -> str:
         rows.append((f"speedup at concurrency {level}", f"{value:.3f}{band}"))
     rows += [("measured on", best.worker_id or "—"), ("SGLang", best.sglang_version or "—")]
     table = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in rows)
-    return f'<table class="kv">{table}</table><p>Launch command:</p><pre class="cmd">{_e(best.launch_command)}</pre>'
+    command, note = shown.printed_command(), shown.printed_command_note()
+    if command is None:
+        return f'<table class="kv">{table}</table><p>No launch command: {_e(note)}</p>'
+    said = f" ({_e(note)})" if note else ""
+    return f'<table class="kv">{table}</table><p>Launch command{said}:</p><pre class="cmd">{_e(command)}</pre>'
 
 
 def _trial_table(trials: Sequence[TrialRow], level: int) -> str:

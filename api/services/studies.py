@@ -314,8 +314,10 @@ class StudyService:
         deployment, unproven = _proof(deployment, winner, confirmations, events)
         # Hosts whose baselines disagree beyond the noise seen: one is probably saturated.
         hosts_note = confirm.host_disagreement(latest_levels, noise.variance / 2)
-        if winner is not None and deployment is not None and deployment.proven_by is not None:
-            winner.launch_command = deployment.command()
+        if winner is not None:
+            # One source for the printed command: the deployment (proven, the no-speculation
+            # server, or with its proof note), or none; never a statically planned one.
+            winner.launch_command = None if deployment is None else deployment.command()
         return D.StudyDocument(
             name=name,
             state=row.state,
@@ -449,8 +451,6 @@ class StudyService:
     def _describe_best(spec: StudySpec, t: FrozenTrial, extra_var: float = 0.0) -> D.BestTrial:
         r = A.TrialRecord(t)
         version = r.sglang_version or DEFAULT_SGLANG_VERSION
-        static = deploy.plan_deployment(spec, r.config, pays=True, exported=None, version=version)
-        assert static is not None
         return D.BestTrial(
             trial_number=r.number,
             params=r.params,
@@ -464,8 +464,8 @@ class StudyService:
             levels=_levels(r.levels if r.has(A.LEVELS) else None),
             worker_id=r.worker_id,
             sglang_version=version,
-            # This configuration deployed for the study's serving envelope (model paths are placeholders).
-            launch_command=static.command(),
+            # The answer's command comes from the deployment (`show`), never planned here.
+            launch_command=None,
         )
 
     def trials(self, name: str) -> list[D.TrialRow]:
