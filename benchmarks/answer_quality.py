@@ -50,6 +50,7 @@ from benchmarks.search_efficiency import Host, Plan, Truth, Workload, _tell, spe
 from optimizer import confirmation as confirm
 from optimizer import convergence, deploy
 from optimizer import study as opt
+from optimizer.attrs import TrialRecord
 from optimizer.infeasible import known_to_fail, oom_points
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
@@ -229,8 +230,9 @@ def _confirm_and_answer(
         fresh: set[str] = set()
         failed: list[tuple[SpecConfig, int]] = []
         for t in chosen:
-            cfg = SpecConfig.model_validate(t.user_attrs["config"])
-            others = [h for h in hosts if h.host_id != t.user_attrs.get("worker_id")] or hosts
+            r = TrialRecord(t)
+            cfg = r.config
+            others = [h for h in hosts if h.host_id != r.worker_id] or hosts
             h = min(others, key=lambda x: x.clock_s)
             h.kind = "confirm"
             if h.host_id not in fresh:

@@ -640,7 +640,7 @@ def _study_answer(store: MemoryStudy, hosts: Sequence[Host], truth: Truth) -> An
     reason = f"{store.ending.reason.value}: {store.ending.detail}"
     snap = store.snapshot(_at(max(h.clock_s for h in hosts)), [h.host_id for h in hosts])
     best = opt.best_trial_of(snap.trials)
-    incumbent = 1.0 if best is None else truth.value(SpecConfig.model_validate(best.user_attrs[A.CONFIG]))
+    incumbent = 1.0 if best is None else truth.value(A.TrialRecord(best).config)
     if best is None or float(best.value or 0.0) <= 1.0:
         incumbent = 1.0  # the baseline is the incumbent
     assessment = conductor.stop_rule(spec, snap.trials)

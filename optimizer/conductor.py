@@ -349,7 +349,7 @@ def patience_reason(spec: StudySpec, trials: Sequence[FrozenTrial]) -> str | Non
     since_best = 0
     states = (TrialState.COMPLETE, TrialState.PRUNED)
     for t in sorted((t for t in trials if t.state in states), key=lambda t: t.number):
-        if A.DUPLICATE_OF in t.user_attrs or A.INFERRED_FROM in t.user_attrs:
+        if not A.TrialRecord(t).launched:
             continue
         if (
             t.state == TrialState.COMPLETE
@@ -415,11 +415,12 @@ def candidates(snap: Snapshot) -> tuple[Candidate, ...]:
     out = []
     noise = launch_noise(snap)
     for t in confirm.candidates(list(snap.trials), spec.confirmation.top, spec, noise.variance):
-        measured_on = t.user_attrs.get(A.WORKER_ID)
+        r = A.TrialRecord(t)
+        measured_on = r.worker_id
         out.append(
             Candidate(
                 t.number,
-                SpecConfig.model_validate(t.user_attrs[A.CONFIG]),
+                r.config,
                 t.value,
                 measured_on if capable - {measured_on} else None,
             )

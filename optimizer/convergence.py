@@ -42,7 +42,6 @@ from optimizer.analysis import level_intervals
 from optimizer.confirmation import objective_interval
 from optimizer.model_sampler import OpenPool, gain_over, objective_levels, observations_of, open_pool
 from optimizer.perf_model import MODEL_FLOOR, Candidates, FittedModel, fit
-from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 from optimizer.stop_rules import StopRule
 
@@ -107,7 +106,7 @@ def host_misfit(
 
 def assess(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Assessment:
     measured = A.measured_feasible(trials, A.LEVELS)
-    n = len({t.user_attrs.get("config_key") for t in measured})
+    n = len({A.TrialRecord(t).config_key for t in measured})
     gain = spec.budget.min_gain
 
     def unsettled(reason: str, chance: float = 1.0, key: str | None = None, misfit: float = 1.0) -> Assessment:
@@ -121,12 +120,9 @@ def assess(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Assessment:
     best_value = float(best.value or 0.0)
     pays_now = best_value > 1.0
     bar_value = max(best_value, 1.0)
-    label = best.user_attrs.get("config_key")
-    iv = objective_interval(
-        spec,
-        best_value,
-        level_intervals(best.user_attrs.get("levels") or [], best.user_attrs.get("baseline_levels") or []),
-    )
+    best_r = A.TrialRecord(best)
+    label = best_r.config_key
+    iv = objective_interval(spec, best_value, level_intervals(best_r.levels, best_r.baseline_levels))
     tight = iv is None or (iv.high / iv.low) ** 0.5 - 1.0 <= TIGHT
     if pays_now and not tight and spec.confirmation.top <= 0:
         return Assessment(
@@ -230,10 +226,11 @@ def _model_chance(
     """The largest chance that an open configuration beats the bar by more than `gain`, which one,
     and the model's misfit factor (host offsets taken out)."""
     levels, weights = objective_levels(spec)
-    mcfg = [SpecConfig.model_validate(t.user_attrs["config"]) for t in measured]
+    recs = A.records(measured)
+    mcfg = [r.config for r in recs]
     mean_m, sd_m = model.predict_log_speedup(Candidates.of(mcfg), levels, weights)
     got = np.log(np.maximum([float(t.value or 0.0) for t in measured], 1e-9))
-    misfit = host_misfit(got - mean_m, np.sqrt(sd_m**2 + 0.01**2), [t.user_attrs.get(A.WORKER_ID) for t in measured])
+    misfit = host_misfit(got - mean_m, np.sqrt(sd_m**2 + 0.01**2), [r.worker_id for r in recs])
     best_value = float(best.value or 0.0)
     if not op.configs:
         return 0.0, None, misfit

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +37,6 @@ from scipy.stats import chi2
 
 from optimizer import attrs as A
 from optimizer.analysis import level_intervals
-from optimizer.model_sampler import PREDICTION_ATTR  # the prediction stored at ask time
 
 # Results the prediction check looks back over, and the fewest it judges from.
 CHECK_WINDOW = 6
@@ -107,28 +106,29 @@ def launches(trials: Sequence[FrozenTrial]) -> list[Launch]:
     trial, not one inferred to fail), finished, in the order its result arrived."""
     out: list[tuple[Any, int, Launch]] = []
     for t in trials:
-        ua = t.user_attrs
-        if t.state not in (TrialState.COMPLETE, TrialState.PRUNED) or A.DUPLICATE_OF in ua or A.INFERRED_FROM in ua:
+        r = A.TrialRecord(t)
+        if t.state not in (TrialState.COMPLETE, TrialState.PRUNED) or not r.launched:
             continue
-        if A.CONFIG_KEY not in ua:
+        key = r.config_key
+        if key is None:
             continue
-        feasible = t.state == TrialState.COMPLETE and not (t.constraints and any(v > 0 for v in t.constraints.values()))
+        feasible = t.state == TrialState.COMPLETE and r.feasible
         value = float(t.value or 0.0) if feasible else 0.0
         done = t.datetime_complete
         out.append(
             (
                 done.timestamp() if done is not None else math.inf,
                 t.number,
-                Launch(t.number, ua[A.CONFIG_KEY], value, ua.get(A.WORKER_ID)),
+                Launch(t.number, key, value, r.worker_id),
             )
         )
     out.sort(key=lambda x: (x[0], x[1]))
     return [x[2] for x in out]
 
 
-def measurement_sd(ua: Mapping[str, Any]) -> float:
+def measurement_sd(r: A.TrialRecord) -> float:
     """Log-sd of a trial's objective from its repeated passes (mean over its levels)."""
-    ivs = level_intervals(ua.get(A.LEVELS) or [], ua.get(A.BASELINE_LEVELS) or [])
+    ivs = level_intervals(r.levels, r.baseline_levels)
     sds = [math.log(iv.high / iv.low) / (2 * 1.96) for iv in ivs.values() if iv.low > 0]
     if not sds:
         return MEASUREMENT_FLOOR
@@ -142,18 +142,18 @@ def prediction_check(trials: Sequence[FrozenTrial], host_sd: float = HOST_SD) ->
     misses: list[tuple[float, str]] = []
     excess: list[float] = []
     for launch in launches(trials):
-        t = by_number[launch.number]
-        pred = t.user_attrs.get(PREDICTION_ATTR)
-        if not isinstance(pred, Mapping) or launch.value <= 0:
+        r = A.TrialRecord(by_number[launch.number])
+        pred = r.model_prediction
+        if pred is None or launch.value <= 0:
             continue
         speedup, sd = pred.get("speedup"), pred.get("log_sd")
         if not isinstance(speedup, int | float) or not isinstance(sd, int | float) or speedup <= 0:
             continue
-        stated = math.sqrt(float(sd) ** 2 + measurement_sd(t.user_attrs) ** 2 + host_sd**2)
+        stated = math.sqrt(float(sd) ** 2 + measurement_sd(r) ** 2 + host_sd**2)
         miss = math.log(launch.value) - math.log(float(speedup))
         misses.append((miss / stated, launch.config_key))
         if float(sd) <= CONFIDENT_SD:
-            excess.append(miss**2 - measurement_sd(t.user_attrs) ** 2 - host_sd**2)
+            excess.append(miss**2 - measurement_sd(r) ** 2 - host_sd**2)
     window = misses[-CHECK_WINDOW:]
     if not window:
         return PredictionCheck(0, 0.0, True, None, 0.0, 0.0)

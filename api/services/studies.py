@@ -395,7 +395,7 @@ class StudyService:
         """
         # A trial an admin quarantined (screened to FAIL, api.services.trial_records) is never
         # the answer, however well its confirmation measured.
-        usable = {t.number for t in trials if t.user_attrs.get(A.FAILURE_KIND) != "quarantined"}
+        usable = {t.number for t in trials if A.TrialRecord(t).failure_kind != "quarantined"}
         done = [
             c for c in confirmations if c.state == "completed" and c.speedup is not None and c.trial_number in usable
         ]
