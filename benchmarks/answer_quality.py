@@ -46,12 +46,13 @@ from typing import Any
 
 import optuna
 
-from benchmarks.search_efficiency import Host, Plan, Truth, Workload, _tell, spectune_plan
+from benchmarks.search_efficiency import Host, Plan, Truth, Workload, spectune_plan
 from optimizer import confirmation as confirm
 from optimizer import convergence, deploy
 from optimizer import study as opt
 from optimizer.attrs import TrialRecord
 from optimizer.infeasible import known_to_fail, oom_points
+from optimizer.objective import LevelResult, score
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 from spectune_protocol import LevelMetrics, Resolve
@@ -123,6 +124,20 @@ class Outcome:
     envelope_note: str
     tie_note: str | None
     noise_sd: float
+
+
+def _tell(study: optuna.Study, number: int, attrs: dict[str, Any]) -> None:
+    """Tell Optuna a search launch's result as the service does (infeasible, or the objective's score)."""
+    if attrs.pop("_failed", False):
+        opt.tell_infeasible(study, number, attrs)
+        return
+    spec = StudySpec.model_validate(study.user_attrs[opt.SPEC_ATTR])
+    sc = score(
+        spec.objective,
+        [LevelResult(lv["concurrency"], lv["output_tok_s"]) for lv in attrs["levels"]],
+        {b["concurrency"]: b["output_tok_s"] for b in attrs["baseline_levels"]},
+    )
+    opt.tell_value(study, number, sc.value, sc.violation, attrs)
 
 
 def _spec(levels: Sequence[int], seed: int, serving: dict[str, int] | None, objective: int | None) -> StudySpec:
