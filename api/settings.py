@@ -34,8 +34,9 @@ class Settings(BaseSettings):
     # Consecutive host faults (crashes, lost leases) after which a worker gets no more work.
     quarantine_after: int = Field(default=3, ge=1)
     # A study whose search space holds more configurations is refused at creation (the tuner
-    # scores every one of them on each ask; optimizer.spec.MAX_SPACE_CONFIGS says why).
-    max_space_configs: int = Field(default=MAX_SPACE_CONFIGS, ge=1, le=10_000_000)
+    # scores every one of them on each ask; optimizer.spec.MAX_SPACE_CONFIGS says why).  At most
+    # a million: the sampler and the conductor's "space exhausted" check hold the space in memory.
+    max_space_configs: int = Field(default=MAX_SPACE_CONFIGS, ge=1, le=1_000_000)
     # How many worker ids one unbound worker token may speak for (each id is bound to the first
     # token that uses it, api.services.identity).  A fleet gives every host its own token.
     max_worker_ids_per_token: int = Field(default=64, ge=1, le=100_000)

@@ -335,10 +335,12 @@ def _search_ending(snap: Snapshot, assessment: convergence.Assessment | None) ->
 
 def space_exhausted(snap: Snapshot) -> bool:
     """Is every configuration of the space launched already, or known to fail (optimizer.infeasible)?"""
-    configs = space_configs(snap.spec.search_space)
-    if len(snap.launched) >= len(configs):
+    if len(snap.launched) >= snap.spec.search_space.count_configs():
         return True
     ooms = oom_points(list(snap.trials))
+    if not ooms:  # nothing is known to fail, so an unlaunched configuration is left: no need to build the space
+        return False
+    configs = space_configs(snap.spec.search_space)
     return all(c.key in snap.launched or known_to_fail(c, ooms) is not None for c in configs)
 
 

@@ -210,6 +210,18 @@ def test_an_exhausted_space_ends_the_search() -> None:
     assert isinstance(action, c.Finish) and action.reason == FinishReason.SPACE_EXHAUSTED
 
 
+def test_a_space_with_configurations_left_is_not_built_to_know_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Without a known failure the count decides: a space of up to a million configurations is not
+    # materialised on every result (issue 18: the space's size is bounded, its cost per settle too).
+    def built(space: Any) -> Any:
+        raise AssertionError("the space was built")
+
+    monkeypatch.setattr(c, "space_configs", built)
+    space = {"num_steps": {"low": 1, "high": 4}, "topk": [1], "num_draft_tokens": {"low": 2, "high": 5}}
+    spec = spec_of(search_space=space, budget={"max_trials": 30, "converge": False}, confirmation={"top": 0})
+    assert isinstance(c.settle(snap(spec, FOUR[:2], baselines=BASES)), c.Ask)
+
+
 def test_patience_counts_trials_since_the_best() -> None:
     spec = spec_of(budget={"max_trials": 30, "converge": False, "patience": 2}, confirmation={"top": 0})
     action = c.settle(snap(spec, FOUR, baselines=BASES))  # best at trial 1, then two without improvement
