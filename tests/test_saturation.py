@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -88,10 +89,16 @@ def _measure(url: str, pgid: int, concurrency: int, output_len: int) -> LevelMet
     return asyncio.run(go())
 
 
-def test_a_sped_up_engine_on_busy_cores_is_flagged_saturated(tmp_path: Path) -> None:
+def test_a_sped_up_engine_on_busy_cores_is_flagged_saturated(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="spectune.loadgen")
     with simulator(50.0, tmp_path / "sim.log") as (url, pgid), busy_loops(2 * (os.cpu_count() or 1)):
         m = _measure(url, pgid, 8, 128)
-    assert m.saturated is not None and "measured twice" in m.saturated, m
+    # The first timed passes always fail the check here.  Their re-measurement usually does too
+    # (then the level carries `saturated`); on a box loaded beyond the test's own loops it can land
+    # just under a threshold (engine wait 0.59 against 0.6 was seen), and then the level is the
+    # second, checked measurement: either way no saturated figure is reported as a clean one.
+    assert "concurrency 8: saturated measurement" in caplog.text, m
+    assert m.saturated is None or "measured twice" in m.saturated, m
     assert m.load_check, m
     # The figure is kept, but no interval is derived from it.
     base = m.model_copy(update={"saturated": None}).model_dump(mode="json")

@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 from api.artifacts import paths_to_names
 from api.auth import Principal, require_role, require_worker
 from api.context import ServiceContext
-from api.db import db_now
+from api.db import db_now, lock_name
 from api.errors import BusyError, ConflictError, InvalidInputError, LeaseGoneError
 from api.models import LeaseRow, StudyRow, WorkerRow
 from api.services import grants, identity, study_life
@@ -244,6 +244,10 @@ class LeaseService:
         with self.ctx.unit(lock=f"lease:{lease_id}") as u:
             with u.step() as s:
                 lease = self._owned(s, principal, lease_id)
+                # The study's lock before anything is written: the report ends by settling the
+                # study (its row FOR UPDATE), and a lease of the same study takes that lock and
+                # row first; written rows held while waiting for the row deadlocked on Postgres.
+                lock_name(s, f"study:{lease.study_name}")
                 if lease.state in (LeaseState.COMPLETED, LeaseState.FAILED):
                     return CompleteOut(lease_id=lease.id, state=lease.state, speedup=lease.speedup, duplicate=True)
                 if lease.state in (LeaseState.QUEUED, LeaseState.SUPERSEDED):
