@@ -153,6 +153,9 @@ def assess(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Assessment:
             reason = f"speculation does not pay ({rule.label}): after {n} configurations the best is {best_value:.3f}x; {why}"
         return Assessment(True, reason, n, len(op.configs), top, top_key, misfit, pays_now, rule, check)
 
+    def waiting(why: str) -> Assessment:
+        return Assessment(False, why, n, len(op.configs), top, top_key, misfit, None, None, check)
+
     trusted = model is not None and (check is None or check.trusted)
     if trusted and top < P_MATTERS and lead.since >= MODEL_HOLD:
         beat = f"beat {label} ({best_value:.3f}x)" if pays_now else "beat the baseline"
@@ -173,45 +176,16 @@ def assess(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Assessment:
     if not trusted:
         need = R.hold_needed(lead.found_at)
         distrust = check.describe() if check is not None else "the engine reports no accept length"
-        return Assessment(
-            False,
+        return waiting(
             f"{distrust}; the empirical rule waits for {need} launches without a gain over {incumbent} "
-            f"({lead.since} so far)",
-            n,
-            len(op.configs),
-            top,
-            top_key,
-            misfit,
-            None,
-            None,
-            check,
+            f"({lead.since} so far)"
         )
     if top >= P_MATTERS:
-        return Assessment(
-            False,
+        return waiting(
             f"{top_key} may still beat {bar_value:.3f}x by more than {100 * gain:.0f}% "
-            f"(chance {100 * top:.0f}%, model misfit x{misfit:.1f})",
-            n,
-            len(op.configs),
-            top,
-            top_key,
-            misfit,
-            None,
-            None,
-            check,
+            f"(chance {100 * top:.0f}%, model misfit x{misfit:.1f})"
         )
-    return Assessment(
-        False,
-        f"the model sees nothing left to beat {incumbent}; waiting for one launch after it",
-        n,
-        len(op.configs),
-        top,
-        top_key,
-        misfit,
-        None,
-        None,
-        check,
-    )
+    return waiting(f"the model sees nothing left to beat {incumbent}; waiting for one launch after it")
 
 
 def _model_chance(

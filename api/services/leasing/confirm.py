@@ -170,20 +170,7 @@ class ConfirmLeases:
         tier, env = later[0]
         info = {k: v for k, v in info.items() if k not in ("baseline_id", "baseline_fresh")}
         info |= {"tier": tier, "envelope_note": env.note}
-        s.add(
-            LeaseRow(
-                id=records.new_lease_id(),
-                study_name=lease.study_name,
-                kind=LeaseKind.CONFIRM.value,
-                state=LeaseState.QUEUED.value,
-                worker_id=None,
-                trial_number=lease.trial_number,
-                attempt=lease.attempt + 1,
-                config_key=lease.config_key,
-                payload={**lease.payload, "confirm": info, "server": env.settings.model_dump(mode="json")},
-                created_at=now,
-            )
-        )
+        _requeue(s, lease, {**lease.payload, "confirm": info, "server": env.settings.model_dump(mode="json")}, now)
         event(s, DEPLOY_RETRY, lease, f"{label} did not start as it would be deployed ({why}); trying {env.note}")
 
     def retry(self, s: Session, lease: LeaseRow, now: datetime, reason: str) -> None:
@@ -194,21 +181,26 @@ class ConfirmLeases:
         info = {
             k: v for k, v in (lease.payload.get("confirm") or {}).items() if k not in ("baseline_id", "baseline_fresh")
         }
-        s.add(
-            LeaseRow(
-                id=records.new_lease_id(),
-                study_name=lease.study_name,
-                kind=LeaseKind.CONFIRM.value,
-                state=LeaseState.QUEUED.value,
-                worker_id=None,
-                trial_number=lease.trial_number,
-                attempt=lease.attempt + 1,
-                config_key=lease.config_key,
-                payload={**lease.payload, "confirm": info},
-                created_at=now,
-            )
-        )
+        _requeue(s, lease, {**lease.payload, "confirm": info}, now)
         event(s, "confirm_requeued", lease, f"{reason}; attempt {lease.attempt + 1} queued")
+
+
+def _requeue(s: Session, lease: LeaseRow, payload: dict[str, Any], now: datetime) -> None:
+    """The next attempt of a confirmation, queued for any host (the conductor pairs it again)."""
+    s.add(
+        LeaseRow(
+            id=records.new_lease_id(),
+            study_name=lease.study_name,
+            kind=LeaseKind.CONFIRM.value,
+            state=LeaseState.QUEUED.value,
+            worker_id=None,
+            trial_number=lease.trial_number,
+            attempt=lease.attempt + 1,
+            config_key=lease.config_key,
+            payload=payload,
+            created_at=now,
+        )
+    )
 
 
 def resolve_order(s: Session, spec: StudySpec, base: BaselineRow, lease: LeaseRow) -> dict[str, Any]:
