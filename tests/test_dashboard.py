@@ -165,7 +165,10 @@ def test_study_note_and_trial_artifacts(dash: Api) -> None:
     note = detail["note"]["body"]
     for part in ("# dash", "**Verdict:**", "## Spec", "## Baseline (no speculation)", "`sim-1`", "## Best so far"):
         assert part in note, part
-    assert "--speculative-num-steps" in note  # the launch command of the best so far
+    # The launch command is the answer's: the server without speculation when the verdict says it
+    # does not pay, the speculative deployment otherwise (never a command the verdict contradicts).
+    assert "```" in note and "--enable-metrics" in note
+    assert ("--speculative-num-steps" in note) != ("speculation does not pay" in note), note
     assert detail["objective_names"] == ["speedup"]  # the metric name the dashboard shows
     # Viewing again does not rewrite an unchanged note.
     assert dash.get("/api/studies/1", "user").json()["note"]["version"] == detail["note"]["version"]
