@@ -173,31 +173,18 @@ class SimServer:
                 num_draft_tokens=resolved.num_draft_tokens or 2,
             )
         )
-        self.plan = graph_plan(
-            landscape,
-            speculative=self.spec is not None,
-            cuda_graph_max_bs=resolved.cuda_graph_max_bs,
-            max_running_requests=resolved.max_running_requests,
-            cuda_graph_bs=resolved.cuda_graph_bs,
-            disable_cuda_graph=resolved.disable_cuda_graph,
-        )
+        # The graph envelope the server was started with, as every memory and start-up figure needs it.
+        envelope: dict[str, Any] = {
+            "cuda_graph_max_bs": resolved.cuda_graph_max_bs,
+            "max_running_requests": resolved.max_running_requests,
+            "cuda_graph_bs": resolved.cuda_graph_bs,
+            "disable_cuda_graph": resolved.disable_cuda_graph,
+        }
+        self.plan = graph_plan(landscape, speculative=self.spec is not None, **envelope)
         self.memory: MemoryCheck = check_memory(
-            landscape,
-            self.spec,
-            cuda_graph_max_bs=resolved.cuda_graph_max_bs,
-            max_running_requests=resolved.max_running_requests,
-            cuda_graph_bs=resolved.cuda_graph_bs,
-            mem_fraction_static=float(resolved.values["mem_fraction_static"]),
-            disable_cuda_graph=resolved.disable_cuda_graph,
+            landscape, self.spec, mem_fraction_static=float(resolved.values["mem_fraction_static"]), **envelope
         )
-        self.phases: StartupPhases = startup_phases(
-            landscape,
-            self.spec,
-            cuda_graph_max_bs=resolved.cuda_graph_max_bs,
-            max_running_requests=resolved.max_running_requests,
-            cuda_graph_bs=resolved.cuda_graph_bs,
-            disable_cuda_graph=resolved.disable_cuda_graph,
-        )
+        self.phases: StartupPhases = startup_phases(landscape, self.spec, **envelope)
         infeasible = self.spec is not None and not self.spec.fillable
         self.engine = Engine(
             EngineOptions(
