@@ -28,7 +28,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from optimizer import attrs as A
 from optimizer import confirmation as confirm
-from optimizer import convergence
+from optimizer import convergence, deploy
 from optimizer.analysis import Interval, LaunchNoise
 from optimizer.budget import budget_used
 from optimizer.infeasible import known_to_fail, oom_points
@@ -37,6 +37,7 @@ from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 from optimizer.study import is_feasible
 from optimizer.study_state import Ending, FinishReason, Phase, StudyState, confirmed_detail
+from spectune_protocol import Resolve
 
 # A host's baseline that moved by more than this between two measurements has drifted: its
 # confirmations then each get a baseline right before them (optimizer.confirmation).
@@ -169,6 +170,9 @@ class Candidate:
     config: SpecConfig
     search_speedup: float | None
     avoid_worker: str | None  # the host that found it, when another can confirm it
+    # The deployment its confirmation launches: the printed envelope first (issue 17 item 1).
+    tier: int = 0
+    envelope: deploy.Envelope | None = None
 
 
 @dataclass(frozen=True)
@@ -188,6 +192,8 @@ class Confirm:
     baseline_id: int
     # Measured after the confirmation began, with the host busy on this study's confirmations since.
     fresh_baseline: bool
+    # More passes on the warm server while the answer straddles a decision (`resolve_order`).
+    resolve: Resolve | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -419,15 +425,55 @@ def candidates(snap: Snapshot) -> tuple[Candidate, ...]:
     for t in confirm.candidates(list(snap.trials), spec.confirmation.top, spec, noise.variance):
         r = A.TrialRecord(t)
         measured_on = r.worker_id
+        first = next_deployment(spec, r.config)
         out.append(
             Candidate(
                 t.number,
                 r.config,
                 t.value,
                 measured_on if capable - {measured_on} else None,
+                *(first if first is not None else (0, None)),
             )
         )
     return tuple(out)
+
+
+def next_deployment(
+    spec: StudySpec, config: SpecConfig, failed: Sequence[tuple[SpecConfig, int]] = (), after: int = -1
+) -> tuple[int, deploy.Envelope] | None:
+    """The deployment a confirmation of `config` launches: the first envelope past tier `after`
+    that no earlier out-of-memory start rules out (optimizer.deploy.envelopes_to_try), or None
+    when none is left (the candidate cannot be the answer)."""
+    return next(((t, e) for t, e in deploy.envelopes_to_try(spec, config, failed) if t > after), None)
+
+
+def resolve_order(snap: Snapshot, lease: LeaseView, base: Baseline) -> Resolve:
+    """What the confirmation's worker measures more passes for while the answer is undecided.
+
+    The thresholds: 1.0 (pays at all), 1.0 + min_gain (pays enough to matter), and the speedups
+    the study's other candidates confirmed (the runner-up); the study's launch noise
+    (`launch_noise`); the cap: EXTRA_PASSES_PER_REPEAT x the workload's repeats per level.
+    """
+    spec = snap.spec
+    others = [
+        confirm.confirm_result(spec, le.measurement[0], le.measurement[1]).value
+        for le in snap.leases
+        if le.kind == "confirm"
+        and le.state == "completed"
+        and le.measurement is not None
+        and le.trial_number != lease.trial_number
+    ]
+    thresholds = sorted({1.0, 1.0 + spec.budget.min_gain, *(v for v in others if v > 0)})
+    return Resolve(
+        levels=list(spec.workload.concurrency),
+        objective_concurrency=spec.objective.concurrency,
+        baseline_runs={
+            str(int(lv["concurrency"])): [float(x) for x in lv.get("output_tok_s_runs") or []] for lv in base.levels
+        },
+        thresholds=thresholds[:16],
+        extra_var=min(launch_noise(snap).variance, 10.0),
+        max_passes=confirm.EXTRA_PASSES_PER_REPEAT * spec.workload.repeats,
+    )
 
 
 def launch_noise(snap: Snapshot) -> LaunchNoise:
@@ -458,7 +504,7 @@ def _confirmation_for(snap: Snapshot, worker_id: str) -> Action:
     if _holds_fresh_baseline(snap, worker_id):
         base = snap.latest_baseline(worker_id)
         assert base is not None
-        return Confirm(mine[0].id, worker_id, base.id, fresh_baseline=True)
+        return Confirm(mine[0].id, worker_id, base.id, fresh_baseline=True, resolve=resolve_order(snap, mine[0], base))
     # A fresh baseline costs a launch: measure one only for a confirmation that the hosts already
     # holding (or measuring, or confirming next to) a fresh one leave over, so an idle fleet of four
     # does not measure four baselines for two confirmations.

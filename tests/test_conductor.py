@@ -422,3 +422,44 @@ def test_only_the_conductor_decides_a_studys_life() -> None:
     service = imports(root / "api" / "services" / "studies.py")
     for rule in ("optimizer.convergence", "optimizer.budget", "optimizer.infeasible", "optimizer.stop_rules"):
         assert rule not in service, rule
+
+
+def test_a_confirmation_carries_the_conductors_resolve_order() -> None:
+    """The order names the decisions the answer may straddle: 1.0, 1.0 + min_gain and what the
+    other candidates confirmed; its baseline passes are the paired baseline's; its launch noise
+    is the study's (the conductor's `launch_noise`), so the worker and the verdict agree."""
+    runs = [99.0, 100.0, 101.0]
+    fresh = replace(
+        base("w1", T0 - timedelta(minutes=1), id_=7),
+        levels=({"concurrency": 1, "output_tok_s": 100.0, "output_tok_s_runs": runs},),
+    )
+    other = c.LeaseView(
+        "c9", "confirm", "completed", 3, worker_id="w2", created_at=BEGAN, finished_at=T0,
+        measurement=(
+            [{"concurrency": 1, "output_tok_s": 104.0, "output_tok_s_runs": [103.0, 104.0, 105.0]}],
+            [{"concurrency": 1, "output_tok_s": 100.0, "output_tok_s_runs": runs}],
+        ),
+    )  # fmt: skip
+    s = confirming(baselines=(*BASES, fresh), leases=(*QUEUED, other))
+    action = c.next_action(s, "w1")
+    assert isinstance(action, c.Confirm) and action.resolve is not None
+    order = action.resolve
+    assert order.thresholds == pytest.approx([1.0, 1.0 + s.spec.budget.min_gain, 1.04])
+    assert order.baseline_runs == {"1": runs}
+    assert order.extra_var == pytest.approx(c.launch_noise(s).variance)
+    assert order.max_passes == 3 * s.spec.workload.repeats
+
+
+def test_candidates_name_the_deployment_their_confirmation_launches() -> None:
+    """The printed envelope first (issue 17 item 1); after an out-of-memory start the next one
+    the serving section leaves, and None once none is left."""
+    spec = spec_of(**NO_CONVERGE, confirmation={"top": 2}, serving={"max_running_requests": 48})
+    chosen = c.candidates(snap(spec, FOUR, baselines=BASES))
+    assert chosen and all(k.tier == 0 and k.envelope is not None and k.envelope.note == "" for k in chosen)
+    cfg = chosen[0].config
+    tiers = []
+    due = c.next_deployment(spec, cfg)
+    while due is not None:
+        tiers.append(due[0])
+        due = c.next_deployment(spec, cfg, [(cfg, due[0])], due[0])
+    assert tiers == [0, 1, 2]

@@ -219,7 +219,7 @@ def persist(s: Session, spec: StudySpec, action: c.Action, now: datetime) -> Non
     for cand in action.candidates:
         # Each candidate is confirmed as it would be deployed: the winner's confirmation is then
         # the launch that proves the printed command (issue 17 item 1), no launch added.
-        tier, env = deploy.envelopes_to_try(spec, cand.config)[0]
+        tier, env = cand.tier, cand.envelope or deploy.deployment_envelopes(spec, cand.config)[0]
         payload = lease_payload(
             spec,
             cand.config,

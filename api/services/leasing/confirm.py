@@ -18,14 +18,14 @@ from api.context import ServiceContext, Unit
 from api.db import db_now
 from api.models import BaselineRow, LeaseRow
 from api.services import study_life
-from api.services.launch_noise import confirm_measurement, study_noise
+from api.services.launch_noise import study_noise
 from api.services.leasing import records
 from api.services.leasing.records import CONFIG_FAILURES, DEPLOY_FAILED, DEPLOY_RETRY, HostHealth, event
 from api.services.leasing.states import LeaseKind, LeaseState, claim, end
 from api.services.study_specs import baseline_key_of, study_trials
 from optimizer import confirmation as confirm
 from optimizer import deploy
-from optimizer.conductor import Confirm
+from optimizer.conductor import Confirm, next_deployment
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 from spectune_protocol import CompleteIn, CompleteOut
@@ -50,15 +50,17 @@ class ConfirmLeases:
         info["baseline_fresh"] = action.fresh_baseline
         base = s.get(BaselineRow, action.baseline_id)
         assert base is not None
-        payload = {**lease.payload, "confirm": info, "resolve": resolve_order(s, spec, base, lease)}
+        payload = {**lease.payload, "confirm": info}
+        if action.resolve is not None:
+            # The conductor's order: more passes on the warm server while the answer straddles a decision.
+            payload["resolve"] = action.resolve.model_dump(mode="json")
         # What the study's deployments taught since it was queued: skip an envelope known to fail.
         lease_config = payload.get("config")
         if lease_config is not None and "tier" in info:
-            tiers = deploy.envelopes_to_try(
-                spec, SpecConfig.model_validate(lease_config), deploy_failures(s, spec.name)
+            due = next_deployment(
+                spec, SpecConfig.model_validate(lease_config), deploy_failures(s, spec.name), int(info["tier"]) - 1
             )
-            later = [(t, e) for t, e in tiers if t >= int(info["tier"])]
-            if not later:
+            if due is None:
                 # Every envelope left is known to run out of memory: launching the queued one
                 # would only repeat a known failure.  The candidate is out, without a launch.
                 cfg = SpecConfig.model_validate(lease_config)
@@ -72,8 +74,8 @@ class ConfirmLeases:
                     "it cannot be the answer",
                 )
                 return None
-            if later[0][0] != int(info["tier"]):
-                tier, env = later[0]
+            if due[0] != int(info["tier"]):
+                tier, env = due
                 info |= {"tier": tier, "envelope_note": env.note}
                 payload["server"] = env.settings.model_dump(mode="json")
         claim(s, lease, action.worker_id, now, self.settings.lease_ttl_s, payload=payload)
@@ -156,9 +158,9 @@ class ConfirmLeases:
         cfg = SpecConfig.model_validate(lease.payload["config"])
         why = deploy.deployment_failure(kind, message)
         tried = int(info["tier"])
-        later = [(t, e) for t, e in deploy.envelopes_to_try(spec, cfg, deploy_failures(s, spec.name)) if t > tried]
+        due = next_deployment(spec, cfg, deploy_failures(s, spec.name), tried)
         label = f"{cfg.num_steps}/{cfg.topk}/{cfg.num_draft_tokens}"
-        if not later:
+        if due is None:
             event(
                 s,
                 DEPLOY_FAILED,
@@ -167,7 +169,7 @@ class ConfirmLeases:
                 "smaller graph envelope to try: it cannot be the answer",
             )
             return
-        tier, env = later[0]
+        tier, env = due
         info = {k: v for k, v in info.items() if k not in ("baseline_id", "baseline_fresh")}
         info |= {"tier": tier, "envelope_note": env.note}
         _requeue(s, lease, {**lease.payload, "confirm": info, "server": env.settings.model_dump(mode="json")}, now)
@@ -201,41 +203,6 @@ def _requeue(s: Session, lease: LeaseRow, payload: dict[str, Any], now: datetime
             created_at=now,
         )
     )
-
-
-def resolve_order(s: Session, spec: StudySpec, base: BaselineRow, lease: LeaseRow) -> dict[str, Any]:
-    """What a confirm lease's worker needs to measure more passes while the answer is undecided.
-
-    The thresholds: 1.0 (pays at all), 1.0 + min_gain (pays enough to matter), and the speedups
-    the study's other candidates confirmed (the runner-up).  The launch noise is read from the
-    baselines and confirmations (the search's trials are in Optuna's storage, which is not read
-    inside this transaction); the cap is EXTRA_PASSES_PER_REPEAT x the workload's repeats.
-    """
-    others = s.scalars(
-        select(LeaseRow).where(
-            LeaseRow.study_name == spec.name,
-            LeaseRow.kind == "confirm",
-            LeaseRow.state == "completed",
-            LeaseRow.trial_number != lease.trial_number,
-        )
-    ).all()
-    baselines = s.scalars(select(BaselineRow).where(BaselineRow.baseline_key == baseline_key_of(spec))).all()
-    noise = confirm.study_noise(
-        [],
-        [(b.worker_id, b.metrics.get("levels") or []) for b in baselines],
-        [c for c in (confirm_measurement(r) for r in others) if c is not None],
-    )
-    thresholds = sorted({1.0, 1.0 + spec.budget.min_gain, *(float(r.speedup) for r in others if r.speedup)})
-    return {
-        "levels": list(spec.workload.concurrency),
-        "objective_concurrency": spec.objective.concurrency,
-        "baseline_runs": {
-            str(lv["concurrency"]): list(lv.get("output_tok_s_runs") or []) for lv in base.metrics.get("levels") or []
-        },
-        "thresholds": thresholds[:16],
-        "extra_var": noise.variance,
-        "max_passes": confirm.EXTRA_PASSES_PER_REPEAT * spec.workload.repeats,
-    }
 
 
 def deploy_failures(s: Session, study: str) -> list[tuple[SpecConfig, int]]:
