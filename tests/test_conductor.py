@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,7 +26,9 @@ from optimizer.spec import StudySpec
 from optimizer.stop_rules import StopRule
 from optimizer.study_state import Ending, FinishReason, Phase, StudyState
 from tests.conftest import small_spec
+from tests.source_walk import imported_modules, study_life_writes
 
+ROOT = Path(__file__).resolve().parents[1]
 T0 = datetime(2026, 12, 1, 10, 0, tzinfo=UTC).replace(tzinfo=None)
 CONFIGS = [
     SpecConfig(num_steps=1, topk=1, num_draft_tokens=2),
@@ -402,26 +405,32 @@ def test_a_baseline_the_study_makes_fail_stops_it_when_the_fault_follows_the_stu
 
 
 def test_only_the_conductor_decides_a_studys_life() -> None:
-    """No lease module imports the study service, and the study service imports no life rule."""
-    import ast
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-
-    def imports(path: Path) -> set[str]:
-        out: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-            elif isinstance(node, ast.Import):
-                out |= {a.name for a in node.names}
-        return out
-
-    for path in sorted((root / "api" / "services" / "leasing").glob("*.py")):
-        assert "api.services.studies" not in imports(path), path.name
-    service = imports(root / "api" / "services" / "studies.py")
+    """No lease module imports the study service, the study service imports no life rule, and
+    nothing but api.services.study_life writes a study's life (state, phase, finish) to its row."""
+    for path in sorted((ROOT / "api" / "services" / "leasing").glob("*.py")):
+        assert "api.services.studies" not in imported_modules(path), path.name
+    service = imported_modules(ROOT / "api" / "services" / "studies.py")
     for rule in ("optimizer.convergence", "optimizer.budget", "optimizer.infeasible", "optimizer.stop_rules"):
         assert rule not in service, rule
+    life = ROOT / "api" / "services" / "study_life.py"
+    # The walk sees the writes where they belong: stop, resume, finish, the move to confirmation.
+    assert len(study_life_writes(life)) >= 12
+    sources = [p for d in ("api", "spectune", "benchmarks") for p in sorted((ROOT / d).rglob("*.py"))]
+    elsewhere = {str(p.relative_to(ROOT)): w for p in sources if p != life and (w := study_life_writes(p))}
+    assert not elsewhere, f"a study's life is written outside api/services/study_life.py: {elsewhere}"
+
+
+def test_the_life_walk_would_see_a_write_elsewhere(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "def stop(s, name):\n"
+        "    row = s.get(StudyRow, name)\n"
+        "    row.state = 'stopped'\n"
+        "    s.execute(update(StudyRow).values(phase='search'))\n"
+        "def resume(r: StudyRow, lease):\n"
+        "    r.finish_reason, lease.state = None, 'active'\n"
+    )
+    assert [w.split(":")[0] for w in study_life_writes(probe)] == ["3", "4", "6"]
 
 
 def test_a_confirmation_carries_the_conductors_resolve_order() -> None:

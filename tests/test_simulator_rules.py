@@ -4,7 +4,6 @@ are what make the double useful: a bug in one shows up as a disagreement, not as
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from spectune_sim import lifeline as sim_lifeline
 from spectune_sim.args import build_parser, resolve
 from spectune_sim.landscapes import get_landscape
 from spectune_sim.rules import DraftTree, TreeGrid, draft_token_limit, graph_flags
+from tests.source_walk import imported_modules
 
 FORBIDDEN = ("optimizer", "api", "workers")
 VERSIONS = ("0.5.10", "0.5.13", "0.5.15", "0.5.16", "0.5.19", "0.5.20", "0.5.23", "0.6.0")
@@ -24,17 +24,6 @@ SAMPLE = [
     SpecConfig(num_steps=s, topk=k, num_draft_tokens=n)
     for s, k, n in [(1, 1, 2), (3, 1, 4), (3, 1, 9), (5, 4, 8), (3, 2, 10), (5, 8, 49), (2, 8, 64), (6, 2, 7)]
 ]
-
-
-def imported_modules(path: Path) -> set[str]:
-    """Every module an import statement of `path` names, at any depth (function-level ones too)."""
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-    return names
 
 
 def test_the_simulator_imports_nothing_of_the_tuner() -> None:

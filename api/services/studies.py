@@ -38,7 +38,7 @@ from optimizer.errors import StudyNotFoundError
 from optimizer.plan import baseline_key
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec, describe_workload, validate_spec
-from optimizer.study_state import CONFIRMING_NOTE, FinishReason, Phase, StudyState
+from optimizer.study_state import CONFIRMING_NOTE, Phase, StudyState
 
 log = logging.getLogger("spectune.api.studies")
 
@@ -193,19 +193,7 @@ class StudyService:
 
     def stop(self, name: str) -> D.StudyDocument | D.StudyBrief:
         with self.ctx.unit() as u, u.step() as s:
-            row = s.get(StudyRow, name)
-            if row is None:
-                raise StudyNotFoundError(name)
-            if row.state == StudyState.RUNNING:
-                study_life.keep_search_ending(s, row, db_now(s))
-                row.state = StudyState.STOPPED.value
-                row.finished_at = db_now(s)
-                row.finish_reason = "stopped by a user"
-                row.finish_rule = FinishReason.STOPPED_BY_USER.value
-            elif row.state == "stopped":
-                pass  # stopping twice is harmless
-            else:
-                raise ConflictError(f"study {name!r} is already {row.state}")
+            row = study_life.stop_by_user(s, name, db_now(s))
             brief = D.StudyBrief(name=row.name, state=row.state, finish_reason=row.finish_reason)
         try:
             return self.show(name)
@@ -213,27 +201,14 @@ class StudyService:
             return brief
 
     def resume(self, name: str) -> D.StudyDocument:
-        """Stopped -> running; the budget rules then apply as before (max_hours counts from creation)."""
+        """Stopped -> running (study_life.resume); stop, create, resume must not get around the limit."""
         with self.ctx.unit() as u, u.step() as s:
-            row = s.get(StudyRow, name)
-            if row is None:
-                raise StudyNotFoundError(name)
-            if row.state == StudyState.STOPPED:
+
+            def admit(row: StudyRow) -> None:
                 if row.created_by is not None:
-                    # Stop, create, resume must not get around the limit.
                     self._check_running_limit(s, row.created_by)
-                row.state = StudyState.RUNNING.value
-                row.finished_at = None
-                # Stopped while confirming: it goes on confirming, and ends with its search's own
-                # ending (kept by `stop`), not one made up.  Otherwise it searches again.
-                kept = study_life.kept_search_ending(s, name) if row.phase == Phase.CONFIRMATION else None
-                row.finish_reason = None if kept is None else kept.detail
-                row.finish_rule = None if kept is None else kept.reason.value
-            elif row.state == "finished":
-                raise ConflictError(
-                    f"study {name!r} is finished (its budget is used); create a new study of the same model: "
-                    "it starts from this one's answers"
-                )
+
+            study_life.resume(s, name, admit)
         return self.show(name)
 
     def show(self, name: str) -> D.StudyDocument:

@@ -2,7 +2,8 @@
 
 `optimizer.conductor` decides (pure); this module reads what it needs from the database into a
 `Snapshot` under the study's row lock, and writes the study-level decisions back: the move to
-confirmation (its confirm leases, the phase, why the search ended) and the finish.  The lease
+confirmation (its confirm leases, the phase, why the search ended), the finish, and a user's
+stop and resume.  The lease
 service carries out the worker-level actions (a baseline, a retry, a confirmation, an ask).
 
 Optuna's trials are read by the caller before its write step opens (`study_specs.study_trials`):
@@ -12,7 +13,7 @@ on SQLite, calling Optuna while holding the write lock would wait for ourselves.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -20,6 +21,7 @@ from optuna.trial import FrozenTrial
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
+from api.errors import ConflictError
 from api.models import BaselineRow, EventRow, LeaseRow, StudyRow, TrialConfigRow, WorkerIdentity, WorkerRow
 from api.services.eligibility import requirements_unmet
 from api.services.launch_noise import confirm_measurement
@@ -29,6 +31,7 @@ from api.services.study_specs import baseline_key_of
 from api.settings import Settings
 from optimizer import conductor as c
 from optimizer import deploy
+from optimizer.errors import StudyNotFoundError
 from optimizer.spec import StudySpec
 from optimizer.study_state import Ending, FinishReason, Phase, StudyState
 
@@ -188,18 +191,64 @@ def next_for(
     return action
 
 
-def stop_for_fault(s: Session, spec: StudySpec, ending: Ending, now: datetime) -> bool:
-    """Stop a running study whose own settings fail (optimizer.conductor.baseline_fault)."""
-    row = s.get(StudyRow, spec.name, with_for_update=True)
-    if row is None or row.state != StudyState.RUNNING:
-        return False
+def _stop(s: Session, row: StudyRow, ending: Ending, now: datetime) -> None:
+    """Running -> stopped, the search's ending kept first when it confirms (`resume` puts it back)."""
     keep_search_ending(s, row, now)
     row.state = StudyState.STOPPED.value
     row.finished_at = now
     row.finish_rule = ending.reason.value
     row.finish_reason = ending.detail[:256]
+
+
+def stop_for_fault(s: Session, spec: StudySpec, ending: Ending, now: datetime) -> bool:
+    """Stop a running study whose own settings fail (optimizer.conductor.baseline_fault)."""
+    row = s.get(StudyRow, spec.name, with_for_update=True)
+    if row is None or row.state != StudyState.RUNNING:
+        return False
+    _stop(s, row, ending, now)
     log.info("study %s stopped (%s): %s", spec.name, ending.reason.value, ending.detail)
     return True
+
+
+def _locked(s: Session, name: str) -> StudyRow:
+    row = s.get(StudyRow, name, with_for_update=True)
+    if row is None:
+        raise StudyNotFoundError(name)
+    return row
+
+
+def stop_by_user(s: Session, name: str, now: datetime) -> StudyRow:
+    """A user's stop: running -> stopped (stopping twice is harmless; a finished study stays finished)."""
+    row = _locked(s, name)
+    if row.state == StudyState.RUNNING:
+        _stop(s, row, Ending(FinishReason.STOPPED_BY_USER, "stopped by a user"), now)
+    elif row.state != StudyState.STOPPED:
+        raise ConflictError(f"study {name!r} is already {row.state}")
+    return row
+
+
+def resume(s: Session, name: str, admit: Callable[[StudyRow], None]) -> StudyRow:
+    """Stopped -> running; `admit` may refuse it first (the owner's running-study limit).
+
+    The budget rules then apply as before (max_hours counts from creation).  Stopped while
+    confirming: it goes on confirming and ends with its search's own ending (kept by the stop),
+    not one made up; otherwise it searches again.
+    """
+    row = _locked(s, name)
+    if row.state == StudyState.FINISHED:
+        raise ConflictError(
+            f"study {name!r} is finished (its budget is used); create a new study of the same model: "
+            "it starts from this one's answers"
+        )
+    if row.state != StudyState.STOPPED:
+        return row  # running already
+    admit(row)
+    kept = kept_search_ending(s, name) if row.phase == Phase.CONFIRMATION else None
+    row.state = StudyState.RUNNING.value
+    row.finished_at = None
+    row.finish_reason = None if kept is None else kept.detail
+    row.finish_rule = None if kept is None else kept.reason.value
+    return row
 
 
 def persist(s: Session, spec: StudySpec, action: c.Action, now: datetime) -> None:
