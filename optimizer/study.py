@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,18 +97,53 @@ def create_study(storage: BaseStorage, spec: StudySpec, prior: Sequence[SpecConf
     return study
 
 
-def load_study(storage: BaseStorage, spec: StudySpec) -> optuna.Study:
+# What a caller lets the samplers see of a study's trials (api: an admin-quarantined trial reads
+# as FAIL); applied to every read through the study, so TPE, GP, the model sampler and the
+# pessimistic value of an infeasible configuration all see the same trials.
+TrialScreen = Callable[[list[FrozenTrial]], list[FrozenTrial]]
+
+
+class ScreenedStudy(optuna.Study):
+    """An Optuna study whose trial reads pass through a `TrialScreen`.
+
+    Samplers read trials through `Study._get_trials` (TPE and GP directly, with its per-thread
+    cache; `get_trials` calls it too); the screen runs before the state filter, so a trial it
+    turns into a failure is gone from a COMPLETE-only read.
+    """
+
+    def __init__(
+        self,
+        study_name: str,
+        storage: BaseStorage,
+        sampler: optuna.samplers.BaseSampler,
+        pruner: optuna.pruners.BasePruner,
+        screen: TrialScreen,
+    ) -> None:
+        super().__init__(study_name=study_name, storage=storage, sampler=sampler, pruner=pruner)
+        self._screen = screen
+
+    def _get_trials(
+        self, deepcopy: bool = True, states: Container[TrialState] | None = None, use_cache: bool = False
+    ) -> list[FrozenTrial]:
+        trials = self._screen(super()._get_trials(deepcopy=deepcopy, states=None, use_cache=use_cache))
+        return trials if states is None else [t for t in trials if t.state in states]
+
+
+def load_study(storage: BaseStorage, spec: StudySpec, screen: TrialScreen | None = None) -> optuna.Study:
+    """The study with a fresh sampler; with `screen`, every trial read goes through it (ScreenedStudy)."""
     n_trials = _count_trials(storage, spec.name)
     # A fresh sampler per ask: derive its seed from the study's seed and its size, so asks are
     # reproducible for a seeded study without repeating the same proposal every time.
     # Modulo 2**32: numpy (under Optuna's samplers) refuses seeds outside 0..2**32-1, and a large
     # spec seed times the multiplier would leave that range (every ask of the study would fail).
     seed = None if spec.seed is None else (spec.seed * 1_000_003 + n_trials) % 2**32
+    sampler = make_sampler(spec, seed)
+    # No Optuna pruner: spectune decides pruning itself, from the noise seen (optimizer.pruning).
+    pruner = optuna.pruners.NopPruner()
     try:
-        # No Optuna pruner: spectune decides pruning itself, from the noise seen (optimizer.pruning).
-        return optuna.load_study(
-            study_name=spec.name, storage=storage, sampler=make_sampler(spec, seed), pruner=optuna.pruners.NopPruner()
-        )
+        if screen is not None:
+            return ScreenedStudy(spec.name, storage, sampler, pruner, screen)
+        return optuna.load_study(study_name=spec.name, storage=storage, sampler=sampler, pruner=pruner)
     except KeyError as e:
         raise StudyNotFoundError(spec.name) from e
 

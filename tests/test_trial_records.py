@@ -17,7 +17,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
+from optuna.trial import TrialState
 from sqlalchemy import create_engine, text
 
 from tests.conftest import Api, make_settings, make_tokens, small_spec
@@ -182,7 +184,7 @@ def _confirmation(number: int, config: dict[str, Any], speedup: float) -> Any:
 
 def test_a_quarantined_trial_no_longer_steers_the_study(api: Api, db_url: str, tmp_path: Path) -> None:
     from api.services.studies import StudyService
-    from api.services.study_specs import spec_of, study_trials
+    from api.services.study_specs import load_study, spec_of, study_trials
     from api.services.trial_records import repair_trial
 
     good = _measured_study(api)
@@ -200,6 +202,10 @@ def test_a_quarantined_trial_no_longer_steers_the_study(api: Api, db_url: str, t
         snapshot = {t.number: t for t in study_trials(ctx.storage, ctx.sessions, "records")}
         assert snapshot[forged_number].state.name == "FAIL" and snapshot[forged_number].value is None
         assert snapshot[good].state.name == "COMPLETE"
+        # What the samplers read when the service asks or tells: the same (study_specs.load_study).
+        with ctx.sessions() as s:
+            asking = load_study(ctx.storage, ctx.sessions, spec_of(s, "records"))
+        assert forged_number not in {t.number for t in asking.get_trials(states=(TrialState.COMPLETE,))}
         # A confirmation the quarantined trial had is never the answer, however well it measured.
         service = StudyService(ctx)
         with ctx.sessions() as s:
@@ -211,3 +217,52 @@ def test_a_quarantined_trial_no_longer_steers_the_study(api: Api, db_url: str, t
         ]
         winner = service._winner(spec, trials, snapshot[good], None, confirmed)  # noqa: SLF001
         assert winner is not None and winner.trial_number == good and winner.confirmed
+
+
+def _study_with_a_forged_trial(sampler: str, forged_told: str) -> tuple[Any, Any, int]:
+    """Six trials measured with the simulator, then one whose report was forged (1,000x the
+    throughput), told as measured (`forged_told="value"`) or as a failure; (storage, spec, number)."""
+    import optuna
+
+    from optimizer import study as opt
+    from tests.test_search_model import attrs_for, spec, value_of
+
+    sp = spec(sampler=sampler)
+    storage = optuna.storages.InMemoryStorage()
+    opt.create_study(storage, sp)
+    for i in range(7):
+        study = opt.load_study(storage, sp)
+        asked = opt.ask(study, sp)
+        a = attrs_for("moe-pcie", asked.config, [1])
+        if i < 6:
+            opt.tell_value(study, asked.number, value_of(a), 0.0, a)
+            continue
+        a["levels"] = [{**lv, "output_tok_s": lv["output_tok_s"] * 1000} for lv in a["levels"]]
+        a["speedup_by_level"] = {k: v * 1000 for k, v in a["speedup_by_level"].items()}
+        if forged_told == "value":
+            opt.tell_value(study, asked.number, value_of(a), 0.0, a)
+        else:
+            opt.tell_failed(study, asked.number, a | {"failure_kind": "quarantined"})
+        return storage, sp, asked.number
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("sampler", ["tpe", "auto"])
+def test_no_sampler_sees_a_quarantined_measurement(sampler: str) -> None:
+    """The samplers read Optuna's trials themselves: quarantined, a forged measurement must steer
+    the next proposal no more than a failed trial does (trial_records.sampler_screen)."""
+    import optuna
+
+    from api.services.trial_records import sampler_screen
+    from optimizer import study as opt
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    forged, sp, number = _study_with_a_forged_trial(sampler, "value")
+    failed, _, _ = _study_with_a_forged_trial(sampler, "failed")
+    seen_as_failed = opt.ask(opt.load_study(failed, sp), sp).config.key
+    screened_study = opt.load_study(forged, sp, sampler_screen({number: "forged measurement"}))
+    assert screened_study.get_trials(states=(TrialState.COMPLETE,))[-1].number != number
+    assert opt.ask(screened_study, sp).config.key == seen_as_failed
+    # The forged value does steer a sampler that reads it (what the screen is for).
+    unscreened, _, _ = _study_with_a_forged_trial(sampler, "value")
+    assert opt.ask(opt.load_study(unscreened, sp), sp).config.key != seen_as_failed

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from api.errors import ConflictError
 from api.models import StudyRow, TrialConfigRow
 from api.services import trial_records
+from optimizer import study as opt
 from optimizer.errors import StudyNotFoundError
 from optimizer.plan import baseline_key
 from optimizer.spec import StudySpec
@@ -80,6 +81,14 @@ def study_trials(storage: optuna.storages.BaseStorage, sessions: sessionmaker[Se
     return trial_records.screened(
         storage.get_all_trials(storage.get_study_id_from_name(name), deepcopy=False), quarantine
     )
+
+
+def load_study(storage: optuna.storages.BaseStorage, sessions: sessionmaker[Session], spec: StudySpec) -> optuna.Study:
+    """The study for asking and telling: its samplers see an admin-quarantined trial as a failure
+    (trial_records.sampler_screen), as the conductor's snapshot does (`study_trials`)."""
+    with sessions() as s:
+        quarantine = trial_records.quarantined(s, spec.name)
+    return opt.load_study(storage, spec, trial_records.sampler_screen(quarantine))
 
 
 def launched_count(s: Session, study: str) -> int:

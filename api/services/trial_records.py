@@ -33,6 +33,7 @@ from api.errors import NotFoundError
 from api.models import EventRow
 from optimizer import attrs as A
 from optimizer.space import SpecConfig
+from optimizer.study import TrialScreen
 from spectune_protocol import MAX_EFFECTIVE_DEPTH, LevelMetrics, Version, json_problem
 
 TRIAL_QUARANTINED = "trial_quarantined"
@@ -130,6 +131,20 @@ def screened(trials: Sequence[FrozenTrial], quarantine: dict[int, str] | None = 
         c.user_attrs = attrs
         out.append(c)
     return out
+
+
+def sampler_screen(quarantine: dict[int, str]) -> TrialScreen:
+    """What the samplers may see (optimizer.study.ScreenedStudy): a quarantined trial as `screened`
+    gives it (FAIL, no value), so an admin-quarantined measurement steers no proposal and no
+    infeasible configuration's pessimistic value.  Only the quarantined trials are copied: the
+    samplers read the trials several times per ask, and the rest were checked at the door."""
+
+    def screen(trials: list[FrozenTrial]) -> list[FrozenTrial]:
+        if not quarantine:
+            return trials
+        return [screened([t], quarantine)[0] if t.number in quarantine else t for t in trials]
+
+    return screen
 
 
 # ------------------------------------------------------------------ the admin's repair

@@ -34,7 +34,7 @@ from api.services.leasing.states import (
     claim,
     end,
 )
-from api.services.study_specs import baseline_key_of, launched_count, study_trials
+from api.services.study_specs import baseline_key_of, launched_count, load_study, study_trials
 from optimizer import attrs as A
 from optimizer import pruning
 from optimizer import study as opt
@@ -92,7 +92,8 @@ class TrialLeases:
         """
         storage = self.ctx.storage
         for _ in range(MAX_DUPLICATE_PROPOSALS):
-            study = opt.load_study(storage, spec)
+            # Screened: a quarantined trial steers no proposal (trial_records.sampler_screen).
+            study = load_study(storage, self.ctx.sessions, spec)
             asked = opt.ask(study, spec)
             # Screened: a quarantined OOM proves nothing about the region around it.
             proof = known_to_fail(asked.config, oom_points(study_trials(storage, self.ctx.sessions, spec.name)))
@@ -252,7 +253,8 @@ class TrialLeases:
     # ------------------------------------------------------------------ results
 
     def complete(self, u: Unit, spec: StudySpec, lease_id: str, body: CompleteIn, late: bool) -> CompleteOut:
-        study = opt.load_study(self.ctx.storage, spec)
+        # Screened: an infeasible configuration's pessimistic value ignores quarantined trials.
+        study = load_study(self.ctx.storage, self.ctx.sessions, spec)
         with u.step() as s:
             lease = s.get(LeaseRow, lease_id)
             assert lease is not None and lease.worker_id is not None and lease.trial_number is not None
