@@ -8,15 +8,16 @@ No servers: each launch is the simulator's pure model (`spectune_sim.model`) on 
 launch-to-launch factor (each start draws a lognormal offset of `--launch-sd` that every pass of
 that launch shares), which the passes of one launch cannot show.
 
-The study is the service's answer pipeline on two hosts: the search (sampler `auto`, the
-convergence stop), then confirmation of the candidates whose intervals overlap the leader's,
-each on the other host right after one fresh baseline per host, each launched *as it would be
-deployed* (optimizer.deploy.deployment_envelopes: the printed envelope first, then a smaller
-graph envelope where serving allows; a failed start is counted, the next envelope tried);
-extra passes on the warm server while the interval straddles a decision
-(workers/resolve.resolve, with the order the API sends); the launch noise estimated from the
-study's own re-launches (optimizer.confirmation.study_noise); the winner the cheapest of the
-candidates tied with the best (confirmation.choose); "pays" when its interval clears 1.0.
+The study is the one the service runs, on two hosts: `benchmarks.search_efficiency.drive`
+carries out `optimizer.conductor`'s actions on an in-memory store (the search with sampler
+`auto` and the stop rule, the move to confirmation, each confirmation paired with a fresh
+baseline on another host than the one that found it).  What a confirmation launches and measures
+is the conductor's order too: the deployment as it would be printed (its `Candidate`'s envelope,
+then `next_deployment` after an out-of-memory start: each failed start counted) and the extra
+passes of its `Resolve` order on the warm server (workers/resolve.resolve), with the study's
+launch noise (conductor.launch_noise, from its own re-launches).  The answer is the service's:
+confirmation.choose over the confirmations as api.services.studies documents them; "pays" when
+its interval clears 1.0.
 
 Cases:
 
@@ -41,24 +42,18 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
-import optuna
-
-from benchmarks.search_efficiency import Host, Plan, Truth, Workload, spectune_plan
+from benchmarks.search_efficiency import Host, Truth, Workload, drive, spectune_plan
+from optimizer import conductor, deploy
 from optimizer import confirmation as confirm
-from optimizer import convergence, deploy
-from optimizer import study as opt
-from optimizer.attrs import TrialRecord
-from optimizer.infeasible import known_to_fail, oom_points
-from optimizer.objective import LevelResult, score
+from optimizer.analysis import Interval
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
-from spectune_protocol import LevelMetrics, Resolve
 from spectune_sim.landscapes import LANDSCAPES, Landscape
 from spectune_sim.model import check_memory
-from workers.resolve import resolve
 
 # The share within which the cheapest tied candidate is preferred (None: the spec's min_gain).
 TIE_WITHIN: float | None = None
@@ -70,7 +65,6 @@ class NoisyHost(Host):
 
     launch_sd: float = 0.01
     factor: float = 1.0
-    baselines: list[list[dict[str, Any]]] = field(default_factory=list)
 
     def _start(self, config: SpecConfig | None) -> None:
         super()._start(config)
@@ -82,31 +76,6 @@ class NoisyHost(Host):
             lv["output_tok_s"] *= self.factor
             lv["output_tok_s_runs"] = [r * self.factor for r in lv["output_tok_s_runs"]]
         return levels
-
-    def baseline_levels(self, *, fresh: bool = False) -> list[dict[str, Any]]:
-        before = self.launches.get("baseline", 0)
-        out = super().baseline_levels(fresh=fresh)
-        if self.launches.get("baseline", 0) != before:
-            self.baselines.append(out)
-        return out
-
-    def launch_with(self, settings: Any) -> tuple[str, list[dict[str, Any]]]:
-        """Launch `settings` (its envelope, not the study's tuning plan)."""
-        saved = self.plan
-        self.plan = Plan(settings.max_running_requests, settings.cuda_graph_bs, settings.cuda_graph_max_bs)
-        try:
-            return self.launch(settings.speculative)
-        finally:
-            self.plan = saved
-
-    def more_passes(self, config: SpecConfig, passes: int) -> list[dict[str, Any]]:
-        """More timed passes on the running server: no start-up, the same launch factor."""
-        saved = self.workload
-        self.workload = dataclasses.replace(saved, repeats=passes)
-        try:
-            return self._measure(config)
-        finally:
-            self.workload = saved
 
 
 @dataclass
@@ -124,20 +93,6 @@ class Outcome:
     envelope_note: str
     tie_note: str | None
     noise_sd: float
-
-
-def _tell(study: optuna.Study, number: int, attrs: dict[str, Any]) -> None:
-    """Tell Optuna a search launch's result as the service does (infeasible, or the objective's score)."""
-    if attrs.pop("_failed", False):
-        opt.tell_infeasible(study, number, attrs)
-        return
-    spec = StudySpec.model_validate(study.user_attrs[opt.SPEC_ATTR])
-    sc = score(
-        spec.objective,
-        [LevelResult(lv["concurrency"], lv["output_tok_s"]) for lv in attrs["levels"]],
-        {b["concurrency"]: b["output_tok_s"] for b in attrs["baseline_levels"]},
-    )
-    opt.tell_value(study, number, sc.value, sc.violation, attrs)
 
 
 def _spec(levels: Sequence[int], seed: int, serving: dict[str, int] | None, objective: int | None) -> StudySpec:
@@ -175,140 +130,40 @@ def best_deployable(ls: Landscape, spec: StudySpec, truth: Truth) -> float:
 
 
 def run_case(ls: Landscape, spec: StudySpec, seed: int, launch_sd: float, best: float, truth: Truth) -> Outcome:
+    """One study as the service runs it (search_efficiency.drive: the conductor decides every
+    step), then its answer as the service gives it (api.services.studies: the winner)."""
     wl = Workload(levels=tuple(spec.workload.concurrency))
     plan = spectune_plan(spec)
-    hosts = [
+    hosts: list[Host] = [
         NoisyHost(ls, wl, plan, random.Random(f"{ls.name}/{seed}/{k}"), seed, host_id=f"h{k}", launch_sd=launch_sd)
         for k in range(2)
     ]
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    storage = optuna.storages.InMemoryStorage()
-    opt.create_study(storage, spec)
-    launched: dict[str, int] = {}
-    settled: convergence.Assessment | None = None
-    for h in hosts:
-        h.baseline_levels()
-    for _ in range(8 * spec.budget.max_trials):  # bounded: every turn asks once
-        if (settled is not None and settled.settled) or len(launched) >= spec.budget.max_trials:
-            break
-        h = min(hosts, key=lambda x: x.clock_s)
-        study = opt.load_study(storage, spec)
-        asked = opt.ask(study, spec)
-        key = asked.config.key
-        if key in launched:
-            prior = opt.get_trial(study, launched[key])
-            if prior.value is not None:
-                opt.tell_value(study, asked.number, prior.value, 0.0, {"duplicate_of": prior.number, "config_key": key})
-            else:
-                opt.tell_failed(study, asked.number, {"duplicate_of": prior.number})
-            continue
-        attrs: dict[str, Any] = {"config": asked.config.model_dump(mode="json"), "config_key": key}
-        proof = known_to_fail(asked.config, oom_points(study.get_trials(deepcopy=False)))
-        if proof is not None:
-            opt.tell_infeasible(
-                study, asked.number, attrs | {"inferred_from": proof.trial_number, "failure_kind": "oom"}
-            )
-            continue
-        h.kind = "search"
-        base = h.baseline_levels()
-        outcome, levels = h.launch(asked.config)
-        launched[key] = asked.number
-        if outcome != "ok":
-            attrs |= {"failure_kind": "oom" if outcome == "oom" else "crash", "_failed": True}
-        else:
-            attrs |= {"levels": levels, "baseline_levels": base, "worker_id": h.host_id}
-        _tell(study, asked.number, attrs)
-        if spec.budget.converge:
-            settled = convergence.assess(spec, opt.load_study(storage, spec).get_trials(deepcopy=False))
-    trials = opt.load_study(storage, spec).get_trials(deepcopy=False)
-    return _confirm_and_answer(ls, spec, hosts, trials, settled, best, truth)
-
-
-def _confirm_and_answer(
-    ls: Landscape,
-    spec: StudySpec,
-    hosts: list[NoisyHost],
-    trials: Sequence[optuna.trial.FrozenTrial],
-    settled: convergence.Assessment | None,
-    best: float,
-    truth: Truth,
-) -> Outcome:
-    def baselines() -> list[tuple[str, Sequence[dict[str, Any]]]]:
-        return [(h.host_id, b) for h in hosts for b in h.baselines]
-
-    measurements: list[tuple[str, Sequence[dict[str, Any]], Sequence[dict[str, Any]]]] = []
-    docs: list[dict[str, Any]] = []
-    extra_total = 0
-    if not (settled is not None and settled.settled and settled.pays is False):
-        noise = confirm.study_noise(trials, baselines(), measurements)
-        chosen = confirm.candidates(trials, spec.confirmation.top, spec, noise.variance)
-        fresh: set[str] = set()
-        failed: list[tuple[SpecConfig, int]] = []
-        for t in chosen:
-            r = TrialRecord(t)
-            cfg = r.config
-            others = [h for h in hosts if h.host_id != r.worker_id] or hosts
-            h = min(others, key=lambda x: x.clock_s)
-            h.kind = "confirm"
-            if h.host_id not in fresh:
-                h.baseline_levels(fresh=True)
-                fresh.add(h.host_id)
-            base = h.baseline
-            for tier, env in deploy.envelopes_to_try(spec, cfg, failed):
-                outcome, levels = h.launch_with(env.settings)
-                if outcome == "ok":
-                    break
-                if outcome == "oom":
-                    failed.append((cfg, tier))
-            else:
-                continue  # no deployment of it started: it cannot be the answer
-            noise = confirm.study_noise(trials, baselines(), measurements)
-            order = Resolve(
-                levels=list(spec.workload.concurrency),
-                objective_concurrency=spec.objective.concurrency,
-                baseline_runs={str(b["concurrency"]): b["output_tok_s_runs"] for b in base},
-                thresholds=sorted({1.0, 1.0 + spec.budget.min_gain, *(float(d["speedup"]) for d in docs)})[:16],
-                extra_var=noise.variance,
-                max_passes=confirm.EXTRA_PASSES_PER_REPEAT * spec.workload.repeats,
-            )
-            metrics = [LevelMetrics.model_validate(lv) for lv in levels]
-
-            def measure(cs: list[int], k: int, h: NoisyHost = h, cfg: SpecConfig = cfg) -> list[LevelMetrics]:
-                return [LevelMetrics.model_validate(lv) for lv in h.more_passes(cfg, k) if lv["concurrency"] in cs]
-
-            merged, extra, _ = resolve(order, metrics, spec.workload.repeats, measure)
-            extra_total += extra
-            final = [m.model_dump(mode="json") for m in merged]
-            measurements.append((cfg.key, final, base))
-            docs.append({"trial_number": t.number, "config": cfg.model_dump(mode="json"), "levels": final,
-                         "base": base, "envelope": env,
-                         "speedup": confirm.confirm_result(spec, final, base).value})  # fmt: skip
+    store = drive(hosts, spec)
     by_kind: dict[str, int] = {}
     for h in hosts:
         for k, v in h.launches.items():
             by_kind[k] = by_kind.get(k, 0) + v
     by_kind.pop("oom", None)
     launches = sum(by_kind.values())
-    noise = confirm.study_noise(trials, baselines(), measurements)
-    for d in docs:
-        r = confirm.confirm_result(spec, d["levels"], d["base"], noise.variance)
-        d["speedup"] = r.value
-        d["speedup_interval"] = None if r.interval is None else {"low": r.interval.low, "high": r.interval.high}
-    if not docs:
+    extra = sum(le.extra_passes for le in store.leases)
+    snap = store.snapshot(datetime.fromtimestamp(max(h.clock_s for h in hosts), UTC), [h.host_id for h in hosts])
+    noise = conductor.launch_noise(snap)
+    docs = [d for d in store.confirmations(snap) if (d["violation"] or 0.0) <= 0]
+    if not docs:  # "does not pay", or nothing confirmed: the printed command runs without speculation
         base_started = _starts(ls, deploy.deployment_settings(spec, None)[0])
-        return Outcome(False, 1.0, best, None, None, None, launches, by_kind, extra_total, base_started, "", None,
+        return Outcome(False, 1.0, best, None, None, None, launches, by_kind, extra, base_started, "", None,
                        noise.sd)  # fmt: skip
     choice = confirm.choose(docs, spec.budget.min_gain if TIE_WITHIN is None else TIE_WITHIN)
     w = choice.winner
     iv = w["speedup_interval"]
-    pays = iv is not None and iv["low"] > 1.0
+    pays = confirm.pays(float(w["speedup"]), None if iv is None else Interval(w["speedup"], iv["low"], iv["high"]))
     true = truth.value(SpecConfig.model_validate(w["config"]))
     covered = None if iv is None else iv["low"] <= true <= iv["high"]
     env = w["envelope"]
     started = _starts(ls, env.settings) if pays else _starts(ls, deploy.deployment_settings(spec, None)[0])
     return Outcome(
         pays, true if pays else 1.0, best, covered, None if iv is None else (iv["low"], iv["high"]), w["speedup"],
-        launches, by_kind, extra_total, started, env.note, choice.note, noise.sd,
+        launches, by_kind, extra, started, env.note, choice.note, noise.sd,
     )  # fmt: skip
 
 

@@ -16,7 +16,8 @@ geometric mean) and seed:
 
 * `default` - the study the service runs: `optimizer.conductor`, the object the API asks, decides
   every step (baselines, asks, the stop rule, the move to confirmation, the pairing of each
-  confirmation with a fresh baseline, the finish); this file only carries its actions out on an
+  confirmation with a fresh baseline, each confirmation's deployment envelope and extra passes,
+  the finish); this file only carries its actions out on an
   in-memory store (Optuna's InMemoryStorage, the leases, the baselines) with simulated hosts on
   one clock, `--workers` of them asking in the order of their clocks, so proposals are made while
   other hosts' launches are in flight.  Duplicates are answered as the service answers them, and
@@ -58,14 +59,16 @@ import optuna
 
 from api.services.leasing.trial import MAX_DUPLICATE_PROPOSALS
 from optimizer import attrs as A
-from optimizer import conductor, confirmation, costs
+from optimizer import conductor, confirmation, costs, deploy
 from optimizer import study as opt
 from optimizer.infeasible import known_to_fail, oom_points
 from optimizer.objective import CONSTRAINT_KEY, LevelResult, score
 from optimizer.plan import server_settings
+from optimizer.sglang import ServerSettings
 from optimizer.space import SearchSpace, SpecConfig, max_draft_tokens
 from optimizer.spec import StudySpec
 from optimizer.study_state import Ending, FinishReason, Phase, StudyState
+from spectune_protocol import LevelMetrics, Resolve
 from spectune_sim.landscapes import LANDSCAPES, Landscape
 from spectune_sim.model import (
     InfeasibleConfigError,
@@ -74,6 +77,7 @@ from spectune_sim.model import (
     predict,
     startup_seconds,
 )
+from workers.resolve import resolve
 
 WITHIN = 0.98
 # A worker with nothing to do asks again after this long (the worker's poll interval).
@@ -203,6 +207,24 @@ class Host:
         if outcome == "oom":
             self.launches["oom"] = self.launches.get("oom", 0) + 1
         return outcome, levels
+
+    def launch_with(self, settings: ServerSettings, config: SpecConfig) -> tuple[str, list[dict[str, Any]]]:
+        """Launch `config` in a deployment's envelope (a confirmation proves the printed command)."""
+        saved = self.plan
+        self.plan = Plan(settings.max_running_requests, settings.cuda_graph_bs, settings.cuda_graph_max_bs)
+        try:
+            return self.launch(config)
+        finally:
+            self.plan = saved
+
+    def more_passes(self, config: SpecConfig, levels: Sequence[int], passes: int) -> list[dict[str, Any]]:
+        """More timed passes at `levels` on the running server (no start-up): a Resolve order."""
+        saved = self.workload
+        self.workload = dataclasses.replace(saved, levels=tuple(levels), repeats=passes)
+        try:
+            return self._measure(config)
+        finally:
+            self.workload = saved
 
     def _launch(self, config: SpecConfig) -> tuple[str, list[dict[str, Any]]]:
         p = self.plan
@@ -374,6 +396,10 @@ class SimLease:
     finished_at: datetime | None = None
     avoid_worker: str | None = None
     measurement: tuple[list[Any], list[Any]] | None = None  # confirm: (levels, paired baseline levels)
+    tier: int = 0  # confirm: the deployment envelope it launches (optimizer.conductor.next_deployment)
+    envelope: deploy.Envelope | None = None
+    extra_passes: int = 0  # confirm: passes added on the warm server (the conductor's Resolve order)
+    failure: str | None = None  # confirm: "oom" when its deployment did not start
 
     def view(self) -> conductor.LeaseView:
         return conductor.LeaseView(
@@ -444,10 +470,31 @@ class MemoryStudy:
                         config=c.config,
                         created_at=now,
                         avoid_worker=c.avoid_worker,
+                        tier=c.tier,
+                        envelope=c.envelope,
                     )
                 )
         elif isinstance(action, conductor.Finish):
             self.state, self.ending = StudyState.FINISHED, action.ending
+
+    def confirmations(self, snap: conductor.Snapshot) -> list[dict[str, Any]]:
+        """The completed confirmations as api.services.studies documents them: each against its
+        paired baseline, with the study's launch noise as it stands (`snap`'s)."""
+        extra_var = conductor.launch_noise(snap).variance
+        out = []
+        for le in self.leases:
+            if le.kind == "confirm" and le.state == "completed" and le.measurement is not None and le.config:
+                got = confirmation.confirm_result(self.spec, le.measurement[0], le.measurement[1], extra_var)
+                out.append(
+                    got.as_json()
+                    | {"config": le.config.model_dump(mode="json"), "trial_number": le.trial_number}
+                    | {"worker_id": le.worker_id, "envelope": le.envelope, "extra_passes": le.extra_passes}
+                )
+        return out
+
+    def deploy_failures(self) -> list[tuple[SpecConfig, int]]:
+        """(configuration, envelope tier) of confirmations that ran out of memory at start-up."""
+        return [(le.config, le.tier) for le in self.leases if le.failure == "oom" and le.config is not None]
 
     def lease(self, lease_id: str) -> SimLease:
         return next(le for le in self.leases if le.id == lease_id)
@@ -519,13 +566,19 @@ def _tell_result(
 
 
 def run_study(hosts: list[Host], truth: Truth, spec: StudySpec) -> Answer:
+    """One study as the service runs it (`drive`), and its answer as the service gives it."""
+    return _study_answer(drive(hosts, spec), hosts, truth)
+
+
+def drive(hosts: list[Host], spec: StudySpec) -> MemoryStudy:
     """One study as the service runs it: the conductor (optimizer.conductor) decides every step.
 
     Workers (one per host) ask for work in the order of their hosts' clocks, and each result is
     reported when its host's clock is the earliest, so a worker asking meanwhile sees the other
     hosts' launches in flight.  After every result the conductor settles the study (the stop rule,
-    the move to confirmation, the finish); the answer is the service's: the cheapest of the
-    confirmed candidates tied with the best (optimizer.confirmation.choose), else the best measured.
+    the move to confirmation, the finish).  Each confirmation launches the deployment the conductor
+    names (printed envelope first, the next one after an out-of-memory start) and adds the extra
+    passes its Resolve order asks for on the warm server.  Returns the store as the study ended.
     """
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     # One clock for the fleet (each host's drift keeps its own phase): the conductor compares
@@ -567,7 +620,9 @@ def run_study(hosts: list[Host], truth: Truth, spec: StudySpec) -> Answer:
             else:
                 busy[i] = _start_trial(store, h, now, *asked)
         elif isinstance(action, conductor.Confirm):
-            busy[i] = _start_confirm(store, h, now, store.lease(action.lease_id))
+            started = _start_confirm(store, h, now, store.lease(action.lease_id), action.resolve)
+            if started is not None:
+                busy[i] = started
         elif isinstance(action, conductor.Wait):
             # Polls again after the next result, or after a poll interval (another host may be the
             # one the study waits for).
@@ -581,7 +636,7 @@ def run_study(hosts: list[Host], truth: Truth, spec: StudySpec) -> Answer:
         idle_polls = 0
     else:
         raise RuntimeError("the study did not finish")
-    return _study_answer(store, hosts, truth)
+    return store
 
 
 def _start_baseline(
@@ -616,19 +671,46 @@ def _start_trial(
 
 
 def _start_confirm(
-    store: MemoryStudy, h: Host, now: datetime, lease: SimLease
-) -> tuple[float, Callable[[datetime], None]]:
+    store: MemoryStudy, h: Host, now: datetime, lease: SimLease, order: Resolve | None
+) -> tuple[float, Callable[[datetime], None]] | None:
+    """api.services.leasing.confirm: claim (the deployment as what the study's failures leave),
+    launch as deployed, the conductor's extra passes, complete (a failed start: the next envelope)."""
     assert lease.config is not None
+    cfg = lease.config
+    due = conductor.next_deployment(store.spec, cfg, store.deploy_failures(), lease.tier - 1)
+    if due is None:  # every envelope left is known to run out of memory: out, without a launch
+        lease.state, lease.finished_at = "failed", now
+        return None
+    lease.tier, lease.envelope = due
     lease.state, lease.worker_id, lease.leased_at = "active", h.host_id, now
     h.kind = "confirm"
     base = h.baseline
-    outcome, levels = h.launch(lease.config)
+    outcome, levels = h.launch_with(due[1].settings, cfg)
+    if outcome == "ok" and order is not None:
+
+        def measure(cs: list[int], k: int) -> list[LevelMetrics]:
+            return [LevelMetrics.model_validate(lv) for lv in h.more_passes(cfg, cs, k)]
+
+        merged, lease.extra_passes, _ = resolve(
+            order, [LevelMetrics.model_validate(lv) for lv in levels], store.spec.workload.repeats, measure
+        )
+        levels = [m.model_dump(mode="json") for m in merged]
 
     def record(at: datetime) -> None:
         lease.finished_at = at
         lease.state = "completed" if outcome == "ok" else "failed"
         if outcome == "ok":
             lease.measurement = (levels, base)
+        elif outcome == "oom":
+            lease.failure = "oom"
+            after = conductor.next_deployment(store.spec, cfg, store.deploy_failures(), lease.tier)
+            if after is not None:  # the same configuration in the next smaller graph envelope
+                store.leases.append(
+                    dataclasses.replace(
+                        lease, id=f"c{len(store.leases)}", state="queued", worker_id=None, created_at=at,
+                        leased_at=None, finished_at=None, failure=None, tier=after[0], envelope=after[1],
+                    )
+                )  # fmt: skip
 
     return h.clock_s, record
 
@@ -653,14 +735,7 @@ def _study_answer(store: MemoryStudy, hosts: Sequence[Host], truth: Truth) -> An
 
     if store.ending.reason == FinishReason.DOES_NOT_PAY:
         return answer(1.0)  # "speculation does not pay": run the baseline
-    extra_var = conductor.launch_noise(snap).variance
-    confirmed = []
-    for le in store.leases:
-        if le.kind == "confirm" and le.state == "completed" and le.measurement is not None and le.config:
-            got = confirmation.confirm_result(spec, le.measurement[0], le.measurement[1], extra_var)
-            doc = got.as_json() | {"config": le.config.model_dump(mode="json"), "trial_number": le.trial_number}
-            if (got.violation or 0.0) <= 0:
-                confirmed.append(doc)
+    confirmed = [doc for doc in store.confirmations(snap) if (doc["violation"] or 0.0) <= 0]
     if confirmed:
         top = confirmation.choose(confirmed, spec.budget.min_gain).winner
         cfg = SpecConfig.model_validate(top["config"])
