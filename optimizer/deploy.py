@@ -26,7 +26,6 @@ unless it is printed where the registry is known (`spectune study best --worker-
 from __future__ import annotations
 
 import dataclasses
-import json
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from typing import Any, Literal
 
 from optimizer.answers import ADAPTIVE_FILE, AdaptiveExport
 from optimizer.plan import server_settings
-from optimizer.sglang import ServerSettings, launch_command
+from optimizer.sglang import AdaptiveSteps, ServerSettings, launch_command
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 
@@ -44,11 +43,6 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30000
 
 Mode = Literal["static", "adaptive", "no_speculation"]
-
-
-def numeric_key_order(doc: dict[str, Any]) -> dict[str, Any]:
-    """Batch-size keys in numeric order ("1", "4", "16"; sort_keys gave "1", "16", "4"), others after."""
-    return dict(sorted(doc.items(), key=lambda kv: (0, int(kv[0]), "") if kv[0].isdigit() else (1, 0, kv[0])))
 
 
 def placeholder(name: str) -> str:
@@ -130,9 +124,6 @@ class Deployment:
         """
         models = models or {}
         s = self.settings
-        extra: list[str] = []
-        if self.mode == "adaptive":
-            extra = ["--speculative-adaptive", "--speculative-adaptive-config", ADAPTIVE_FILE]
         line = launch_command(
             s,
             version=self.version,
@@ -141,12 +132,12 @@ class Deployment:
             host=host,
             port=port,
             pin_max_running_requests=self.pin_max_running_requests,
-            extra=extra,
+            adaptive_config_path=None if s.adaptive is None else ADAPTIVE_FILE,
         )
-        if self.adaptive_config is None or self.mode != "adaptive":
+        if s.adaptive is None:
             return line
-        doc = json.dumps(numeric_key_order(self.adaptive_config))
-        return f"cat > {shlex.quote(ADAPTIVE_FILE)} <<'EOF'\n{doc}\nEOF\n{line}"
+        # The file's text is the one a worker writes for the launch that proves this command.
+        return f"cat > {shlex.quote(ADAPTIVE_FILE)} <<'EOF'\n{s.adaptive.config_text()}\nEOF\n{line}"
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -202,7 +193,7 @@ def plan_deployment(
     levels = tuple(spec.workload.concurrency)
     adaptive = _adaptive_steps(spec, exported)
     if adaptive is not None and exported is not None and exported.config is not None:
-        settings, pin = deployment_settings(spec, SpecConfig(num_steps=adaptive, topk=1, num_draft_tokens=adaptive + 1))
+        settings, pin = adaptive_settings(spec, exported)
         off = sorted(int(k) for k, v in exported.config.items() if v["candidate_steps"] == [0])
         if pays:
             reason = (
@@ -242,6 +233,22 @@ def plan_deployment(
         levels,
         load_note(spec, speculation=True),
     )
+
+
+def adaptive_settings(spec: StudySpec, exported: AdaptiveExport) -> tuple[ServerSettings, bool]:
+    """The adaptive deployment's server: the envelope of its initial chain, with the per-batch steps."""
+    steps = _adaptive_steps(spec, exported)
+    assert steps is not None and exported.config is not None
+    settings, pin = deployment_settings(spec, SpecConfig(num_steps=steps, topk=1, num_draft_tokens=steps + 1))
+    adaptive = AdaptiveSteps.from_config(exported.config)
+    return ServerSettings.model_validate({**settings.model_dump(), "adaptive": adaptive.model_dump()}), pin
+
+
+def adaptive_plan(spec: StudySpec, exported: AdaptiveExport | None) -> ServerSettings | None:
+    """The server of the study's adaptive answer, or None when the answer is not adaptive."""
+    if exported is None or _adaptive_steps(spec, exported) is None:
+        return None
+    return adaptive_settings(spec, exported)[0]
 
 
 def _adaptive_steps(spec: StudySpec, exported: AdaptiveExport | None) -> int | None:

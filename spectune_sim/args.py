@@ -13,13 +13,14 @@ the server lets surface as a traceback and exit status 1.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from spectune_sim.landscapes import Landscape
 from spectune_sim.model import SPEC_DEFAULT_MAX_RUNNING_REQUESTS, default_cuda_graph_max_bs
-from spectune_sim.rules import GraphFlags, graph_flags
+from spectune_sim.rules import AdaptivePlan, GraphFlags, adaptive_slots, graph_flags, has_adaptive
 
 ATTENTION_BACKENDS = (
     "fa3",
@@ -108,6 +109,9 @@ def build_parser(version: str) -> argparse.ArgumentParser:
     add("--speculative-accept-threshold-acc", type=float, default=1.0)
     add("--speculative-token-map", type=str, default=None)
     add("--speculative-attention-mode", type=str, choices=("prefill", "decode"), default="prefill")
+    if has_adaptive(version):
+        add("--speculative-adaptive", action="store_true")
+        add("--speculative-adaptive-config", type=str, default=None)
     # CUDA graphs: the names changed in 0.5.16 and the old ones went away in 0.5.20.
     add("--disable-cuda-graph", action="store_true")
     add("--disable-cuda-graph-padding", action="store_true")
@@ -146,6 +150,44 @@ class ResolvedArgs:
     page_size: int
     draft_mismatch: bool  # `--speculative-algorithm EAGLE` with an EAGLE-3 draft: AL is exactly 1
     warnings: tuple[str, ...] = field(default_factory=tuple)
+    # `--speculative-adaptive` in effect: the steps per batch-size slot (rules.AdaptivePlan).
+    adaptive: AdaptivePlan | None = None
+
+
+def _resolve_adaptive(v: dict[str, Any], version: str, warnings: list[str]) -> AdaptivePlan | None:
+    """SGLang's adaptive-mode resolution (rules.py states it); edits `v` as SGLang does."""
+    if not v.get("speculative_adaptive"):
+        return None
+    why = None
+    if v["speculative_algorithm"] not in ("EAGLE", "EAGLE3"):
+        why = f"speculative_algorithm={v['speculative_algorithm']} (only EAGLE/EAGLE3 are supported)"
+    elif v["speculative_eagle_topk"] is not None and v["speculative_eagle_topk"] != 1:
+        why = f"speculative_eagle_topk={v['speculative_eagle_topk']} (only topk=1 is supported)"
+    elif v["enable_dp_attention"]:
+        why = "attention DP is not supported (adaptive tier decisions are not synchronized across DP ranks)"
+    if why is not None:
+        warnings.append(f"speculative_adaptive disabled: {why}. Falling back to static speculative params.")
+        v["speculative_adaptive"] = False
+        return None
+    path = v["speculative_adaptive_config"]
+    if path is None:
+        raise ValueError(
+            "the simulator needs --speculative-adaptive-config (SGLang's built-in default is not modelled)"
+        )
+    with open(path, encoding="utf-8") as f:  # a missing file fails as SGLang's open() does
+        slots = adaptive_slots(json.load(f), version)
+    union = sorted({s for cands in slots.values() for s in cands})
+    if v["speculative_eagle_topk"] is None:
+        v["speculative_eagle_topk"] = 1
+    if v["speculative_num_steps"] is None:
+        v["speculative_num_steps"] = union[len(union) // 2]
+    if v["speculative_num_steps"] not in union:
+        raise ValueError(
+            f"--speculative-num-steps={v['speculative_num_steps']} is not in the adaptive config candidate_steps "
+            f"{union}. Pass one of those values."
+        )
+    v["speculative_num_draft_tokens"] = v["speculative_num_steps"] + 1
+    return AdaptivePlan.start(slots, v["speculative_num_steps"])
 
 
 def resolve(ns: argparse.Namespace, landscape: Landscape, version: str) -> ResolvedArgs:
@@ -161,7 +203,8 @@ def resolve(ns: argparse.Namespace, landscape: Landscape, version: str) -> Resol
             )
         if algo == "NGRAM":
             raise ValueError("the simulator models EAGLE-family drafts only; NGRAM speculation is not simulated")
-        if v["speculative_num_steps"] is None:
+        adaptive = _resolve_adaptive(v, version, warnings)
+        if adaptive is None and v["speculative_num_steps"] is None:
             # SGLang asserts the other two are unset as well, then applies per-architecture defaults.
             assert v["speculative_eagle_topk"] is None and v["speculative_num_draft_tokens"] is None, (
                 "speculative_eagle_topk and speculative_num_draft_tokens should be None "
@@ -243,6 +286,7 @@ def resolve(ns: argparse.Namespace, landscape: Landscape, version: str) -> Resol
         v["cuda_graph_max_bs_decode"] = max_bs
         v["cuda_graph_bs_decode"] = v["cuda_graph_bs"]
     return ResolvedArgs(
+        adaptive=adaptive if spec else None,
         values=v,
         speculative=spec,
         num_steps=v["speculative_num_steps"] if spec else None,

@@ -30,7 +30,7 @@ from spectune_sim.model import (
     sample_accept_tokens,
     scaled_acceptance,
 )
-from spectune_sim.rules import DraftTree, draft_token_limit
+from spectune_sim.rules import AdaptivePlan, DraftTree, draft_token_limit
 
 # A tiny fixed vocabulary: the simulator has no tokenizer, but text must grow with the tokens.
 _WORDS = tuple(
@@ -63,6 +63,8 @@ class EngineOptions:
     draft_mismatch: bool = False
     draft_extend_graph: bool = True
     infeasible: bool = False  # draft tokens > steps*topk+1: the first verify fails
+    # `--speculative-adaptive`: each batch runs its slot's chain (steps 0: a plain decode step).
+    adaptive: AdaptivePlan | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,10 @@ class Request:
     acc: AcceptAccumulator | None = None
     # This request's acceptance per depth (the landscape's, scaled by what its prompt asks).
     rates: tuple[float, ...] = ()
+    reject_scale: float = 1.0
+    # An adaptive server's chains: rates and noise-free accumulators per steps.
+    rates_by_steps: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    acc_by_steps: dict[int, AcceptAccumulator] = field(default_factory=dict)
     first_token_at: float | None = None
     finished_at: float | None = None
 
@@ -145,7 +151,8 @@ class Engine:
         self._host = options.noise.host_factor(options.seed, options.host_id)
         if options.spec is not None:
             self._host *= options.noise.spec_host_factor(options.seed, options.host_id)
-        self._cycle_cache: dict[int, tuple[float, bool]] = {}
+        self._cycle_cache: dict[int, tuple[float, bool, DraftTree | None]] = {}
+        self._chain_rates: dict[int, tuple[float, ...]] = {}
         self._log_window_start = time.monotonic()
         self._log_window_tokens = 0
         self._log_window_spec_tokens = 0
@@ -181,7 +188,8 @@ class Engine:
             created=time.monotonic(),
             noise_log=0.0 if noise.sigma == 0 else self._rng.gauss(0.0, noise.sigma),
         )
-        req.rates = self._rates if reject_scale == 1.0 else scaled_acceptance(self._rates, round(reject_scale, 3))
+        req.reject_scale = round(reject_scale, 3)
+        req.rates = self._rates if reject_scale == 1.0 else scaled_acceptance(self._rates, req.reject_scale)
         if noise.sigma == 0.0:
             req.acc = AcceptAccumulator(req.rates)
         if max_new_tokens <= 0:
@@ -241,7 +249,7 @@ class Engine:
                 continue
             b = len(self._running)
             self.counters.num_running = b
-            cycle_ms, graph = self._cycle(b)
+            cycle_ms, graph, tree = self._cycle(b)
             factor = self._noise_factor()
             deadline += cycle_ms * factor / 1000.0 / self.o.speed
             await _sleep_until(deadline)
@@ -251,10 +259,10 @@ class Engine:
             self.counters.forward_iterations += 1
             self.counters.cuda_graph = graph
             for req in list(self._running):
-                if self.o.spec is None:
+                if tree is None:
                     gained = 1
                 else:
-                    gained = req.acc.next() if req.acc is not None else sample_accept_tokens(req.rates, self._rng)
+                    gained = self._accepted(req, tree)
                     req.verify_ct += 1
                     self.counters.verify_calls += 1
                     self._log_window_verify += 1
@@ -266,17 +274,47 @@ class Engine:
                     self._log_window_spec_tokens += gained
                 self._emit(req, gained)
             if self.counters.forward_iterations % self.o.decode_log_interval == 0:
-                self._log_decode(b, graph)
+                self._log_decode(b, graph, tree)
             self._running = [r for r in self._running if r.finish_reason is None]
 
-    def _cycle(self, batch: int) -> tuple[float, bool]:
+    def _cycle(self, batch: int) -> tuple[float, bool, DraftTree | None]:
+        """One cycle's time, whether it ran a graph, and the draft tree it ran (None: no drafting)."""
         hit = self._cycle_cache.get(batch)
         if hit is None:
-            t = cycle_timing(
-                self.o.landscape, self.o.spec, batch, self.o.plan, draft_extend_graph=self.o.draft_extend_graph
-            )
-            hit = self._cycle_cache[batch] = (t.cycle_ms, t.cuda_graph)
+            tree = self._tree_at(batch)
+            t = cycle_timing(self.o.landscape, tree, batch, self.o.plan, draft_extend_graph=self.o.draft_extend_graph)
+            hit = self._cycle_cache[batch] = (t.cycle_ms, t.cuda_graph, tree)
         return hit
+
+    def _tree_at(self, batch: int) -> DraftTree | None:
+        """The tree a batch of this size runs: the static one, or its adaptive slot's chain."""
+        if self.o.spec is None or self.o.adaptive is None:
+            return self.o.spec
+        padded = self.o.plan.padded(batch)
+        steps = self.o.adaptive.steps_for(batch if padded is None else padded)
+        return None if steps == 0 else DraftTree(num_steps=steps, topk=1, num_draft_tokens=steps + 1)
+
+    def _accepted(self, req: Request, tree: DraftTree) -> int:
+        """Tokens a request gains in one verify of `tree` (1 + its accepted drafts)."""
+        if self.o.adaptive is None:
+            return req.acc.next() if req.acc is not None else sample_accept_tokens(req.rates, self._rng)
+        steps = tree.num_steps
+        rates = req.rates_by_steps.get(steps)
+        if rates is None:
+            base = self._chain_rates.get(steps)
+            if base is None:
+                base = self._chain_rates[steps] = (
+                    () if self.o.draft_mismatch else depth_acceptance(self.o.landscape, steps, 1, steps + 1)
+                )
+            rates = req.rates_by_steps[steps] = (
+                base if req.reject_scale == 1.0 else scaled_acceptance(base, req.reject_scale)
+            )
+        if self.o.noise.sigma != 0.0:
+            return sample_accept_tokens(rates, self._rng)
+        acc = req.acc_by_steps.get(steps)
+        if acc is None:
+            acc = req.acc_by_steps[steps] = AcceptAccumulator(rates)
+        return acc.next()
 
     def _noise_factor(self) -> float:
         if self.o.noise.sigma == 0.0 or not self._running:
@@ -334,7 +372,7 @@ class Engine:
         )
         self.abort_all(message)
 
-    def _log_decode(self, batch: int, graph: bool) -> None:
+    def _log_decode(self, batch: int, graph: bool, tree: DraftTree | None) -> None:
         now = time.monotonic()
         elapsed = max(now - self._log_window_start, 1e-9)
         thr = self._log_window_tokens / elapsed
@@ -344,9 +382,9 @@ class Engine:
         c.published_verify_calls = c.verify_calls
         used = sum(r.prompt_tokens + len(r.output_ids) for r in self._running)
         parts = [f"Decode batch, #running-req: {batch}", f"#token: {used}", f"token usage: {used / 1e6:.2f}"]
-        if self.o.spec is not None:
+        if tree is not None:
             al = self._log_window_spec_tokens / self._log_window_verify if self._log_window_verify else 0.0
-            denom = self.o.spec.num_draft_tokens - 1
+            denom = tree.num_draft_tokens - 1
             c.last_accept_length = al
             parts += [f"accept len: {al:.2f}", f"accept rate: {(al - 1) / denom if denom else 0.0:.2f}"]
         parts += [f"cuda graph: {graph}", f"gen throughput (token/s): {thr:.2f}", f"#queue-req: {len(self._waiting)}"]

@@ -28,7 +28,7 @@ from statistics import NormalDist
 from typing import Literal, Protocol, TypeVar
 
 from spectune_sim.landscapes import Landscape
-from spectune_sim.rules import DraftLike, DraftTree, draft_token_limit
+from spectune_sim.rules import AdaptivePlan, DraftLike, DraftTree, draft_token_limit
 
 C = TypeVar("C", bound=DraftLike)
 C_co = TypeVar("C_co", bound=DraftLike, covariant=True)
@@ -297,6 +297,48 @@ def predict(
         per_user_tok_s=per_user,
         accept_length=al,
         accept_rate=rate,
+        cycle_ms=timing.cycle_ms,
+        draft_ms=timing.draft_ms,
+        verify_ms=timing.verify_ms,
+        overhead_ms=timing.overhead_ms,
+        cuda_graph=timing.cuda_graph,
+        batch_size=batch,
+        padded_batch_size=timing.padded_batch_size,
+        max_running_requests=plan.max_running_requests,
+        cuda_graph_max_bs=plan.max_bs,
+    )
+
+
+def predict_adaptive(
+    landscape: Landscape,
+    adaptive: AdaptivePlan,
+    concurrency: int,
+    *,
+    cuda_graph_max_bs: int | None = None,
+    max_running_requests: int | None = None,
+    cuda_graph_bs: tuple[int, ...] | None = None,
+) -> Prediction:
+    """Decode throughput of an adaptive server: the chain its slot gives this (padded) batch, or a
+    plain decode step where that slot's steps are 0, in the speculative server's graph envelope."""
+    plan = graph_plan(
+        landscape,
+        speculative=True,
+        cuda_graph_max_bs=cuda_graph_max_bs,
+        max_running_requests=max_running_requests,
+        cuda_graph_bs=cuda_graph_bs,
+    )
+    batch = min(concurrency, plan.max_running_requests)
+    padded = plan.padded(batch)
+    steps = adaptive.steps_for(batch if padded is None else padded)
+    tree = None if steps == 0 else DraftTree(num_steps=steps, topk=1, num_draft_tokens=steps + 1)
+    timing = cycle_timing(landscape, tree, batch, plan)
+    al = 1.0 if tree is None else accept_length(depth_acceptance(landscape, steps, 1, steps + 1))
+    per_user = 1000.0 * al / timing.cycle_ms
+    return Prediction(
+        output_tok_s=batch * per_user,
+        per_user_tok_s=per_user,
+        accept_length=al,
+        accept_rate=0.0 if tree is None else (al - 1.0) / steps,
         cycle_ms=timing.cycle_ms,
         draft_ms=timing.draft_ms,
         verify_ms=timing.verify_ms,

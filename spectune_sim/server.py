@@ -173,6 +173,12 @@ class SimServer:
                 num_draft_tokens=resolved.num_draft_tokens or 2,
             )
         )
+        # An adaptive server holds a draft state (and graphs) for its deepest chain: its memory and
+        # start-up are modelled with that chain; each batch then runs its slot's steps (engine).
+        built = self.spec
+        if resolved.adaptive is not None and resolved.adaptive.largest_steps > 0:
+            deepest = resolved.adaptive.largest_steps
+            built = DraftTree(num_steps=deepest, topk=1, num_draft_tokens=deepest + 1)
         # The graph envelope the server was started with, as every memory and start-up figure needs it.
         envelope: dict[str, Any] = {
             "cuda_graph_max_bs": resolved.cuda_graph_max_bs,
@@ -182,9 +188,9 @@ class SimServer:
         }
         self.plan = graph_plan(landscape, speculative=self.spec is not None, **envelope)
         self.memory: MemoryCheck = check_memory(
-            landscape, self.spec, mem_fraction_static=float(resolved.values["mem_fraction_static"]), **envelope
+            landscape, built, mem_fraction_static=float(resolved.values["mem_fraction_static"]), **envelope
         )
-        self.phases: StartupPhases = startup_phases(landscape, self.spec, **envelope)
+        self.phases: StartupPhases = startup_phases(landscape, built, **envelope)
         infeasible = self.spec is not None and not self.spec.fillable
         self.engine = Engine(
             EngineOptions(
@@ -199,6 +205,7 @@ class SimServer:
                 draft_mismatch=resolved.draft_mismatch,
                 draft_extend_graph=os.environ.get("SGLANG_DISABLE_DRAFT_EXTEND_CUDA_GRAPH", "0") not in ("1", "true"),
                 infeasible=infeasible,
+                adaptive=resolved.adaptive,
             ),
             logging.getLogger("sglang.scheduler"),
         )

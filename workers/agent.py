@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from optimizer.sglang import ServerSettings
+from optimizer.sglang import ServerSettings, adaptive_refusal
 from optimizer.spec import Workload
 from spectune_protocol import CompleteIn, Failure, FailureKind, Inventory, LeaseOut, LevelMetrics, Metrics, ProgressIn
 from workers.client import (
@@ -133,13 +133,17 @@ def _failed(kind: FailureKind, message: str, *, log_tail: str = "", host_fault: 
     return CompleteIn(outcome="failed", failure=failure)
 
 
-def server_settings_refusal(settings: ServerSettings, allowed_extra_args: frozenset[str]) -> str | None:
+def server_settings_refusal(
+    settings: ServerSettings, allowed_extra_args: frozenset[str], version: str | None = None
+) -> str | None:
     """Why this worker will not launch these settings, or None.
 
     The worker does not trust the API (SECURITY.md): a study's extra flags were checked against
     the API's allowlist, but only this host's own list decides what it runs.  Values become
     single argv elements (never a shell), and a word value that looked like an option would let
-    argparse read it as a flag, so such values are refused too.
+    argparse read it as a flag, so such values are refused too.  An adaptive server (typed steps
+    per batch size, validated on receipt) is refused where this host's SGLang `version` has no
+    adaptive mode or not the steps it asks (optimizer.sglang.adaptive_refusal).
     """
     refused = sorted(flag for flag in settings.extra_args if flag not in allowed_extra_args)
     if refused:
@@ -154,6 +158,8 @@ def server_settings_refusal(settings: ServerSettings, allowed_extra_args: frozen
             return f"server flag {flag} has the value {value[:80]!r}; only a short word (letters, digits, . _ : + -) is accepted"
     if not _SAFE_WORD_RE.match(settings.attention_backend):
         return f"attention backend {settings.attention_backend[:80]!r} is not a backend name"
+    if settings.adaptive is not None and version is not None:
+        return adaptive_refusal(version, settings.adaptive)
     return None
 
 
@@ -164,6 +170,8 @@ def describe_lease(lease: LeaseOut) -> str:
     else:
         c = s.speculative.canonical()
         what = f"EAGLE-3 steps={c.num_steps} topk={c.topk} draft_tokens={c.num_draft_tokens}"
+        if s.adaptive is not None:
+            what += f" adaptive {s.adaptive.config_text()}"
     trial = "" if lease.trial_number is None else f" trial {lease.trial_number}"
     return (
         f"{lease.kind} for study {lease.study}{trial} (attempt {lease.attempt}): {s.target} tp={s.tp_size} "
@@ -365,7 +373,7 @@ class Agent:
                 f"model(s) {', '.join(missing)} not in this worker's model registry (known: {known}); "
                 "add them to [models] in the worker config, or place the study on workers that have them",
             )
-        refusal = server_settings_refusal(settings, self.settings.allowed_extra_args)
+        refusal = server_settings_refusal(settings, self.settings.allowed_extra_args, self.settings.sglang_version)
         if refusal is not None:
             log.warning("lease %s refused: %s", lid, refusal)
             return _failed("refused", refusal)
@@ -402,6 +410,14 @@ class Agent:
         log.info("lease %s: server ready after %.1f s at %s", lid, server.startup_s, server.base_url)
         if server.mismatches:
             log.warning("lease %s: SGLang runs other settings than requested: %s", lid, server.mismatches)
+        if settings.adaptive is not None and "speculative_adaptive" in server.mismatches:
+            # SGLang fell back to static speculation: measuring it would prove another command.
+            return _failed(
+                "invalid_config",
+                "SGLang switched --speculative-adaptive off at start-up (it runs static speculation where adaptive "
+                "mode is unsupported, e.g. with attention data parallelism): the adaptive deployment did not run",
+                log_tail=server.log_tail(),
+            )
         if run.cancel.is_set():
             return self._abandoned(run, heartbeat)
 

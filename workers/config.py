@@ -80,6 +80,9 @@ RESERVED_FLAGS = frozenset(
         "--custom-weight-loader",
         "--api-key",
         "--log-requests",
+        # Set by the worker from a lease's typed adaptive steps, with a file it writes itself.
+        "--speculative-adaptive",
+        "--speculative-adaptive-config",
     }
 )
 

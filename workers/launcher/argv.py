@@ -13,8 +13,12 @@ def build_argv(
     version: str,
     model_path: str,
     draft_model_path: str | None,
+    adaptive_config_path: str | None = None,
 ) -> list[str]:
-    """`[python, "-m", module, *flags]`; run as a list, never through a shell."""
+    """`[python, "-m", module, *flags]`; run as a list, never through a shell.
+
+    `adaptive_config_path`: the file the launcher wrote an adaptive server's config to.
+    """
     flags = build_server_args(
         settings,
         version=version,
@@ -22,5 +26,6 @@ def build_argv(
         draft_model_path=draft_model_path,
         host=engine.host,
         port=engine.port,
+        adaptive_config_path=adaptive_config_path,
     )
     return [engine.python, "-m", engine.module, *flags]

@@ -40,6 +40,7 @@ logger = logging.getLogger("spectune.worker.launcher")
 # Launch logs kept in log_dir (oldest pruned): a busy host launches thousands of servers.
 KEEP_LOGS = 200
 _LOG_GLOB = "server-*.log"
+_ADAPTIVE_GLOB = "server-*.adaptive.json"
 # A port held by a stranger may be in the middle of closing; wait this long before giving up.
 _PORT_FREE_WAIT_S = 5.0
 _SCAN_EVERY_S = 1.0
@@ -56,6 +57,24 @@ def read_tail(path: Path, max_bytes: int = 8000) -> str:
     except OSError:
         return ""
     return data.decode("utf-8", errors="replace")
+
+
+def write_adaptive_config(log_path: Path, settings: ServerSettings) -> Path:
+    """Write an adaptive server's config next to its launch log, and return its path.
+
+    The worker's own file in its own log directory, named after the launch: the lease carries the
+    steps per batch size as numbers (optimizer.sglang.AdaptiveSteps, validated on receipt), never
+    a path or file text, so nothing from the API chooses what is written or where.
+    """
+    assert settings.adaptive is not None
+    path = log_path.with_name(log_path.name.removesuffix(".log") + ".adaptive.json")
+    try:
+        with path.open("x", encoding="utf-8") as f:  # a new file: never follows or overwrites one
+            f.write(settings.adaptive.config_text() + "\n")
+    except OSError as e:
+        raise ConfigError(f"cannot write the adaptive config {path}: {e}; check engine log_dir") from e
+    logger.info("adaptive config %s: %s", path, settings.adaptive.config_text())
+    return path
 
 
 def _mtime(path: Path) -> float:
@@ -168,13 +187,21 @@ class Launcher:
         with self._launch_lock:
             phase("stopping_previous")
             self.stop()
+            log_path = self._new_log_path()
             argv = build_argv(
-                self._engine, settings, version=version, model_path=model_path, draft_model_path=draft_model_path
+                self._engine,
+                settings,
+                version=version,
+                model_path=model_path,
+                draft_model_path=draft_model_path,
+                adaptive_config_path=None
+                if settings.adaptive is None
+                else str(write_adaptive_config(log_path, settings)),
             )
             self._ensure_port_free(cancel)
             if cancel.is_set():
                 raise LaunchCancelled("launch cancelled before the server was started")
-            child = self._spawn(argv)
+            child = self._spawn(argv, log_path)
             phase("starting")
             try:
                 running = self._await_ready(child, argv, settings, cancel, phase)
@@ -205,15 +232,15 @@ class Launcher:
             log_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"cannot create the server log directory {log_dir}: {e}; set engine log_dir") from e
-        old = sorted(log_dir.glob(_LOG_GLOB), key=_mtime)
-        for p in old[: max(0, len(old) - (KEEP_LOGS - 1))]:
-            p.unlink(missing_ok=True)
+        for glob in (_LOG_GLOB, _ADAPTIVE_GLOB):
+            old = sorted(log_dir.glob(glob), key=_mtime)
+            for p in old[: max(0, len(old) - (KEEP_LOGS - 1))]:
+                p.unlink(missing_ok=True)
         # Microseconds and the worker's PID: two launches (or two workers sharing log_dir) never share a file.
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S.%fZ")
         return log_dir / f"server-{stamp}-p{self._engine.port}-w{os.getpid()}-{next(self._launch_seq)}.log"
 
-    def _spawn(self, argv: list[str]) -> _Child:
-        log_path = self._new_log_path()
+    def _spawn(self, argv: list[str], log_path: Path) -> _Child:
         logger.info("launching %s (log %s)", shlex.join(argv), log_path)
         try:
             with log_path.open("xb") as log:

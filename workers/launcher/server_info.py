@@ -26,6 +26,7 @@ EFFECTIVE_FIELDS = (
     "page_size",
     "cuda_graph_max_bs",
     "cuda_graph_max_bs_decode",
+    "speculative_adaptive",  # SGLang switches it off silently where unsupported (docs/sglang.md §2)
 )
 # Per-DP-rank values that only internal_states holds.
 _INTERNAL_FIELDS = ("effective_max_running_requests_per_dp",)
@@ -89,6 +90,8 @@ def asked_settings(settings: ServerSettings) -> dict[str, Any]:
         asked["speculative_num_steps"] = spec.num_steps
         asked["speculative_eagle_topk"] = spec.topk
         asked["speculative_num_draft_tokens"] = spec.num_draft_tokens
+    if settings.adaptive is not None:
+        asked["speculative_adaptive"] = True
     if settings.cuda_graph_max_bs is not None and not settings.cuda_graph_bs:
         asked["cuda_graph_max_bs"] = settings.cuda_graph_max_bs
     return asked
