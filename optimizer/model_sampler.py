@@ -3,9 +3,9 @@
 Each ask fits `optimizer.perf_model` to every measured trial (accept length and cycle time per
 level, not only the speedup), scores every valid configuration of the space that was never
 launched, is not in flight and is not known or likely to run out of memory (optimizer.infeasible,
-optimizer.memory_boundary), and proposes the one with the largest expected improvement (in log
+optimizer.deployability), and proposes the one with the largest expected improvement (in log
 speedup) over the best measurement so far per second of predicted launch and benchmark time
-(optimizer.launch_cost), discounted by its risk of failing.  The model's
+(optimizer.launch_cost), discounted by its risk of failing to start or to deploy.  The model's
 uncertainty (Laplace) makes it try informative configurations while the fit is loose, and go
 straight for the predicted optimum once it is tight.
 
@@ -34,9 +34,8 @@ from optuna.trial import FrozenTrial, TrialState
 from scipy.stats import norm
 
 from optimizer import attrs as A
-from optimizer import launch_cost
+from optimizer import deployability, launch_cost
 from optimizer.infeasible import known_to_fail, oom_points
-from optimizer.memory_boundary import PROBABLE_FAILURE, MemoryBoundary, default_batch_of
 from optimizer.params import distributions
 from optimizer.perf_model import (
     MODEL_FLOOR,
@@ -155,22 +154,18 @@ def pending_configs(trials: Sequence[FrozenTrial]) -> list[SpecConfig]:
 
 
 def open_pool(spec: StudySpec, trials: Sequence[FrozenTrial]) -> OpenPool:
-    """Never launched, not in flight, not known to fail, and not a probable failure by the
-    memory boundary learnt so far (optimizer.memory_boundary)."""
+    """Never launched, not in flight, not known to fail, and not a probable failure (of its launch,
+    or of its deployment where the serving envelope is fixed) by the memory model learnt so far."""
     tried = _tried_keys(trials)
     ooms = oom_points(trials)
     pool = [c for c in space_configs(spec.search_space) if c.key not in tried]
     if ooms:
         pool = [c for c in pool if known_to_fail(c, ooms) is None]
-    boundary = MemoryBoundary.fit(trials, default_batch_of(spec.workload.concurrency))
-    if boundary is not None and pool:
-        p_fail = boundary.p_fail(pool)
-        keep = p_fail < PROBABLE_FAILURE
-        pool = [c for c, k in zip(pool, keep, strict=True) if k]
-        p_fail = p_fail[keep]
-    else:
-        p_fail = np.zeros(len(pool))
-    return OpenPool(pool, p_fail, pending_configs(trials))
+    # The memory model in the deployment's terms (optimizer.deployability): p_fail is the chance
+    # that the launch or the answer's deployment runs out of memory.
+    w = deployability.weigh(spec, trials, pool)
+    pool = [c for c, k in zip(pool, w.keep, strict=True) if k]
+    return OpenPool(pool, w.p_fail[w.keep], pending_configs(trials))
 
 
 def coords(configs: Sequence[SpecConfig]) -> FloatArray:

@@ -15,9 +15,10 @@ from optuna.trial import FrozenTrial, TrialState, create_trial
 from optimizer import convergence, costs, launch_cost, stop_rules
 from optimizer import study as opt
 from optimizer.infeasible import needs_at_least
-from optimizer.memory_boundary import PROBABLE_FAILURE, MemoryBoundary
+from optimizer.memory_boundary import PROBABLE_FAILURE, MemoryBoundary, terms_for, tuning_launches
 from optimizer.model_sampler import NEAR_COPY, coords, open_pool, propose
 from optimizer.objective import CONSTRAINT_KEY
+from optimizer.plan import server_settings
 from optimizer.space import SearchSpace, SpecConfig
 from optimizer.spec import parse_spec
 from optimizer.stop_rules import StopRule
@@ -137,9 +138,10 @@ def test_a_probable_oom_is_skipped_not_only_what_dominates_a_failure() -> None:
     ]
     for c in probable:
         assert not needs_at_least(c, failed)  # the old dominance rule would launch them
-    boundary = MemoryBoundary.fit(trials, 16)
+    boundary = MemoryBoundary.fit(tuning_launches(sp, trials))
     assert boundary is not None
-    p = boundary.p_fail([*probable, SpecConfig(num_steps=2, topk=2, num_draft_tokens=3)])
+    configs = [*probable, SpecConfig(num_steps=2, topk=2, num_draft_tokens=3)]
+    p = boundary.p_fail(terms_for(lambda c: server_settings(sp, c), configs))
     assert p[0] >= PROBABLE_FAILURE and p[1] >= PROBABLE_FAILURE, p
     assert p[2] == 0.0  # inside what started
     pool = {c.key for c in open_pool(sp, trials).configs}
