@@ -15,7 +15,7 @@ from api.context import ServiceContext
 from api.db import db_now
 from api.errors import NotFoundError
 from api.models import LeaseRow, WorkerRow
-from api.services.leasing import records
+from api.services import refusals
 
 RECENT_FAILURES = 5
 
@@ -29,9 +29,9 @@ class FleetService:
             now = db_now(s)
             workers = s.scalars(select(WorkerRow).order_by(WorkerRow.id)).all()
             out = []
-            refusals: dict[str, list[dict[str, Any]]] = {}
-            for e in records.active_refusals(s):
-                refusals.setdefault(str(e.worker_id), []).append(
+            refused: dict[str, list[dict[str, Any]]] = {}
+            for e in refusals.active_refusals(s):
+                refused.setdefault(str(e.worker_id), []).append(
                     {"study": e.study_name, "lease_id": e.lease_id, "at": e.at, "message": e.detail}
                 )
             for w in workers:
@@ -64,7 +64,7 @@ class FleetService:
                         "sglang_version": inventory.get("sglang_version"),
                         "config_digest": inventory.get("config_digest"),
                         # Studies this worker refused and is not offered while the refusal stands.
-                        "refusals": refusals.get(w.id, []),
+                        "refusals": refused.get(w.id, []),
                         "inventory": w.inventory,
                         "current_lease": None
                         if current is None
@@ -94,7 +94,7 @@ class FleetService:
         with self.ctx.unit() as u, u.step() as s:
             if s.get(WorkerRow, worker_id) is None:
                 raise NotFoundError(f"no worker {worker_id!r}")
-            return records.clear_refusals(s, worker_id, "cleared by an operator")
+            return refusals.clear_refusals(s, worker_id, "cleared by an operator")
 
     def release(self, worker_id: str) -> None:
         """Lift a quarantine (after the host was fixed)."""

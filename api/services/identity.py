@@ -26,7 +26,7 @@ from api.auth import Principal, require_worker
 from api.db import db_now
 from api.errors import ForbiddenError, LimitReachedError
 from api.models import ApiToken, EventRow, WorkerIdentity, WorkerRow
-from api.services.leasing import records
+from api.services import refusals
 
 IDENTITY_MOVED = "worker_identity_moved"
 
@@ -86,7 +86,7 @@ def _move(s: Session, row: WorkerIdentity, principal: Principal, now: datetime) 
     row.token_id = principal.token_id
     row.bound_at = now
     row.moved_at = now
-    records.clear_refusals(s, row.worker_id, f"worker id moved from revoked token {old} to token {principal.token_id}")
+    refusals.clear_refusals(s, row.worker_id, f"worker id moved from revoked token {old} to token {principal.token_id}")
     worker = s.get(WorkerRow, row.worker_id)
     if worker is not None:
         worker.consecutive_host_failures = 0

@@ -26,7 +26,8 @@ from api.models import BaselineRow, EventRow, LeaseRow, StudyRow, TrialConfigRow
 from api.optuna_tables import empty_counts, trial_counts
 from api.services import eligibility as elig
 from api.services import launch_noise, study_life, trial_records
-from api.services.leasing.records import DEPLOY_FAILED, DEPLOY_RETRY, active_refusals
+from api.services.leasing.records import DEPLOY_FAILED, DEPLOY_RETRY
+from api.services.refusals import active_refusals
 from api.services.study_specs import runnable_spec, stored_spec
 from optimizer import answers, costs, deploy
 from optimizer import attrs as A

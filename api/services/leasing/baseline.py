@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 from api.context import Unit
 from api.db import db_now
 from api.models import BaselineRow, EventRow, LeaseRow
-from api.services import study_life
+from api.services import refusals, study_life
 from api.services.leasing import records
 from api.services.leasing.records import CONFIG_FAILURES, HostHealth, counts_against_host, event
 from api.services.leasing.states import LeaseKind, LeaseState, end
@@ -120,7 +120,7 @@ class BaselineLeases:
             self.health.failure(s, worker_id, reason)
             return
         event(s, BASELINE_STUDY_FAULT, lease, detail)
-        event(s, records.LEASE_REFUSED, lease, detail)
+        event(s, refusals.LEASE_REFUSED, lease, detail)
         s.flush()
         hosts = set(
             s.scalars(

@@ -11,7 +11,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.db import db_now
@@ -40,41 +40,6 @@ def counts_against_host(kind: str) -> bool:
     (a flag outside its allowlist, a model it lacks): neither says the host is sick.
     """
     return kind not in ("lost", "refused")
-
-
-# Event kind recorded when a worker refuses a study's lease; the study is not offered to it again
-# while the refusal stands.
-LEASE_REFUSED = "lease_refused"
-# Event kind that ends every earlier refusal of one worker: its config changed (the digest of its
-# allowlist, registry and prompt files in the inventory differs), or an operator cleared them
-# (`spectune workers clear-refusals ID`).  The refusals stay in the event log as history.
-REFUSALS_CLEARED = "refusals_cleared"
-
-
-def active_refusals(s: Session, *, study: str | None = None, worker_id: str | None = None) -> list[EventRow]:
-    """The refusals that still stand (no later clear of their worker), oldest first.
-
-    Event ids are the order: two events of one database second are still told apart.
-    """
-    clears = select(EventRow.worker_id, func.max(EventRow.id)).where(EventRow.kind == REFUSALS_CLEARED)
-    if worker_id is not None:
-        clears = clears.where(EventRow.worker_id == worker_id)
-    cleared_at: dict[str | None, int] = {w: i for w, i in s.execute(clears.group_by(EventRow.worker_id)).tuples()}
-    q = select(EventRow).where(EventRow.kind == LEASE_REFUSED)
-    if study is not None:
-        q = q.where(EventRow.study_name == study)
-    if worker_id is not None:
-        q = q.where(EventRow.worker_id == worker_id)
-    return [e for e in s.scalars(q.order_by(EventRow.id)) if e.id > cleared_at.get(e.worker_id, 0)]
-
-
-def clear_refusals(s: Session, worker_id: str, why: str) -> int:
-    """End every refusal of `worker_id` (the studies are offered to it again); how many stood."""
-    standing = len(active_refusals(s, worker_id=worker_id))
-    if standing:
-        s.add(EventRow(at=db_now(s), kind=REFUSALS_CLEARED, worker_id=worker_id, detail=why[:2000]))
-        log.info("worker %s: %d refusal(s) cleared: %s", worker_id, standing, why)
-    return standing
 
 
 def lease_payload(spec: StudySpec, config: SpecConfig | None, **extra: Any) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from api.context import ServiceContext
 from api.db import db_now, lock_name
 from api.errors import BusyError, ConflictError, InvalidInputError, LeaseGoneError
 from api.models import LeaseRow, StudyRow, WorkerRow
-from api.services import grants, identity, study_life
+from api.services import grants, identity, refusals, study_life
 from api.services.eligibility import requirements_unmet
 from api.services.leasing import records
 from api.services.leasing.baseline import BaselineLeases
@@ -129,7 +129,7 @@ class LeaseService:
         before = (row.inventory or {}).get("config_digest")
         if inv.config_digest is not None and before != inv.config_digest:
             # Its allowlist, registry or prompt files changed: what it refused may run now.
-            records.clear_refusals(
+            refusals.clear_refusals(
                 s, worker_id, f"the worker's config changed (digest {before} -> {inv.config_digest})"
             )
         row.inventory = inv.model_dump(mode="json")
@@ -149,7 +149,7 @@ class LeaseService:
                 .where(StudyRow.state == StudyState.RUNNING)
                 .order_by(StudyRow.created_at, StudyRow.name)
             ).all()
-            refused = {e.study_name for e in records.active_refusals(s, worker_id=worker_id)}
+            refused = {e.study_name for e in refusals.active_refusals(s, worker_id=worker_id)}
         out = []
         inventory = inv.model_dump(mode="json")
         for row in rows:
@@ -259,7 +259,7 @@ class LeaseService:
                 if body.failure is not None and body.failure.kind == "refused":
                     # A study fault: this worker is not offered the study again (_candidate_studies).
                     # Shown to users in the study's `refused_by`: names, not the host's paths.
-                    records.event(s, records.LEASE_REFUSED, lease, paths_to_names(body.failure.message)[:2000])
+                    records.event(s, refusals.LEASE_REFUSED, lease, paths_to_names(body.failure.message)[:2000])
                     log.warning("worker %s refused lease %s of study %s: %s", lease.worker_id, lease.id,
                                 lease.study_name, body.failure.message)  # fmt: skip
             if kind == LeaseKind.BASELINE:
