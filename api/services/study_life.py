@@ -25,8 +25,7 @@ from api.errors import ConflictError
 from api.models import BaselineRow, EventRow, LeaseRow, StudyRow, TrialConfigRow, WorkerIdentity, WorkerRow
 from api.services.eligibility import requirements_unmet
 from api.services.launch_noise import confirm_measurement
-from api.services.leasing.records import lease_payload, new_lease_row
-from api.services.leasing.states import LeaseKind
+from api.services.lease_rows import LeaseKind, lease_payload, new_lease_row
 from api.services.refusals import active_refusals
 from api.services.study_specs import baseline_key_of
 from api.settings import Settings

@@ -21,8 +21,7 @@ from sqlalchemy.orm import Session
 from api.context import Unit
 from api.db import db_now
 from api.models import BaselineRow, EventRow, LeaseRow
-from api.services import refusals, study_life
-from api.services.leasing import records
+from api.services import lease_rows, refusals, study_life
 from api.services.leasing.records import CONFIG_FAILURES, HostHealth, counts_against_host, event
 from api.services.leasing.states import LeaseKind, LeaseState, end
 from api.services.study_specs import baseline_key_of
@@ -47,7 +46,7 @@ class BaselineLeases:
 
     def new(self, s: Session, spec: StudySpec, worker_id: str, now: datetime) -> LeaseRow | None:
         """A baseline lease, active for `worker_id`; None when the worker got another one meanwhile."""
-        lease = records.new_lease_row(
+        lease = lease_rows.new_lease_row(
             spec, LeaseKind.BASELINE, now, self.settings.lease_ttl_s, worker_id=worker_id, config=None, number=None
         )
         try:

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 from api.context import ServiceContext, Unit
 from api.db import db_now
 from api.models import BaselineRow, LeaseRow
-from api.services import study_life
+from api.services import lease_rows, study_life
 from api.services.launch_noise import study_noise
 from api.services.leasing import records
 from api.services.leasing.records import CONFIG_FAILURES, DEPLOY_FAILED, DEPLOY_RETRY, HostHealth, event
@@ -191,7 +191,7 @@ def _requeue(s: Session, lease: LeaseRow, payload: dict[str, Any], now: datetime
     """The next attempt of a confirmation, queued for any host (the conductor pairs it again)."""
     s.add(
         LeaseRow(
-            id=records.new_lease_id(),
+            id=lease_rows.new_lease_id(),
             study_name=lease.study_name,
             kind=LeaseKind.CONFIRM.value,
             state=LeaseState.QUEUED.value,

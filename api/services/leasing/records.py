@@ -1,4 +1,5 @@
-"""What every kind of lease shares: the one lease-row builder, its wire form, events, host health.
+"""What every kind of lease shares: its wire form, events, host health (the row builder is
+api.services.lease_rows).
 
 Kept free of any decision about *which* lease to hand out: baseline.py, trial.py and confirm.py
 make those, each for its own kind.
@@ -7,20 +8,15 @@ make those, each for its own kind.
 from __future__ import annotations
 
 import logging
-import uuid
-from datetime import UTC, datetime, timedelta
-from typing import Any
+from datetime import UTC, datetime
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.db import db_now
 from api.models import BaselineRow, EventRow, LeaseRow, TrialConfigRow, WorkerIdentity, WorkerRow
-from api.services.leasing.states import ConfigState, LeaseKind, LeaseState
+from api.services.leasing.states import ConfigState
 from api.settings import Settings
-from optimizer.plan import server_settings, workload_doc
-from optimizer.space import SpecConfig
-from optimizer.spec import StudySpec
 from spectune_protocol import LeaseOut
 
 log = logging.getLogger("spectune.api.leasing")
@@ -40,50 +36,6 @@ def counts_against_host(kind: str) -> bool:
     (a flag outside its allowlist, a model it lacks): neither says the host is sick.
     """
     return kind not in ("lost", "refused")
-
-
-def lease_payload(spec: StudySpec, config: SpecConfig | None, **extra: Any) -> dict[str, Any]:
-    """What a worker needs to run a lease: server settings, workload and configuration."""
-    return {
-        "server": server_settings(spec, config).model_dump(mode="json"),
-        "workload": workload_doc(spec.workload),
-        "config": None if config is None else config.model_dump(mode="json"),
-        **extra,
-    }
-
-
-def new_lease_id() -> str:
-    return str(uuid.uuid4())
-
-
-def new_lease_row(
-    spec: StudySpec,
-    kind: LeaseKind,
-    now: datetime,
-    ttl_s: float,
-    *,
-    worker_id: str | None,
-    config: SpecConfig | None,
-    number: int | None,
-    attempt: int = 1,
-    payload: dict[str, Any] | None = None,
-) -> LeaseRow:
-    """A new lease: active for `worker_id`, or queued for any worker when it is None."""
-    active = worker_id is not None
-    return LeaseRow(
-        id=new_lease_id(),
-        study_name=spec.name,
-        kind=kind.value,
-        state=(LeaseState.ACTIVE if active else LeaseState.QUEUED).value,
-        worker_id=worker_id,
-        trial_number=number,
-        attempt=attempt,
-        config_key=None if config is None else config.key,
-        payload=payload if payload is not None else lease_payload(spec, config),
-        created_at=now,
-        leased_at=now if active else None,
-        deadline=now + timedelta(seconds=ttl_s) if active else None,
-    )
 
 
 def lease_out(lease: LeaseRow, settings: Settings) -> LeaseOut:

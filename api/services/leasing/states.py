@@ -34,22 +34,9 @@ from sqlalchemy.orm.attributes import set_committed_value
 
 from api.errors import ConflictError
 from api.models import LeaseRow
+from api.services.lease_rows import LeaseKind as LeaseKind  # defined with the row it builds
+from api.services.lease_rows import LeaseState as LeaseState
 from optimizer.study_state import StudyState as StudyState  # the conductor's; re-exported for the lease code
-
-
-class LeaseKind(StrEnum):
-    BASELINE = "baseline"
-    TRIAL = "trial"
-    CONFIRM = "confirm"
-
-
-class LeaseState(StrEnum):
-    QUEUED = "queued"
-    ACTIVE = "active"
-    COMPLETED = "completed"
-    FAILED = "failed"
-    EXPIRED = "expired"
-    SUPERSEDED = "superseded"
 
 
 class ConfigState(StrEnum):

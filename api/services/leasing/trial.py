@@ -22,7 +22,7 @@ from api.context import ServiceContext, Unit
 from api.db import db_now
 from api.errors import ConflictError
 from api.models import LeaseRow, StudyRow, TrialConfigRow
-from api.services import study_life, trial_records
+from api.services import lease_rows, study_life, trial_records
 from api.services.leasing import records
 from api.services.leasing.records import CONFIG_FAILURES, HostHealth, event, lease_out
 from api.services.leasing.states import (
@@ -157,7 +157,7 @@ class TrialLeases:
         s.flush()
         if launched_count(s, spec.name) > spec.budget.max_trials:
             raise _NotRecorded("budget used by a concurrent ask")
-        lease = records.new_lease_row(
+        lease = lease_rows.new_lease_row(
             spec, LeaseKind.TRIAL, now, self.settings.lease_ttl_s,
             worker_id=worker_id, config=asked.config, number=asked.number,
         )  # fmt: skip
@@ -383,7 +383,7 @@ class TrialLeases:
         if lease.attempt < self.settings.max_attempts:
             config = SpecConfig.model_validate(lease.payload["config"])
             s.add(
-                records.new_lease_row(
+                lease_rows.new_lease_row(
                     spec, LeaseKind.TRIAL, now, self.settings.lease_ttl_s,
                     worker_id=None, config=config, number=lease.trial_number, attempt=lease.attempt + 1,
                 )
