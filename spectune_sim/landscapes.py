@@ -255,95 +255,64 @@ NO_GAIN = Landscape(
     ),
 )
 
-# Llama-3.1-8B on one 24 GB GPU: the weights leave ~2.4 GB outside the static pool for CUDA
+# dense-8b-h100's model and draft (Llama-3.1-8B) on one slower 24 GB GPU: the weights leave ~2.4 GB outside the static pool for CUDA
 # graphs, so wide verify buffers (draft tokens x captured batch) run out of memory at capture.
 # The cliff follows the docs' advice order: draft tokens first, then topk/steps, then max bs.
-MEM_TIGHT = Landscape(
+MEM_TIGHT = dataclasses.replace(
+    DENSE_8B_H100,
     name="mem-tight",
     summary="Llama-3.1-8B on one 24 GB GPU: large draft-token counts and graph batches OOM",
     modelled_on="Llama-3.1-8B-Instruct + EAGLE-3, 1x 24 GB GPU (RTX 4090 class)",
-    architecture="LlamaForCausalLM",
-    attention="mha",
     host="1x 24 GB GPU, PCIe",
     gpu_memory_gb=24.0,
-    tp_size=1,
-    context_length=131072,
-    accept_by_depth=(0.76, 0.79, 0.72, 0.70, 0.68, 0.62, 0.58),
-    tree_gain=0.15,
     decode_ms=1000.0 / 62.0,
     verify_slope=1.0 / 160.0,
-    verify_knee=0,
     verify_slope_after=1.0 / 160.0,
-    draft_step_frac=0.07,
-    draft_topk_slope=0.02,
     overhead_ms=1.5,
     prefill_ms_per_token=0.1,
-    weights_gb=16.1,
-    draft_gb=0.9,
-    mem_fraction_default=0.85,
     runtime_reserve_gb=1.2,
     kv_min_gb=1.5,
-    kv_gb_per_token=0.000125,
     graph_base_gb=0.25,
-    graph_per_size_gb=0.01,
-    graph_decode_gb_per_token=0.0006,
     graph_verify_gb_per_token=0.0008,
-    graph_extend_gb_per_token=0.0002,
-    graph_draft_gb_per_token=0.0002,
     max_running_requests_default=256,
     load_s=25.0,
-    init_s=8.0,
     capture_decode_s=0.1,
     capture_verify_s=0.12,
     capture_extend_s=0.1,
     capture_draft_step_s=0.1,
-    prefill_graph_s=3.0,
     warmup_s=2.0,
+    calibration=(),
 )
 
 # The next two are built so that spectune's own model (optimizer.perf_model) does not describe
-# them: a benchmark on them measures the search against an engine it was not written for.
+# them: a benchmark on them measures the search against an engine it was not written for.  Both
+# run on dense-8b-h100's host (GPU, memory, start-up); only the model differs.
 
 # A dense 8B-class target whose draft head is trained unevenly: acceptance zig-zags across draft
 # positions (odd positions weak, even ones strong), and the verify GEMMs pad the tokens to
 # tensor-core tiles of 16, so the verify cost jumps at 17, 33, 49 tokens instead of rising
 # smoothly.  Stated assumptions, not a calibration.
-ZIGZAG_TILES = Landscape(
+ZIGZAG_TILES = dataclasses.replace(
+    DENSE_8B_H100,
     name="zigzag-tiles",
     summary="dense 8B on one H100; acceptance not monotone across positions, verify cost steps at 16-token tiles",
     modelled_on="assumption: an unevenly trained EAGLE-3 head on an H100 with tile-padded verify GEMMs",
     architecture="Qwen2ForCausalLM",
-    attention="mha",
-    host="1x H100 80 GB SXM",
-    gpu_memory_gb=80.0,
-    tp_size=1,
     context_length=32768,
     accept_by_depth=(0.62, 0.9, 0.5, 0.88, 0.45, 0.85, 0.4),
     tree_gain=0.22,
     decode_ms=1000.0 / 150.0,
     verify_slope=0.002,
-    verify_knee=0,
     verify_slope_after=0.002,
     verify_tile=16,
     verify_tile_jump=0.22,
     draft_step_frac=0.06,
     draft_topk_slope=0.03,
-    overhead_ms=1.0,
-    prefill_ms_per_token=0.03,
     weights_gb=15.2,
-    draft_gb=0.9,
-    mem_fraction_default=0.85,
-    runtime_reserve_gb=1.5,
-    kv_min_gb=2.0,
-    max_running_requests_default=2048,
-    load_s=15.0,
-    init_s=8.0,
-    capture_decode_s=0.08,
-    capture_verify_s=0.1,
-    capture_extend_s=0.08,
-    capture_draft_step_s=0.08,
-    prefill_graph_s=3.0,
-    warmup_s=5.0,
+    # Graph memory as first stated here (the field defaults), not dense-8b-h100's.
+    graph_base_gb=0.2,
+    graph_decode_gb_per_token=0.0005,
+    calibration=(),
 )
 
 # A 14B-class target on one 32 GB GPU whose draft decode graphs are large (a big draft vocab
@@ -395,40 +364,22 @@ DRAFT_MEM_CLIFF = Landscape(
 # again.  Narrow trees that stop before the hard token (s7-k2-n8, 2.195x) form a local optimum
 # 2.2% below the global one, wider trees that push through it (s8-k4-n25, 2.243x), with a valley
 # between.  Stated assumptions, not a calibration.
-TWO_PEAKS = Landscape(
+TWO_PEAKS = dataclasses.replace(
+    DENSE_8B_H100,
     name="two-peaks",
     summary="dense 8B on one H100; a hard token at draft position 3 gives a second local optimum 2% below the best",
     modelled_on="assumption: an EAGLE-3 head that stumbles on a third-position token class, H100 verify",
     architecture="Qwen2ForCausalLM",
-    attention="mha",
-    host="1x H100 80 GB SXM",
-    gpu_memory_gb=80.0,
-    tp_size=1,
     context_length=32768,
     accept_by_depth=(0.85, 0.8, 0.25, 0.92, 0.9, 0.88, 0.85),
     tree_gain=0.2,
-    decode_ms=1000.0 / 158.3,
     verify_slope=0.01,
-    verify_knee=0,
     verify_slope_after=0.01,
-    draft_step_frac=0.07,
     draft_topk_slope=0.1,
-    overhead_ms=1.0,
-    prefill_ms_per_token=0.03,
-    weights_gb=16.1,
-    draft_gb=0.9,
-    mem_fraction_default=0.85,
-    runtime_reserve_gb=1.5,
-    kv_min_gb=2.0,
-    max_running_requests_default=2048,
-    load_s=15.0,
-    init_s=8.0,
-    capture_decode_s=0.08,
-    capture_verify_s=0.1,
-    capture_extend_s=0.08,
-    capture_draft_step_s=0.08,
-    prefill_graph_s=3.0,
-    warmup_s=5.0,
+    # Graph memory as first stated here (the field defaults), not dense-8b-h100's.
+    graph_base_gb=0.2,
+    graph_decode_gb_per_token=0.0005,
+    calibration=(),
 )
 
 # dense-8b-h100's engine on a host three times as noisy (shared node, power capping, a busy
