@@ -25,7 +25,7 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 from statistics import NormalDist
-from typing import Literal, Protocol, TypeVar
+from typing import Literal, Protocol, TypedDict, TypeVar, Unpack
 
 from spectune_sim.landscapes import Landscape
 from spectune_sim.rules import AdaptivePlan, DraftLike, DraftTree, draft_token_limit
@@ -131,6 +131,33 @@ def graph_plan(
     # The capture list is cut at the request pool (about max running requests).
     cut = tuple(s for s in sizes if s <= max_running_requests) or (min(sizes[0], max_running_requests),)
     return GraphPlan(sizes=() if disable_cuda_graph else cut, max_bs=max_bs, max_running_requests=max_running_requests)
+
+
+class GraphEnvelope(TypedDict, total=False):
+    """The server flags that shape its CUDA graphs (SGLang's names; absent or None: SGLang's default).
+
+    Throughput, memory and start-up all depend on them, so each of those takes them alike."""
+
+    cuda_graph_max_bs: int | None
+    max_running_requests: int | None
+    cuda_graph_bs: tuple[int, ...] | None
+    disable_cuda_graph: bool
+
+
+def envelope_plan(landscape: Landscape, spec: DraftTree | None, envelope: GraphEnvelope) -> GraphPlan:
+    """The graphs a server of `spec` (None: no speculation) captures in `envelope`; an absent max
+    captured batch falls back to the draft's own (`DraftLike.cuda_graph_max_bs`), then SGLang's default."""
+    max_bs = envelope.get("cuda_graph_max_bs")
+    if max_bs is None and spec is not None:
+        max_bs = spec.cuda_graph_max_bs
+    return graph_plan(
+        landscape,
+        speculative=spec is not None,
+        cuda_graph_max_bs=max_bs,
+        max_running_requests=envelope.get("max_running_requests"),
+        cuda_graph_bs=envelope.get("cuda_graph_bs"),
+        disable_cuda_graph=envelope.get("disable_cuda_graph", False),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,12 +284,9 @@ def predict(
     config: DraftLike | None,
     concurrency: int,
     *,
-    cuda_graph_max_bs: int | None = None,
-    max_running_requests: int | None = None,
-    cuda_graph_bs: tuple[int, ...] | None = None,
-    disable_cuda_graph: bool = False,
     draft_extend_graph: bool = True,
     draft_mismatch: bool = False,
+    **envelope: Unpack[GraphEnvelope],
 ) -> Prediction:
     """Decode throughput of `config` (None: the baseline) with `concurrency` requests in flight.
 
@@ -273,16 +297,7 @@ def predict(
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     spec = _canonical(config)
-    if cuda_graph_max_bs is None and spec is not None:
-        cuda_graph_max_bs = spec.cuda_graph_max_bs
-    plan = graph_plan(
-        landscape,
-        speculative=spec is not None,
-        cuda_graph_max_bs=cuda_graph_max_bs,
-        max_running_requests=max_running_requests,
-        cuda_graph_bs=cuda_graph_bs,
-        disable_cuda_graph=disable_cuda_graph,
-    )
+    plan = envelope_plan(landscape, spec, envelope)
     batch = min(concurrency, plan.max_running_requests)
     timing = cycle_timing(landscape, spec, batch, plan, draft_extend_graph=draft_extend_graph)
     if spec is None:
@@ -291,54 +306,35 @@ def predict(
         rates = () if draft_mismatch else depth_acceptance(landscape, spec.num_steps, spec.topk, spec.num_draft_tokens)
         al = accept_length(rates)
         rate = (al - 1.0) / (spec.num_draft_tokens - 1)
-    per_user = 1000.0 * al / timing.cycle_ms
-    return Prediction(
-        output_tok_s=batch * per_user,
-        per_user_tok_s=per_user,
-        accept_length=al,
-        accept_rate=rate,
-        cycle_ms=timing.cycle_ms,
-        draft_ms=timing.draft_ms,
-        verify_ms=timing.verify_ms,
-        overhead_ms=timing.overhead_ms,
-        cuda_graph=timing.cuda_graph,
-        batch_size=batch,
-        padded_batch_size=timing.padded_batch_size,
-        max_running_requests=plan.max_running_requests,
-        cuda_graph_max_bs=plan.max_bs,
-    )
+    return _prediction(plan, batch, timing, al, rate)
 
 
 def predict_adaptive(
     landscape: Landscape,
     adaptive: AdaptivePlan,
     concurrency: int,
-    *,
-    cuda_graph_max_bs: int | None = None,
-    max_running_requests: int | None = None,
-    cuda_graph_bs: tuple[int, ...] | None = None,
+    **envelope: Unpack[GraphEnvelope],
 ) -> Prediction:
     """Decode throughput of an adaptive server: the chain its slot gives this (padded) batch, or a
     plain decode step where that slot's steps are 0, in the speculative server's graph envelope."""
-    plan = graph_plan(
-        landscape,
-        speculative=True,
-        cuda_graph_max_bs=cuda_graph_max_bs,
-        max_running_requests=max_running_requests,
-        cuda_graph_bs=cuda_graph_bs,
-    )
+    plan = graph_plan(landscape, speculative=True, **envelope)
     batch = min(concurrency, plan.max_running_requests)
     padded = plan.padded(batch)
     steps = adaptive.steps_for(batch if padded is None else padded)
     tree = None if steps == 0 else DraftTree(num_steps=steps, topk=1, num_draft_tokens=steps + 1)
     timing = cycle_timing(landscape, tree, batch, plan)
     al = 1.0 if tree is None else accept_length(depth_acceptance(landscape, steps, 1, steps + 1))
+    return _prediction(plan, batch, timing, al, 0.0 if tree is None else (al - 1.0) / steps)
+
+
+def _prediction(plan: GraphPlan, batch: int, timing: CycleTiming, al: float, rate: float) -> Prediction:
+    """The steady state of `batch` running requests whose cycles take `timing` and gain `al` tokens."""
     per_user = 1000.0 * al / timing.cycle_ms
     return Prediction(
         output_tok_s=batch * per_user,
         per_user_tok_s=per_user,
         accept_length=al,
-        accept_rate=0.0 if tree is None else (al - 1.0) / steps,
+        accept_rate=rate,
         cycle_ms=timing.cycle_ms,
         draft_ms=timing.draft_ms,
         verify_ms=timing.verify_ms,
@@ -453,11 +449,8 @@ def check_memory(
     landscape: Landscape,
     config: DraftLike | None,
     *,
-    cuda_graph_max_bs: int | None = None,
-    max_running_requests: int | None = None,
-    cuda_graph_bs: tuple[int, ...] | None = None,
     mem_fraction_static: float | None = None,
-    disable_cuda_graph: bool = False,
+    **envelope: Unpack[GraphEnvelope],
 ) -> MemoryCheck:
     """Does this server start?  Static pool = fraction x GPU (weights, draft, KV); graphs use the rest.
 
@@ -466,16 +459,7 @@ def check_memory(
     advice implies (docs/sglang.md §13).  An infeasible tree is checked too: SGLang starts it.
     """
     spec = _canonical(config, check=False)
-    if cuda_graph_max_bs is None and spec is not None:
-        cuda_graph_max_bs = spec.cuda_graph_max_bs
-    plan = graph_plan(
-        landscape,
-        speculative=spec is not None,
-        cuda_graph_max_bs=cuda_graph_max_bs,
-        max_running_requests=max_running_requests,
-        cuda_graph_bs=cuda_graph_bs,
-        disable_cuda_graph=disable_cuda_graph,
-    )
+    plan = envelope_plan(landscape, spec, envelope)
     frac = landscape.mem_fraction_default if mem_fraction_static is None else mem_fraction_static
     gpu = landscape.gpu_memory_gb
     draft = landscape.draft_gb if spec is not None else 0.0
@@ -519,24 +503,9 @@ def check_memory(
     )
 
 
-def memory_required_gb(
-    landscape: Landscape,
-    config: DraftLike | None,
-    *,
-    cuda_graph_max_bs: int | None = None,
-    max_running_requests: int | None = None,
-    cuda_graph_bs: tuple[int, ...] | None = None,
-    disable_cuda_graph: bool = False,
-) -> float:
+def memory_required_gb(landscape: Landscape, config: DraftLike | None, **envelope: Unpack[GraphEnvelope]) -> float:
     """GB per GPU this server needs: weights + draft + minimum KV pool + graphs + runtime reserve."""
-    m = check_memory(
-        landscape,
-        config,
-        cuda_graph_max_bs=cuda_graph_max_bs,
-        max_running_requests=max_running_requests,
-        cuda_graph_bs=cuda_graph_bs,
-        disable_cuda_graph=disable_cuda_graph,
-    )
+    m = check_memory(landscape, config, **envelope)
     return m.weights_gb + m.draft_gb + landscape.kv_min_gb + m.graph_gb + landscape.runtime_reserve_gb
 
 
@@ -576,27 +545,10 @@ class StartupPhases:
         return self.before_port_s + self.warmup_s
 
 
-def startup_phases(
-    landscape: Landscape,
-    config: DraftLike | None,
-    *,
-    cuda_graph_max_bs: int | None = None,
-    max_running_requests: int | None = None,
-    cuda_graph_bs: tuple[int, ...] | None = None,
-    disable_cuda_graph: bool = False,
-) -> StartupPhases:
+def startup_phases(landscape: Landscape, config: DraftLike | None, **envelope: Unpack[GraphEnvelope]) -> StartupPhases:
     """T_start = load + init + N_sizes x (c_v(n) + c_x(n) + k c_d(t)) + prefill graph (calibration §6.6)."""
     spec = _canonical(config, check=False)
-    if cuda_graph_max_bs is None and spec is not None:
-        cuda_graph_max_bs = spec.cuda_graph_max_bs
-    plan = graph_plan(
-        landscape,
-        speculative=spec is not None,
-        cuda_graph_max_bs=cuda_graph_max_bs,
-        max_running_requests=max_running_requests,
-        cuda_graph_bs=cuda_graph_bs,
-        disable_cuda_graph=disable_cuda_graph,
-    )
+    plan = envelope_plan(landscape, spec, envelope)
     n = len(plan.sizes)
     w = landscape.capture_width_slope
     dec = verify = ddec = dext = 0.0
@@ -621,24 +573,9 @@ def startup_phases(
     )
 
 
-def startup_seconds(
-    landscape: Landscape,
-    config: DraftLike | None,
-    *,
-    cuda_graph_max_bs: int | None = None,
-    max_running_requests: int | None = None,
-    cuda_graph_bs: tuple[int, ...] | None = None,
-    disable_cuda_graph: bool = False,
-) -> float:
+def startup_seconds(landscape: Landscape, config: DraftLike | None, **envelope: Unpack[GraphEnvelope]) -> float:
     """Seconds from launch until `/ready` (before any time scale)."""
-    return startup_phases(
-        landscape,
-        config,
-        cuda_graph_max_bs=cuda_graph_max_bs,
-        max_running_requests=max_running_requests,
-        cuda_graph_bs=cuda_graph_bs,
-        disable_cuda_graph=disable_cuda_graph,
-    ).total_s
+    return startup_phases(landscape, config, **envelope).total_s
 
 
 # ---------------------------------------------------------------------------------------------
