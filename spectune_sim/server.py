@@ -49,6 +49,7 @@ from spectune_sim.engine import Chunk, Engine, EngineOptions, Request, word_of
 from spectune_sim.landscapes import Landscape, UnknownLandscapeError, get_landscape
 from spectune_sim.lifeline import follow_parent
 from spectune_sim.model import (
+    GraphEnvelope,
     MemoryCheck,
     NoiseModel,
     StartupPhases,
@@ -180,7 +181,7 @@ class SimServer:
             deepest = resolved.adaptive.largest_steps
             built = DraftTree(num_steps=deepest, topk=1, num_draft_tokens=deepest + 1)
         # The graph envelope the server was started with, as every memory and start-up figure needs it.
-        envelope: dict[str, Any] = {
+        envelope: GraphEnvelope = {
             "cuda_graph_max_bs": resolved.cuda_graph_max_bs,
             "max_running_requests": resolved.max_running_requests,
             "cuda_graph_bs": resolved.cuda_graph_bs,
@@ -596,12 +597,9 @@ def build_app(sim: SimServer) -> Starlette:
         return PlainTextResponse("Cache flushed.\n")
 
     async def generate(request: HttpRequest) -> Response:
-        if sim.state == "draining":
-            return _error(503, "The server is shutting down.")
-        try:
-            body = await request.json()
-        except ValueError:
-            return _error(400, "the request body is not JSON")
+        body = await _json_body(sim, request)
+        if isinstance(body, Response):
+            return body
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
         params = body.get("sampling_params") or {}
@@ -632,12 +630,9 @@ def build_app(sim: SimServer) -> Starlette:
         return StreamingResponse(_sse_generate(sim, req), media_type="text/event-stream")
 
     async def completions(request: HttpRequest) -> Response:
-        if sim.state == "draining":
-            return _error(503, "The server is shutting down.")
-        try:
-            body = await request.json()
-        except ValueError:
-            return _error(400, "the request body is not JSON")
+        body = await _json_body(sim, request)
+        if isinstance(body, Response):
+            return body
         prompt = body.get("prompt") if isinstance(body, dict) else None
         if prompt is None:
             return _error(400, "prompt is required")
@@ -693,6 +688,17 @@ def build_app(sim: SimServer) -> Starlette:
 
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+
+
+async def _json_body(sim: SimServer, request: HttpRequest) -> Any:
+    """A generation request's JSON body, or the answer instead of one: 503 while the server
+    drains, 400 when the body is not JSON."""
+    if sim.state == "draining":
+        return _error(503, "The server is shutting down.")
+    try:
+        return await request.json()
+    except ValueError:
+        return _error(400, "the request body is not JSON")
 
 
 def _prompt_lengths(prompt: Any, *, is_ids: bool) -> int | list[int] | None:

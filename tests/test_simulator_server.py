@@ -268,6 +268,12 @@ def test_metrics_need_enable_metrics_and_baseline_has_no_spec_fields(launch):
     ).json()
     assert out["meta_info"]["completion_tokens"] == 10 and "spec_verify_ct" not in out["meta_info"]
     assert httpx.get(sim.url + "/server_info").json()["speculative_algorithm"] is None
+    for route in ("/generate", "/v1/completions"):  # a body that is not JSON: a 400 saying so, the server serves on
+        r = httpx.post(sim.url + route, content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "not JSON" in r.text, (route, r.text)
+    assert httpx.post(
+        sim.url + "/generate", json={"input_ids": [1], "sampling_params": {"max_new_tokens": 2}}
+    ).is_success
 
 
 def test_infeasible_tree_starts_but_fails_on_the_first_generate(launch):
