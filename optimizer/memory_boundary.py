@@ -18,8 +18,9 @@ The model is a grid of hypotheses: a direction (a, b) on the quarter circle and 
 of the room each captured size costs (KAPPAS), so a launch's normalised load is
 (a*x_v + b*x_d) / (1 - kappa*n) (infinite when the sizes alone fill the room).  Every start
 bounds R from above, every out-of-memory launch from below; a hypothesis none of the room fits
-is dropped.  A candidate's probability of failing is the mean over the hypotheses left of where
-its load falls in the consistent room interval (log-uniform): 1 beyond a failure in every term,
+is dropped.  A candidate's probability of failing is the mean over the directions left, and
+within a direction over the per-size shares weighted by the width of their consistent room
+interval, of where its load falls in that interval (log-uniform): 1 beyond a failure in every term,
 0 inside a start in every term, and in between it says how sure the data are.  With no failure
 yet there is no boundary (0).  Monotone: more of any term never lowers it.
 
@@ -60,6 +61,8 @@ _ANGLES = 61
 KAPPAS = (0.0, 0.005, 0.01, 0.02, 0.04)
 # Loads closer than this (in log) are one load: a start and a failure there contradict.
 _TIE = 1e-9
+# A consistent room interval wider than this factor counts as this wide (one unbounded above).
+_MAX_SPAN = 1000.0
 # Without a start to bound it, the room is taken to lie within this factor of the failure.
 _PRIOR_SPAN = 8.0
 
@@ -168,6 +171,7 @@ class MemoryBoundary:
     kappa: FloatArray  # (h,) their per-size share of the room
     log_lo: FloatArray  # (h,) log of the room's lower bound: the largest load that started
     log_hi: FloatArray  # (h,) log of its upper bound: the smallest load that ran out of memory
+    weight: FloatArray  # (h,) each hypothesis' share of the belief (sums to 1)
     launches: tuple[Launch, ...]
 
     @property
@@ -196,7 +200,16 @@ class MemoryBoundary:
         keep = np.isfinite(lo) & (lo < hi - _TIE)
         if not keep.any():
             return None
-        return cls(u[keep], kappa[keep], lo[keep], hi[keep], tuple(launches))
+        # Within a direction, a per-size share counts by how much room it leaves consistent with
+        # the launches (a uniform prior on log R): a share that explains an out-of-memory deployment
+        # only by a hair weighs little.  Every direction left counts the same, so with all launches
+        # in one envelope (the shares' intervals then equal) this is the plain direction boundary.
+        width = np.where(keep, np.minimum(hi - lo, math.log(_MAX_SPAN)), 0.0)
+        per_dir = width.reshape(_ANGLES, len(KAPPAS))
+        totals = per_dir.sum(axis=1, keepdims=True)
+        w = np.where(totals > 0, per_dir / np.where(totals > 0, totals, 1.0), 0.0).ravel()
+        w = w / w.sum()
+        return cls(u[keep], kappa[keep], lo[keep], hi[keep], w[keep], tuple(launches))
 
     def _shares(self, terms: Sequence[Terms]) -> FloatArray:
         """(hypotheses x candidates) probability of failing under each hypothesis."""
@@ -215,14 +228,14 @@ class MemoryBoundary:
         """Probability that each server runs out of memory at graph capture."""
         if not terms:
             return np.zeros(0)
-        out: FloatArray = self._shares(terms).mean(axis=0)
+        out: FloatArray = self.weight @ self._shares(terms)
         return out
 
     def p_fail_any(self, first: Sequence[Terms], second: Sequence[Terms]) -> FloatArray:
         """Probability that a pair of servers (e.g. a trial and its deployment) does not both start."""
         if not first:
             return np.zeros(0)
-        out: FloatArray = np.maximum(self._shares(first), self._shares(second)).mean(axis=0)
+        out: FloatArray = self.weight @ np.maximum(self._shares(first), self._shares(second))
         return out
 
     def judge(self, terms: Terms) -> Judgement:
@@ -235,11 +248,17 @@ class MemoryBoundary:
         if under is not None:
             return Judgement(p, f"needs no more graph memory than {under.source}, which started")
         starts = len(self.launches) - self.failures
+        near = min((x for x in self.launches if not x.started), key=lambda x: _distance(x.terms, terms))
         return Judgement(
             p,
             f"{p:.0%} of the memory boundaries consistent with {starts} start(s) and {self.failures} "
-            f"out-of-memory launch(es) put {terms.describe()} past the room",
+            f"out-of-memory launch(es) (the nearest: {near.source}) put {terms.describe()} past the room",
         )
+
+
+def _distance(a: Terms, b: Terms) -> float:
+    """How far apart two servers' graph terms are (log ratios), to name the nearest failure."""
+    return sum(abs(math.log((x + 1.0) / (y + 1.0))) for x, y in ((a.sizes, b.sizes), (a.xv, b.xv), (a.xd, b.xd)))
 
 
 def judge(boundary: MemoryBoundary | None, terms: Terms) -> Judgement:
