@@ -677,7 +677,9 @@ def _start_confirm(
     launch as deployed, the conductor's extra passes, complete (a failed start: the next envelope)."""
     assert lease.config is not None
     cfg = lease.config
-    due = conductor.next_deployment(store.spec, cfg, store.deploy_failures(), lease.tier - 1)
+    due = conductor.next_deployment(
+        store.spec, cfg, store.deploy_failures(), lease.tier - 1, store.study().get_trials(deepcopy=False)
+    )
     if due is None:  # every envelope left is known to run out of memory: out, without a launch
         lease.state, lease.finished_at = "failed", now
         return None
@@ -703,7 +705,9 @@ def _start_confirm(
             lease.measurement = (levels, base)
         elif outcome == "oom":
             lease.failure = "oom"
-            after = conductor.next_deployment(store.spec, cfg, store.deploy_failures(), lease.tier)
+            after = conductor.next_deployment(
+                store.spec, cfg, store.deploy_failures(), lease.tier, store.study().get_trials(deepcopy=False)
+            )
             if after is not None:  # the same configuration in the next smaller graph envelope
                 store.leases.append(
                     dataclasses.replace(

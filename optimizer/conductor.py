@@ -425,7 +425,7 @@ def candidates(snap: Snapshot) -> tuple[Candidate, ...]:
     for t in confirm.candidates(list(snap.trials), spec.confirmation.top, spec, noise.variance):
         r = A.TrialRecord(t)
         measured_on = r.worker_id
-        first = next_deployment(spec, r.config)
+        first = next_deployment(spec, r.config, trials=snap.trials)
         out.append(
             Candidate(
                 t.number,
@@ -439,12 +439,17 @@ def candidates(snap: Snapshot) -> tuple[Candidate, ...]:
 
 
 def next_deployment(
-    spec: StudySpec, config: SpecConfig, failed: Sequence[tuple[SpecConfig, int]] = (), after: int = -1
+    spec: StudySpec,
+    config: SpecConfig,
+    failed: Sequence[tuple[SpecConfig, int]] = (),
+    after: int = -1,
+    trials: Sequence[FrozenTrial] = (),
 ) -> tuple[int, deploy.Envelope] | None:
     """The deployment a confirmation of `config` launches: the first envelope past tier `after`
-    that no earlier out-of-memory start rules out (optimizer.deploy.envelopes_to_try), or None
-    when none is left (the candidate cannot be the answer)."""
-    return next(((t, e) for t, e in deploy.envelopes_to_try(spec, config, failed) if t > after), None)
+    that no earlier out-of-memory start rules out, nor the memory model learnt from them and the
+    search's `trials` says surely fails (optimizer.deploy.envelopes_to_try), or None when none is
+    left (the candidate cannot be the answer)."""
+    return next(((t, e) for t, e in deploy.envelopes_to_try(spec, config, failed, trials) if t > after), None)
 
 
 def resolve_order(snap: Snapshot, lease: LeaseView, base: Baseline) -> Resolve:

@@ -31,7 +31,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from optuna.trial import FrozenTrial
+
 from optimizer.answers import ADAPTIVE_FILE, AdaptiveExport
+from optimizer.memory_boundary import SURELY, Launch, MemoryBoundary, Terms, tuning_launches
 from optimizer.plan import server_settings
 from optimizer.sglang import AdaptiveSteps, ServerSettings, launch_command
 from optimizer.space import SpecConfig
@@ -313,14 +316,21 @@ def deployment_envelopes(spec: StudySpec, config: SpecConfig) -> list[Envelope]:
 
 
 def envelopes_to_try(
-    spec: StudySpec, config: SpecConfig, failed: Sequence[tuple[SpecConfig, int]] = ()
+    spec: StudySpec,
+    config: SpecConfig,
+    failed: Sequence[tuple[SpecConfig, int]] = (),
+    trials: Sequence[FrozenTrial] = (),
 ) -> list[tuple[int, Envelope]]:
-    """`deployment_envelopes` with what earlier deployments taught: (tier, envelope) to launch in order.
+    """`deployment_envelopes` with what earlier launches taught: (tier, envelope) to launch in order.
 
     `failed`: (configuration, tier) of deployments that ran out of memory.  A tier is skipped
     for `config` when a configuration needing no more graph memory in it failed there: no more
     draft tokens (target verify and draft extend graphs) and no more steps x topk (draft decode
-    graphs), as `optimizer.infeasible` reasons for the search.
+    graphs), as `optimizer.infeasible` reasons for the search.  It is skipped too when the memory
+    model learnt from those failures and the search's launches (`trials`; optimizer.memory_boundary,
+    in the deployment's terms) says it surely runs out of memory (SURELY) and a smaller envelope
+    is left: the envelope launched instead says which was not launched, and why.  The last
+    envelope left is never skipped on the model's word alone.
     """
     c = config.canonical()
     out = []
@@ -333,6 +343,39 @@ def envelopes_to_try(
         )
         if not beaten:
             out.append((tier, env))
+    if len(out) < 2:
+        return out
+    boundary = MemoryBoundary.fit([*tuning_launches(spec, trials), *deployment_launches(spec, failed)])
+    if boundary is None:
+        return out
+    skipped: list[str] = []
+    while len(out) > 1:
+        tier, env = out[0]
+        terms = Terms.of(env.settings, config)
+        j = boundary.judge(terms)
+        if j.p_fail < SURELY:
+            break
+        what = env.note or f"the printed envelope ({terms.describe()})"
+        skipped.append(f"{what} was not launched ({j.p_fail:.0%} sure to run out of memory: {j.reason})")
+        out.pop(0)
+    if skipped:
+        tier, env = out[0]
+        out[0] = (tier, Envelope(env.settings, "; ".join([env.note, *skipped])))
+    return out
+
+
+def deployment_launches(spec: StudySpec, failed: Sequence[tuple[SpecConfig, int]]) -> list[Launch]:
+    """Deployments that ran out of memory, each in the envelope it was launched in."""
+    out = []
+    for f, tier in failed:
+        envs = deployment_envelopes(spec, f)
+        if not 0 <= tier < len(envs):
+            continue
+        env = envs[tier]
+        terms = Terms.of(env.settings, f)
+        c = f.canonical()
+        where = env.note.split(":")[0] if env.note else f"the printed envelope, {terms.describe()}"
+        out.append(Launch(terms, False, f"the deployment of {c.num_steps}/{c.topk}/{c.num_draft_tokens} ({where})"))
     return out
 
 

@@ -76,17 +76,17 @@ def test_a_start_in_a_small_envelope_is_evidence_about_the_big_one_only_as_far_a
     launches = [Launch(t(1, 16, 6, 3), True, "small"), Launch(t(1, 16, 16, 3), False, "big")]
     b = MemoryBoundary.fit(launches)
     assert b is not None
-    assert b.p_fail([t(1, 16, 6, 3)])[0] == 0.0  # what started starts
-    assert b.p_fail([t(1, 16, 16, 3)])[0] == 1.0  # what failed fails
+    assert b.p_fail([t(1, 16, 6, 3)])[0] == pytest.approx(0.0)  # what started starts
+    assert b.p_fail([t(1, 16, 16, 3)])[0] == pytest.approx(1.0)  # what failed fails
     # The same configuration with graphs up to 48 (23 sizes): three times the batch x draft tokens
     # of a start that sat at 6/16 of the failure: past the failure in every term.
-    assert b.p_fail([t(23, 48, 6, 3)])[0] == 1.0
+    assert b.p_fail([t(23, 48, 6, 3)])[0] == pytest.approx(1.0)
     # Graphs up to 24 with few sizes: between what started and what failed, so uncertain.
     mid = b.p_fail([t(2, 24, 6, 3)])[0]
     assert 0.0 < mid < 1.0
     # A deployment that ran out of memory teaches the boundary in its own envelope.
     more = MemoryBoundary.fit([*launches, Launch(t(12, 16, 6, 3), False, "deploy 16")])
-    assert more is not None and more.p_fail([t(12, 16, 6, 3)])[0] == 1.0
+    assert more is not None and more.p_fail([t(12, 16, 6, 3)])[0] == pytest.approx(1.0)
     assert more.p_fail([t(12, 16, 4, 3)])[0] > b.p_fail([t(12, 16, 4, 3)])[0]
 
 
@@ -120,7 +120,10 @@ def test_every_judgement_states_its_reason() -> None:
     assert "5/2/20 (trial 4), which ran out of memory" in b.judge(t(23, 48, 20)).reason
     assert "3/1/6 (trial 2), which started" in b.judge(t(1, 16, 4)).reason
     mid = b.judge(t(1, 16, 12))
-    assert 0.0 < mid.p_fail < 1.0 and "consistent with 1 start(s) and 1 out-of-memory launch(es)" in mid.reason
+    assert (
+        0.0 < mid.p_fail < 1.0
+        and "consistent with 1 start(s) and 1 out-of-memory launch(es) (the nearest: 5/2/20" in mid.reason
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,3 +238,89 @@ def test_the_sampler_does_not_propose_what_surely_fails_to_deploy() -> None:
     assert p_deploy(chosen.config) < SURELY
     # Its risk of not deploying discounts it, and is what the proposal records.
     assert chosen.p_fail == pytest.approx(p_deploy(chosen.config))
+
+
+# ---------------------------------------------------------------------------------------------
+# Confirmation: the envelope a deployment is first launched in.
+
+
+def _oom_scenario(sp: StudySpec) -> list[FrozenTrial]:
+    starts = [
+        SpecConfig(num_steps=3, topk=1, num_draft_tokens=4),
+        SpecConfig(num_steps=4, topk=1, num_draft_tokens=5),
+        SpecConfig(num_steps=2, topk=1, num_draft_tokens=3),
+        SpecConfig(num_steps=5, topk=2, num_draft_tokens=10),
+    ]
+    failed = SpecConfig(num_steps=6, topk=4, num_draft_tokens=16)
+    out = [_trial(i, sp, c) for i, c in enumerate(starts)]
+    oom = {"config": failed.model_dump(mode="json"), "config_key": failed.key, "failure_kind": "oom"}
+    tr = create_trial(state=TrialState.COMPLETE, value=0.0, params={}, distributions={}, user_attrs=oom)
+    tr.number = len(out)
+    return [*out, tr]
+
+
+def test_confirmation_skips_an_envelope_the_model_says_surely_fails_and_says_why() -> None:
+    sp = spec({"max_running_requests": 48})
+    trials = _oom_scenario(sp)
+    cand = SpecConfig(num_steps=4, topk=2, num_draft_tokens=5)
+    # Nothing learnt: the printed envelope first.
+    assert [t for t, _ in deploy.envelopes_to_try(sp, cand)] == [0, 1, 2]
+    tiers = deploy.envelopes_to_try(sp, cand, trials=trials)
+    assert [t for t, _ in tiers] == [1, 2]
+    note = tiers[0][1].note
+    assert (
+        note.startswith("CUDA graphs up to batch 16")
+        and "the printed envelope (23 captured sizes up to batch 48" in note
+    )
+    assert "sure to run out of memory" in note
+    # A smaller configuration the model is not sure about is still tried as printed.
+    assert [
+        t for t, _ in deploy.envelopes_to_try(sp, SpecConfig(num_steps=1, topk=1, num_draft_tokens=2), trials=trials)
+    ][0] == 0
+
+
+def test_a_failed_deployment_teaches_the_model_for_other_candidates() -> None:
+    """After 4/8/12 ran out of memory with graphs up to 48, 3/8/10 (fewer draft tokens, so the
+    dominance rule alone would launch it as printed) is judged by the model in the same terms."""
+    sp = spec({"max_running_requests": 48})
+    trials = [_trial(i, sp, c) for i, c in enumerate(SEEN[:4])]
+    failed = [(SpecConfig(num_steps=4, topk=8, num_draft_tokens=12), 0)]
+    b = MemoryBoundary.fit([*tuning_launches(sp, trials), *deploy.deployment_launches(sp, failed)])
+    assert b is not None
+    cand = SpecConfig(num_steps=4, topk=8, num_draft_tokens=11)
+    printed = Terms.of(deploy.deployment_envelopes(sp, cand)[0].settings, cand)
+    j = b.judge(printed)
+    assert j.p_fail >= SURELY and "the deployment of 4/8/12" in j.reason
+    assert [t for t, _ in deploy.envelopes_to_try(sp, cand, failed, trials)][0] == 1
+
+
+def test_the_last_envelope_is_never_skipped_on_the_models_word_alone() -> None:
+    sp = spec({"max_running_requests": 48})
+    trials = _oom_scenario(sp)
+    huge = SpecConfig(num_steps=8, topk=8, num_draft_tokens=64)
+    tiers = deploy.envelopes_to_try(sp, huge, trials=trials)
+    assert [t for t, _ in tiers] == [2]
+    assert "was not launched" in tiers[0][1].note
+
+
+def test_the_conductor_confirms_a_candidate_in_the_envelope_the_model_leaves() -> None:
+    """The conductor's candidates carry the first envelope worth launching: with graphs up to 48
+    surely out of memory for 5/2/10 (by the search's own launches), graphs up to 16."""
+    from datetime import UTC, datetime
+
+    from optimizer import conductor as cd
+    from optimizer.study_state import Phase, StudyState
+
+    doc = spec({"max_running_requests": 48}).model_dump(mode="json")
+    sp = parse_spec(doc | {"confirmation": {"top": 1}, "budget": {"max_trials": 5, "converge": False}})
+    trials = _oom_scenario(sp)
+    best = next(t for t in trials if t.user_attrs["config_key"] == "s5-k2-n10-bsauto")
+    best.value = 2.5  # the search's leader
+    now = datetime(2026, 12, 1, tzinfo=UTC)
+    snap = cd.Snapshot(
+        spec=sp, state=StudyState.RUNNING, phase=Phase.SEARCH, created_at=now, now=now, trials=trials,
+        launched=frozenset(t.user_attrs["config_key"] for t in trials), leases=(), baselines=(),
+    )  # fmt: skip
+    (chosen,) = cd.candidates(snap)
+    assert chosen.config.key == "s5-k2-n10-bsauto"
+    assert chosen.tier == 1 and chosen.envelope is not None and "was not launched" in chosen.envelope.note

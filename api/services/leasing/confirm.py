@@ -8,9 +8,11 @@ conductor's `Confirm` (or a `MeasureBaseline` first).  This module claims, compl
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
+from optuna.trial import FrozenTrial
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -39,7 +41,9 @@ class ConfirmLeases:
         self.settings = ctx.settings
         self.health = health
 
-    def claim(self, s: Session, spec: StudySpec, action: Confirm, now: datetime) -> LeaseRow | None:
+    def claim(
+        self, s: Session, spec: StudySpec, action: Confirm, now: datetime, trials: Sequence[FrozenTrial] = ()
+    ) -> LeaseRow | None:
         """The conductor's `Confirm`: the queued confirmation, now active for its worker and paired
         with the baseline the conductor chose (None when another request took it meanwhile)."""
         lease = s.get(LeaseRow, action.lease_id, with_for_update=True)
@@ -58,7 +62,11 @@ class ConfirmLeases:
         lease_config = payload.get("config")
         if lease_config is not None and "tier" in info:
             due = next_deployment(
-                spec, SpecConfig.model_validate(lease_config), deploy_failures(s, spec.name), int(info["tier"]) - 1
+                spec,
+                SpecConfig.model_validate(lease_config),
+                deploy_failures(s, spec.name),
+                int(info["tier"]) - 1,
+                trials,
             )
             if due is None:
                 # Every envelope left is known to run out of memory: launching the queued one
@@ -143,14 +151,21 @@ class ConfirmLeases:
                         self.health.failure(s, lease.worker_id, reason)
                     self.retry(s, lease, now, reason)
                 elif failure is not None and failure.kind in ("oom", "launch_timeout") and "tier" in info:
-                    self.next_envelope(s, spec, lease, now, failure.kind, failure.message)
+                    self.next_envelope(s, spec, lease, now, failure.kind, failure.message, trials)
                 else:
                     event(s, "confirm_failed", lease, reason)
             study_life.settle(s, spec, now, trials, self.settings)
             return CompleteOut(lease_id=lease.id, state=lease.state, speedup=lease.speedup)
 
     def next_envelope(
-        self, s: Session, spec: StudySpec, lease: LeaseRow, now: datetime, kind: str, message: str
+        self,
+        s: Session,
+        spec: StudySpec,
+        lease: LeaseRow,
+        now: datetime,
+        kind: str,
+        message: str,
+        trials: Sequence[FrozenTrial] = (),
     ) -> None:
         """The deployment did not start: the same configuration in the next smaller graph envelope
         the serving section allows, or, when none is left, the candidate is out (stated)."""
@@ -158,7 +173,7 @@ class ConfirmLeases:
         cfg = SpecConfig.model_validate(lease.payload["config"])
         why = deploy.deployment_failure(kind, message)
         tried = int(info["tier"])
-        due = next_deployment(spec, cfg, deploy_failures(s, spec.name), tried)
+        due = next_deployment(spec, cfg, deploy_failures(s, spec.name), tried, trials)
         label = f"{cfg.num_steps}/{cfg.topk}/{cfg.num_draft_tokens}"
         if due is None:
             event(

@@ -178,7 +178,7 @@ class LeaseService:
                 elif isinstance(action, RetryLease):
                     lease = self.trials.claim_retry(s, action.lease_id, worker_id, now)
                 elif isinstance(action, Confirm):
-                    lease = self.confirms.claim(s, spec, action, now)
+                    lease = self.confirms.claim(s, spec, action, now, trials)
                 if lease is not None:
                     return lease_out(lease, self.settings)
             if not isinstance(action, Ask):
