@@ -16,6 +16,7 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.db import (
+    LOCK_WAIT_MS,
     engine_kwargs,
     file_lock,
     install_sqlite_transactions,
@@ -88,25 +89,26 @@ class ServiceContext:
             self.read_engine.dispose()
 
     @contextmanager
-    def unit(self, lock: str | None = None) -> Iterator[Unit]:
+    def unit(self, lock: str | None = None, wait_ms: int = LOCK_WAIT_MS) -> Iterator[Unit]:
         """A unit of work that may call Optuna in between its database steps.
 
         On Postgres it is one READ COMMITTED transaction, optionally holding an advisory lock
         that serialises this unit across API processes; each step runs in a savepoint.  SQLite
         allows one writer at a time and a transaction that read before Optuna (another
         connection) wrote cannot write afterwards, so there every step is its own short
-        transaction, and the lock is a file lock held for the whole unit.
+        transaction, and the lock is a file lock held for the whole unit.  `wait_ms` bounds the
+        wait for the lock (0: only if it is free now); BusyError after it.
         """
         if self.sqlite:
             if lock is None or self.lock_dir is None:
                 yield Unit(self.write_sessions, None)
                 return
-            with file_lock(self.lock_dir, lock):
+            with file_lock(self.lock_dir, lock, wait_ms):
                 yield Unit(self.write_sessions, None)
             return
         with self.write_sessions() as session, session.begin():
             if lock is not None:
-                lock_name(session, lock)
+                lock_name(session, lock, wait_ms)
             yield Unit(self.sessions, session)
 
 

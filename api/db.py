@@ -106,6 +106,10 @@ def db_now(session: Session) -> datetime:
 
 
 LOCK_WAIT_MS = 10_000
+# A report waits longer for its study: turned away, it is sent again (the worker's outbox), but
+# the launch it measured must never be lost to a busy lock.  Asks never queue on a study (they
+# try the next one), so what holds the lock is one ask, report or expiry at a time.
+REPORT_LOCK_WAIT_MS = 30_000
 LOCK_NOT_AVAILABLE = "55P03"  # Postgres: lock_timeout expired
 
 
@@ -140,7 +144,7 @@ def file_lock(folder: Path, name: str, wait_ms: int = LOCK_WAIT_MS) -> Iterator[
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                if time.monotonic() > deadline:
+                if time.monotonic() >= deadline:
                     raise BusyError(f"{name} is busy; ask again shortly") from None
                 time.sleep(0.005)
         yield
@@ -148,19 +152,26 @@ def file_lock(folder: Path, name: str, wait_ms: int = LOCK_WAIT_MS) -> Iterator[
         os.close(fd)  # releases the lock
 
 
-def lock_name(session: Session, name: str) -> None:
+def lock_name(session: Session, name: str, wait_ms: int = LOCK_WAIT_MS) -> None:
     """Serialise work on `name` across API processes until this transaction ends.
 
-    Postgres: a transaction-scoped advisory lock.  SQLite: see `file_lock` (ServiceContext.unit
-    takes it, since SQLite units are not one transaction).
+    Postgres: a transaction-scoped advisory lock, waited for at most `wait_ms` (0: taken only if
+    free at once); BusyError otherwise.  SQLite: see `file_lock` (ServiceContext.unit takes it,
+    since SQLite units are not one transaction).
     """
-    if session.get_bind().dialect.name != "sqlite":
-        # Bounded wait: a request queued behind many others holds a pooled connection all the
-        # while, and 64 workers asking at once would drain the pool (heartbeats then starve).
-        session.execute(text(f"SET LOCAL lock_timeout = '{LOCK_WAIT_MS}ms'"))
-        try:
-            session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": advisory_lock_key(name)})
-        except OperationalError as e:
-            if getattr(e.orig, "sqlstate", None) == LOCK_NOT_AVAILABLE:
-                raise BusyError(f"{name} is busy; ask again shortly") from e
-            raise
+    if session.get_bind().dialect.name == "sqlite":
+        return
+    key = {"k": advisory_lock_key(name)}
+    if wait_ms <= 0:
+        if not session.execute(text("SELECT pg_try_advisory_xact_lock(:k)"), key).scalar_one():
+            raise BusyError(f"{name} is busy; ask again shortly")
+        return
+    # Bounded wait: a request queued behind many others holds a pooled connection all the
+    # while, and 64 workers asking at once would drain the pool (heartbeats then starve).
+    session.execute(text(f"SET LOCAL lock_timeout = '{int(wait_ms)}ms'"))
+    try:
+        session.execute(text("SELECT pg_advisory_xact_lock(:k)"), key)
+    except OperationalError as e:
+        if getattr(e.orig, "sqlstate", None) == LOCK_NOT_AVAILABLE:
+            raise BusyError(f"{name} is busy; ask again shortly") from e
+        raise

@@ -9,6 +9,7 @@ from sqlalchemy import select
 
 from api.context import ServiceContext
 from api.db import db_now
+from api.errors import BusyError
 from api.models import LeaseRow, StudyRow
 from api.optuna_tables import running_trials_started_before
 from api.services import study_life
@@ -18,7 +19,6 @@ from api.services.leasing.states import LIVE, LeaseKind, LeaseState, StudyState,
 from api.services.leasing.trial import GiveUp, TrialLeases
 from api.services.study_specs import spec_of, study_trials
 from optimizer import attrs as A
-from optimizer.spec import StudySpec
 
 log = logging.getLogger("spectune.api.leasing")
 
@@ -32,27 +32,52 @@ class Expiry:
         self.confirms = confirms
 
     def reclaim_expired(self) -> int:
-        """Expire leases past their deadline (database clock); re-queue or fail their trials."""
+        """Expire leases past their deadline (database clock); re-queue or fail their trials.
+
+        Study by study, each under its study's lock taken first, as a report and an ask take it:
+        expiry wrote lease rows and then waited for the study's row to settle it, the lock order
+        that deadlocked the report path on Postgres (b6da51c).  A study another request holds is
+        passed over; the next sweep (every ask runs one) takes it.
+        """
+        with self.ctx.sessions() as s:
+            now = db_now(s)
+            studies = sorted(
+                set(
+                    s.scalars(
+                        select(LeaseRow.study_name).where(LeaseRow.state == LeaseState.ACTIVE, LeaseRow.deadline < now)
+                    )
+                )
+            )
+        reclaimed = 0
+        for name in studies:
+            try:
+                reclaimed += self._reclaim_study(name)
+            except BusyError:
+                log.info("study %s busy; its expired leases wait for the next sweep", name)
+        self.fail_orphans()
+        return reclaimed
+
+    def _reclaim_study(self, name: str) -> int:
         give_ups: list[GiveUp] = []
-        touched: dict[str, StudySpec] = {}
-        with self.ctx.unit() as u:
+        with self.ctx.unit(lock=f"study:{name}", wait_ms=0) as u:
             with u.step() as s:
                 now = db_now(s)
                 expired = s.scalars(
                     select(LeaseRow)
-                    .where(LeaseRow.state == LeaseState.ACTIVE, LeaseRow.deadline < now)
+                    .where(LeaseRow.study_name == name, LeaseRow.state == LeaseState.ACTIVE, LeaseRow.deadline < now)
                     .with_for_update(skip_locked=True)
                 ).all()
+                settle = False
+                spec = spec_of(s, name) if any(x.kind != LeaseKind.BASELINE for x in expired) else None
                 for lease in expired:
                     deadline = lease.deadline
                     end(s, lease, LeaseState.EXPIRED, now)
                     event(s, "lease_expired", lease, f"no heartbeat since deadline {deadline}")
                     if lease.worker_id is not None:
                         self.health.failure(s, lease.worker_id, "lease expired without a report")
-                    if lease.kind == LeaseKind.BASELINE:
+                    if lease.kind == LeaseKind.BASELINE or spec is None:
                         continue
-                    spec = spec_of(s, lease.study_name)
-                    touched[spec.name] = spec
+                    settle = True
                     if lease.kind == LeaseKind.TRIAL and lease.trial_number is not None:
                         message = "the worker sent no heartbeat before the lease's deadline"
                         give_up = self.trials.retry_or_fail(s, spec, lease, now, "lease_expired", message)
@@ -62,11 +87,10 @@ class Expiry:
                         self.confirms.retry(s, lease, now, "lease expired")
             for give_up in give_ups:
                 self.trials.tell_given_up(give_up)
-            for spec in touched.values():
+            if settle and spec is not None:
                 snapshot = study_trials(self.ctx.storage, self.ctx.sessions, spec.name)
                 with u.step() as s:
                     study_life.settle(s, spec, db_now(s), snapshot, self.settings)
-        self.fail_orphans()
         return len(expired)
 
     def fail_orphans(self) -> None:
@@ -110,5 +134,9 @@ class Expiry:
                 )
             if orphans:
                 snapshot = study_trials(storage, self.ctx.sessions, name)
-                with self.ctx.unit() as u, u.step() as s:
-                    study_life.settle(s, spec, db_now(s), snapshot, self.settings)
+                try:
+                    # Under the study's lock, as every settle; a busy study settles on its own.
+                    with self.ctx.unit(lock=f"study:{name}", wait_ms=0) as u, u.step() as s:
+                        study_life.settle(s, spec, db_now(s), snapshot, self.settings)
+                except BusyError:
+                    log.info("study %s busy; it settles with its next report or ask", name)

@@ -13,6 +13,7 @@ database, so several API processes can serve one database:
 
 from __future__ import annotations
 
+import itertools
 import logging
 from datetime import UTC, datetime, timedelta
 
@@ -23,7 +24,7 @@ from sqlalchemy.orm import Session
 from api.artifacts import paths_to_names
 from api.auth import Principal, require_role, require_worker
 from api.context import ServiceContext
-from api.db import db_now, lock_name
+from api.db import LOCK_WAIT_MS, REPORT_LOCK_WAIT_MS, db_now, lock_name
 from api.errors import BusyError, ConflictError, InvalidInputError, LeaseGoneError
 from api.models import LeaseRow, StudyRow, WorkerRow
 from api.services import grants, identity, refusals, study_life
@@ -82,13 +83,26 @@ class LeaseService:
         self.reclaim_expired()
         if quarantined:
             return None
-        for spec in self._candidate_studies(inventory, worker_id):
+        # Oldest study first, each study's lock taken only if free now: a worker never queues
+        # behind another request working on one study (every worker used to wait on the oldest
+        # study's lock, lease p50 5 s with 100 studies) but moves on to the next.  Only when no
+        # free study had work for it does it wait, oldest first, for the busy ones: with one
+        # running study every worker still gets its turn instead of "no work now".
+        busy: list[StudySpec] = []
+        passes = itertools.chain(
+            ((spec, 0) for spec in self._candidate_studies(inventory, worker_id)),
+            ((spec, LOCK_WAIT_MS) for spec in busy),  # read once the first pass is over
+        )
+        for spec, wait_ms in passes:
             try:
-                out = self._lease_from_study(spec, worker_id)
+                out = self._lease_from_study(spec, worker_id, wait_ms)
             except BusyError:
-                # Many workers queue on this study right now: try the next one, or say "no work
-                # now" (204); the worker asks again after its idle back-off.
-                log.info("study %s busy; worker %s tries elsewhere", spec.name, worker_id)
+                if wait_ms == 0:
+                    busy.append(spec)
+                else:
+                    # Many workers queue on this study right now: try the next one, or say "no
+                    # work now" (204); the worker asks again after its idle back-off.
+                    log.info("study %s busy; worker %s tries elsewhere", spec.name, worker_id)
                 continue
             except WorkerHoldsLeaseError:
                 # The same worker asked twice at once and the other request won: the lease it
@@ -164,9 +178,10 @@ class LeaseService:
             out.append(spec)
         return out
 
-    def _lease_from_study(self, spec: StudySpec, worker_id: str) -> LeaseOut | None:
-        """Carry out the conductor's next action for this worker (api.services.study_life asks it)."""
-        with self.ctx.unit(lock=f"study:{spec.name}") as u:
+    def _lease_from_study(self, spec: StudySpec, worker_id: str, wait_ms: int) -> LeaseOut | None:
+        """Carry out the conductor's next action for this worker (api.services.study_life asks it);
+        BusyError when the study's lock is not had within `wait_ms`."""
+        with self.ctx.unit(lock=f"study:{spec.name}", wait_ms=wait_ms) as u:
             # Read before the write step (SQLite: Optuna must not wait for our write lock).
             trials = study_trials(self.ctx.storage, self.ctx.sessions, spec.name)
             with u.step() as s:
@@ -241,13 +256,21 @@ class LeaseService:
             raise InvalidInputError("metrics: an ok outcome needs metrics", field="metrics")
         if body.outcome == "failed" and body.failure is None:
             raise InvalidInputError("failure: a failed outcome needs a failure with kind and message", field="failure")
-        with self.ctx.unit(lock=f"lease:{lease_id}") as u:
+        with self.ctx.sessions() as s:
+            seen = self._owned(s, principal, lease_id, for_update=False)
+            if seen.state in (LeaseState.COMPLETED, LeaseState.FAILED):
+                # A repeat (the worker's outbox resends until it hears back): no lock to wait for.
+                return CompleteOut(lease_id=seen.id, state=seen.state, speedup=seen.speedup, duplicate=True)
+            study = seen.study_name
+        # The study's lock before anything is locked or written: the report ends by settling the
+        # study (its row FOR UPDATE), and a lease of the same study takes that lock and row first;
+        # rows held while waiting for the row deadlocked on Postgres.  Then the lease's lock, in
+        # that order everywhere: a repeat of this report queued on the lease's lock behind one
+        # queued on the study's (10 s against 30 s) and was answered 503.
+        with self.ctx.unit(lock=f"study:{study}", wait_ms=REPORT_LOCK_WAIT_MS) as u:
             with u.step() as s:
+                lock_name(s, f"lease:{lease_id}", REPORT_LOCK_WAIT_MS)
                 lease = self._owned(s, principal, lease_id)
-                # The study's lock before anything is written: the report ends by settling the
-                # study (its row FOR UPDATE), and a lease of the same study takes that lock and
-                # row first; written rows held while waiting for the row deadlocked on Postgres.
-                lock_name(s, f"study:{lease.study_name}")
                 if lease.state in (LeaseState.COMPLETED, LeaseState.FAILED):
                     return CompleteOut(lease_id=lease.id, state=lease.state, speedup=lease.speedup, duplicate=True)
                 if lease.state in (LeaseState.QUEUED, LeaseState.SUPERSEDED):

@@ -1,0 +1,137 @@
+"""A lease never queues on a study another request works on (issue 18: lease p50 5 s at 100 studies).
+
+Every worker asked the oldest running study first and waited for its lock, so asks of all the
+fleet were served one at a time.  A lease now takes a study's lock only if it is free and moves on
+to the next study; only when no free study has work for it does it wait for a busy one (with a
+single running study every worker still gets its turn).  Postgres: the lock is an advisory lock,
+held here by a second connection as a request working on the study would hold it.  No timed
+assertion: the test watches `pg_locks` for a lease waiting on the lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from fastapi.testclient import TestClient
+
+from api.db import advisory_lock_key
+from tests.conftest import INVENTORY, Api, make_settings, make_tokens, small_spec
+
+pytestmark = pytest.mark.postgres
+
+
+@pytest.fixture
+def pg_api(pg_db_url: str, tmp_path: Path) -> Iterator[Api]:
+    from api.app import create_app
+
+    tokens = make_tokens(pg_db_url)
+    with TestClient(create_app(make_settings(pg_db_url, artifact_dir=str(tmp_path / "artifacts")))) as client:
+        yield Api(client, tokens)
+
+
+def _ok() -> dict[str, Any]:
+    return {"outcome": "ok", "metrics": {"levels": [{"concurrency": 1, "output_tok_s": 100.0}]}}
+
+
+def _measure_baseline(api: Api) -> None:
+    r = api.post("/v1/workers/w1/lease", "worker", INVENTORY)
+    assert r.status_code == 200 and r.json()["kind"] == "baseline", r.text
+    assert api.post(f"/v1/leases/{r.json()['lease_id']}/complete", "worker", _ok()).status_code == 200
+
+
+@contextmanager
+def _study_lock_held(db_url: str, study: str) -> Iterator[psycopg.Connection[Any]]:
+    """The study's lock, held by another transaction (as an ask or a report of that study holds it)."""
+    dbname = db_url.rsplit("/", 1)[1]
+    conn = psycopg.connect(f"host=127.0.0.1 port=5432 user=postgres dbname={dbname}")
+    try:
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (advisory_lock_key(f"study:{study}"),))
+        yield conn
+    finally:
+        conn.rollback()
+        conn.close()
+
+
+def _lease_in_thread(api: Api) -> tuple[threading.Thread, list[Any]]:
+    answer: list[Any] = []
+    thread = threading.Thread(target=lambda: answer.append(api.post("/v1/workers/w1/lease", "worker", INVENTORY)))
+    thread.start()
+    return thread, answer
+
+
+def _until_answered_or_waiting(conn: psycopg.Connection[Any], thread: threading.Thread) -> bool:
+    """Watch until the lease is answered (False) or waits on an advisory lock (True); bounded."""
+    for _ in range(1200):  # at most ~60 s
+        if not thread.is_alive():
+            return False
+        row = conn.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted").fetchone()
+        if row and int(row[0]) > 0:
+            return True
+        time.sleep(0.05)
+    raise AssertionError("the lease neither answered nor waited")
+
+
+def test_a_lease_passes_over_a_study_another_request_works_on(pg_api: Api, pg_db_url: str) -> None:
+    for name in ("older", "newer"):
+        assert pg_api.post("/v1/studies", "user", small_spec(name)).status_code == 201
+    _measure_baseline(pg_api)
+    with _study_lock_held(pg_db_url, "older") as holder:
+        thread, answer = _lease_in_thread(pg_api)
+        waited = _until_answered_or_waiting(holder, thread)
+        # Answered while the older study's lock was still held: from the next study, never queued.
+        assert not waited, "the lease queued on the older study's lock"
+        thread.join(timeout=60)
+        assert answer[0].status_code == 200 and answer[0].json()["study"] == "newer", answer[0].text
+    # Free again: the oldest study is served first, as before.
+    done = pg_api.post(f"/v1/leases/{answer[0].json()['lease_id']}/complete", "worker", _ok())
+    assert done.status_code == 200
+    assert pg_api.post("/v1/workers/w1/lease", "worker", INVENTORY).json()["study"] == "older"
+
+
+def test_with_one_running_study_a_lease_waits_its_turn(pg_api: Api, pg_db_url: str) -> None:
+    assert pg_api.post("/v1/studies", "user", small_spec("only")).status_code == 201
+    _measure_baseline(pg_api)
+    with _study_lock_held(pg_db_url, "only") as holder:
+        thread, answer = _lease_in_thread(pg_api)
+        # No other study has work: it waits for the busy one instead of "no work now" (204).
+        assert _until_answered_or_waiting(holder, thread), "the lease did not wait for the only study"
+    thread.join(timeout=60)
+    assert answer[0].status_code == 200 and answer[0].json()["kind"] == "trial", answer[0].text
+
+
+def test_expiry_takes_the_studys_lock_before_it_writes(pg_api: Api, pg_db_url: str) -> None:
+    """Expiry wrote a study's expired leases, then waited for the study's row to settle it: the
+    lock order that deadlocked the report path (b6da51c).  It takes the study's lock first now,
+    and passes over a study another request holds."""
+    from sqlalchemy import text
+
+    from api.services.leasing.service import LeaseService
+
+    assert pg_api.post("/v1/studies", "user", small_spec("stale")).status_code == 201
+    _measure_baseline(pg_api)
+    trial = pg_api.post("/v1/workers/w1/lease", "worker", INVENTORY).json()
+    ctx = pg_api.client.app.state.ctx  # type: ignore[attr-defined]
+    with ctx.engine.begin() as conn:  # the worker went silent an hour ago
+        conn.execute(
+            text("UPDATE spectune_leases SET deadline = deadline - interval '2 hours' WHERE id = :id"),
+            {"id": trial["lease_id"]},
+        )
+
+    def state() -> str:
+        with ctx.engine.connect() as conn:
+            found = conn.execute(text("SELECT state FROM spectune_leases WHERE id = :id"), {"id": trial["lease_id"]})
+            return str(found.scalar_one())
+
+    service = LeaseService(ctx)
+    with _study_lock_held(pg_db_url, "stale"):
+        assert service.reclaim_expired() == 0
+        assert state() == "active", "expiry wrote a lease of a study whose lock another request holds"
+    assert service.reclaim_expired() == 1
+    assert state() == "expired"
