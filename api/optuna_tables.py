@@ -42,7 +42,12 @@ _STALE_RUNNING = text(
 
 def running_trials_started_before(engine: Engine, before: datetime) -> dict[str, list[int]]:
     """Trial numbers per study that are RUNNING and started at or before `before` (or never
-    stamped), in one query: what the orphan sweep looks at on every lease."""
+    stamped), in one query: what the orphan sweep looks at on every lease.
+
+    `before` is naive UTC (the database clock), as Optuna 5 stores `datetime_start` in its table
+    whatever the process's zone (its model converts local time to naive UTC on write and back on
+    read, `storages/_rdb/models.py`): the comparison holds under any TZ
+    (tests/test_chaos_orphan_trial.py, in zones west and east of UTC)."""
     out: dict[str, list[int]] = {}
     with engine.connect() as conn:
         for study, number in conn.execute(_STALE_RUNNING, {"before": before}):

@@ -58,3 +58,36 @@ def test_a_trial_asked_but_never_leased_does_not_stay_running(api: Api) -> None:
     trial = opt.load_study(ctx.storage, parsed).trials[orphan]
     assert trial.state.name == "FAIL", f"trial {orphan} was asked but never leased, and is {trial.state.name}"
     assert "never leased" in str(trial.user_attrs), trial.user_attrs
+
+
+@pytest.fixture
+def local_zone(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """This process in another time zone (Optuna stamps trials with its local wall clock)."""
+    monkeypatch.setenv("TZ", request.param)
+    time.tzset()
+    try:
+        yield request.param
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+
+
+@pytest.mark.parametrize("local_zone", ["America/New_York", "Asia/Tokyo"], indirect=True)
+def test_the_orphan_sweep_reads_optunas_local_stamps_in_any_zone(db_url: str, local_zone: str) -> None:
+    """Compared in the wrong clock, west of UTC a trial asked a moment ago would look hours old
+    (a fresh ask told FAIL), east of it an orphan would never age (RUNNING for good).  Optuna 5
+    stores naive UTC whatever the zone (api.optuna_tables); each zone is checked both ways."""
+    from api.services.leasing.service import LeaseService
+
+    settings = make_settings(db_url, orphan_grace_s=3600.0)
+    with TestClient(create_app(settings)) as client:
+        Api(client, make_tokens(db_url)).post("/v1/studies", "user", json=small_spec("zoned"))
+        ctx = client.app.state.ctx  # type: ignore[attr-defined]
+        parsed = StudySpec.model_validate(small_spec("zoned"))
+        asked = opt.ask(opt.load_study(ctx.storage, parsed), parsed).number
+        expiry = LeaseService(ctx).expiry
+        expiry.fail_orphans()  # an hour's grace: the trial asked a moment ago is no orphan yet
+        assert opt.load_study(ctx.storage, parsed).trials[asked].state.name == "RUNNING", local_zone
+        expiry.settings = settings.model_copy(update={"orphan_grace_s": 0.0})
+        expiry.fail_orphans()  # no grace: it is one now
+        assert opt.load_study(ctx.storage, parsed).trials[asked].state.name == "FAIL", local_zone
