@@ -3,22 +3,11 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 
-import pytest
-
+from tests import test_worker_agent as agent_tests
 from tests.test_resolve import BASE, _level, _order
-from tests.test_worker_agent import ApiServer, FakeApi
 
-
-@pytest.fixture
-def fake_api() -> Iterator[tuple[FakeApi, ApiServer]]:
-    """The scripted lease API of the agent's tests, on 127.0.0.1."""
-    fake = FakeApi()
-    server = ApiServer(fake)
-    server.start()
-    yield fake, server
-    server.stop()
+fake_api = agent_tests.api  # the scripted lease API on 127.0.0.1 (a fixture, defined once there)
 
 
 def test_the_worker_adds_passes_on_the_same_warm_server_and_reports_them(tmp_path, fake_api):  # type: ignore[no-untyped-def]

@@ -18,20 +18,14 @@ import pytest
 
 from optimizer.sglang import ServerSettings
 from spectune_protocol import CompleteIn
+from tests import test_worker_agent as agent_tests
 from tests.helpers import wait_for
-from tests.test_worker_agent import TOKEN, ApiServer, FakeApi, lease_body, running_agent, write_config
+from tests.test_worker_agent import TOKEN, FakeApi, lease_body, running_agent, write_config
 from workers.agent import server_settings_refusal
 from workers.config import DEFAULT_ALLOWED_EXTRA_ARGS, RESERVED_FLAGS, load_config
 from workers.errors import ConfigError
 
-
-@pytest.fixture
-def api() -> Any:
-    fake = FakeApi()
-    server = ApiServer(fake)
-    server.start()
-    yield fake, server
-    server.stop()
+api = agent_tests.api  # the scripted lease API on 127.0.0.1 (a fixture, defined once there)
 
 
 def _with_extra(lease_id: str, extra: dict[str, Any], **over: Any) -> dict[str, Any]:

@@ -16,7 +16,6 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +24,10 @@ from pydantic import ValidationError
 
 from spectune_protocol import LeaseOut
 from spectune_protocol.printable import printable
+from tests import test_worker_agent as agent_tests
 from tests.conftest import INVENTORY, Api, small_spec
 from tests.helpers import wait_for
-from tests.test_worker_agent import ApiServer, FakeApi, lease_body, running_agent, write_config
+from tests.test_worker_agent import lease_body, running_agent, write_config
 from workers.loadgen.prompts import load_prompts
 from workers.main import OneLineMessages
 
@@ -43,14 +43,7 @@ def failed(kind: str, message: str) -> dict[str, Any]:
     return {"outcome": "failed", "failure": {"kind": kind, "message": message}}
 
 
-@pytest.fixture
-def fake_api() -> Iterator[tuple[FakeApi, ApiServer]]:
-    """tests/test_worker_agent.py's scripted lease API, served by uvicorn on 127.0.0.1."""
-    fake = FakeApi()
-    server = ApiServer(fake)
-    server.start()
-    yield fake, server
-    server.stop()
+fake_api = agent_tests.api  # the scripted lease API on 127.0.0.1 (a fixture, defined once there)
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
