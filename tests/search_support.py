@@ -10,6 +10,10 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import Any
 
+from optuna.distributions import IntDistribution
+from optuna.trial import FrozenTrial, create_trial
+
+from optimizer.objective import CONSTRAINT_KEY
 from optimizer.space import SpecConfig
 from spectune_sim.landscapes import LANDSCAPES
 from spectune_sim.model import predict
@@ -36,6 +40,36 @@ def sim_levels(landscape: str, config: dict[str, Any] | None, levels: Sequence[i
             }
         )
     return out
+
+
+def trial_attrs(
+    landscape: str, config: SpecConfig, levels: Sequence[int], *, startup_s: float | None = None
+) -> dict[str, Any]:
+    """A measured trial's user attributes as the service stores them, measured on the simulator."""
+    lv = sim_levels(landscape, config.model_dump(mode="json"), levels)
+    base = sim_levels(landscape, None, levels)
+    by_level = {str(a["concurrency"]): a["output_tok_s"] / b["output_tok_s"] for a, b in zip(lv, base, strict=True)}
+    attrs = {
+        "config": config.model_dump(mode="json"),
+        "config_key": config.key,
+        "levels": lv,
+        "baseline_levels": base,
+        "speedup_by_level": by_level,
+    }
+    return attrs if startup_s is None else {**attrs, "startup_s": startup_s}
+
+
+def frozen_trial(number: int, value: float, attrs: dict[str, Any], violation: float = 0.0) -> FrozenTrial:
+    """A finished trial as Optuna hands it to the samplers and the stop rules."""
+    t = create_trial(
+        value=value,
+        params={"num_steps": 1},
+        distributions={"num_steps": IntDistribution(1, 10)},
+        user_attrs=attrs,
+    )
+    t.number = number
+    t.set_constraint(CONSTRAINT_KEY, violation)
+    return t
 
 
 def ok(levels: list[Any]) -> dict[str, Any]:

@@ -9,7 +9,6 @@ from typing import Any
 import numpy as np
 import optuna
 import pytest
-from optuna.distributions import IntDistribution
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
 from optimizer import convergence, costs, launch_cost, stop_rules
@@ -17,7 +16,6 @@ from optimizer import study as opt
 from optimizer.infeasible import needs_at_least
 from optimizer.memory_boundary import PROBABLE_FAILURE, MemoryBoundary, terms_for, tuning_launches
 from optimizer.model_sampler import NEAR_COPY, coords, open_pool, propose
-from optimizer.objective import CONSTRAINT_KEY
 from optimizer.plan import server_settings
 from optimizer.space import SearchSpace, SpecConfig
 from optimizer.spec import parse_spec
@@ -25,7 +23,8 @@ from optimizer.stop_rules import StopRule
 from spectune_sim.landscapes import LANDSCAPES
 from spectune_sim.model import true_optimum
 from tests.conftest import Api, small_spec
-from tests.search_support import drive, sim_levels
+from tests.search_support import drive, trial_attrs
+from tests.search_support import frozen_trial as _frozen
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -37,17 +36,8 @@ def spec(**kw: Any) -> Any:
 
 
 def attrs_for(landscape: str, config: SpecConfig) -> tuple[float, dict[str, Any]]:
-    lv = sim_levels(landscape, config.model_dump(mode="json"), [1])
-    base = sim_levels(landscape, None, [1])
-    value = lv[0]["output_tok_s"] / base[0]["output_tok_s"]
-    return value, {
-        "config": config.model_dump(mode="json"),
-        "config_key": config.key,
-        "levels": lv,
-        "baseline_levels": base,
-        "speedup_by_level": {"1": value},
-        "startup_s": 30.0 + 2.0 * config.num_steps,
-    }
+    a = trial_attrs(landscape, config, [1], startup_s=30.0 + 2.0 * config.num_steps)
+    return a["speedup_by_level"]["1"], a
 
 
 def run_until_settled(landscape: str, max_trials: int) -> tuple[list[convergence.Assessment], float]:
@@ -178,18 +168,6 @@ def test_parallel_proposals_differ_and_are_never_near_copies() -> None:
     assert second.config.key != first.config.key
     gap = math.dist(coords([first.config])[0], coords([second.config])[0])
     assert gap >= NEAR_COPY, (first.config.key, second.config.key)
-
-
-def _frozen(number: int, value: float, attrs: dict[str, Any], violation: float = 0.0) -> FrozenTrial:
-    t = create_trial(
-        value=value,
-        params={"num_steps": 1},
-        distributions={"num_steps": IntDistribution(1, 10)},
-        user_attrs=attrs,
-    )
-    t.number = number
-    t.set_constraint(CONSTRAINT_KEY, violation)
-    return t
 
 
 def test_the_service_finishes_a_converged_study_and_says_why(api: Api) -> None:

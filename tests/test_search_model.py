@@ -8,20 +8,18 @@ from typing import Any
 
 import optuna
 import pytest
-from optuna.distributions import IntDistribution
-from optuna.trial import create_trial
 
 from optimizer import study as opt
 from optimizer.answers import adaptive_export, best_by_level, check_adaptive_config
 from optimizer.infeasible import needs_at_least
 from optimizer.model_sampler import propose
-from optimizer.objective import CONSTRAINT_KEY
 from optimizer.perf_model import fit, observations_from_attrs
 from optimizer.space import SearchSpace, SpecConfig
 from optimizer.spec import parse_spec
 from spectune_sim.landscapes import LANDSCAPES
 from spectune_sim.model import true_optimum
-from tests.search_support import sim_levels
+from tests.search_support import frozen_trial as _frozen
+from tests.search_support import trial_attrs as attrs_for
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -30,19 +28,6 @@ def spec(**kw: Any) -> Any:
     base: dict[str, Any] = {"name": "m", "model": {"target": "t", "draft": "d"}, "seed": 1, "sampler": "auto"}
     base.update(kw)
     return parse_spec(base)
-
-
-def attrs_for(landscape: str, config: SpecConfig, levels: list[int]) -> dict[str, Any]:
-    lv = sim_levels(landscape, config.model_dump(mode="json"), levels)
-    base = sim_levels(landscape, None, levels)
-    by_level = {str(a["concurrency"]): a["output_tok_s"] / b["output_tok_s"] for a, b in zip(lv, base, strict=True)}
-    return {
-        "config": config.model_dump(mode="json"),
-        "config_key": config.key,
-        "levels": lv,
-        "baseline_levels": base,
-        "speedup_by_level": by_level,
-    }
 
 
 def value_of(a: dict[str, Any]) -> float:
@@ -125,18 +110,6 @@ def test_memory_dominance_is_componentwise() -> None:
     big = base.model_copy(update={"cuda_graph_max_bs": 64})
     assert needs_at_least(big.model_copy(update={"cuda_graph_max_bs": 128}), big)
     assert not needs_at_least(big.model_copy(update={"cuda_graph_max_bs": 32}), big)
-
-
-def _frozen(number: int, value: float, attrs: dict[str, Any], violation: float = 0.0) -> Any:
-    t = create_trial(
-        value=value,
-        params={"num_steps": 1},
-        distributions={"num_steps": IntDistribution(1, 10)},
-        user_attrs=attrs,
-    )
-    t.number = number
-    t.set_constraint(CONSTRAINT_KEY, violation)
-    return t
 
 
 def _levels_study(landscape: str, configs: list[SpecConfig], levels: list[int]) -> list[Any]:
