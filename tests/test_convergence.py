@@ -40,6 +40,11 @@ def attrs_for(landscape: str, config: SpecConfig) -> tuple[float, dict[str, Any]
     return a["speedup_by_level"]["1"], a
 
 
+def measured(landscape: str, configs: list[SpecConfig]) -> list[FrozenTrial]:
+    """These configurations measured on the simulator at concurrency 1, numbered in this order."""
+    return [_frozen(i, *attrs_for(landscape, c)) for i, c in enumerate(configs)]
+
+
 def run_until_settled(landscape: str, max_trials: int) -> tuple[list[convergence.Assessment], float]:
     """The service's loop in memory: ask, measure with the simulator, tell, assess."""
     sp = spec()
@@ -86,17 +91,15 @@ def test_an_unfamiliar_landscape_does_not_stop_while_the_model_is_unsure() -> No
     # zigzag-tiles: acceptance that is not monotone across draft positions and a verify cost that
     # steps at 16-token tiles, neither of which the model's family can express.
     sp = spec()
-    trials: list[FrozenTrial] = []
-    for i, c in enumerate(
+    trials = measured(
+        "zigzag-tiles",
         [
             SpecConfig(num_steps=3, topk=1, num_draft_tokens=4),
             SpecConfig(num_steps=5, topk=4, num_draft_tokens=8),
             SpecConfig(num_steps=1, topk=1, num_draft_tokens=2),
             SpecConfig(num_steps=2, topk=1, num_draft_tokens=3),
-        ]
-    ):
-        value, a = attrs_for("zigzag-tiles", c)
-        trials.append(_frozen(i, value, a))
+        ],
+    )
     a4 = convergence.assess(sp, trials)
     assert not a4.settled, a4.reason
     # Its own uncertainty about what it has not seen (deeper trees) keeps the study going.
@@ -109,16 +112,14 @@ def test_an_unfamiliar_landscape_does_not_stop_while_the_model_is_unsure() -> No
 def test_a_probable_oom_is_skipped_not_only_what_dominates_a_failure() -> None:
     """The issue's walk down 4/8/33 -> 4/8/32 -> ... -> 3/8/21, one OOM launch each, does not happen."""
     sp = spec(workload={"concurrency": [16]})
-    trials: list[FrozenTrial] = []
-    for i, c in enumerate(
+    trials = measured(
+        "dense-8b-h100",
         [
             SpecConfig(num_steps=3, topk=1, num_draft_tokens=4),
             SpecConfig(num_steps=5, topk=4, num_draft_tokens=8),
             SpecConfig(num_steps=2, topk=2, num_draft_tokens=3),
-        ]
-    ):
-        value, a = attrs_for("dense-8b-h100", c)
-        trials.append(_frozen(i, value, a))
+        ],
+    )
     failed = SpecConfig(num_steps=4, topk=8, num_draft_tokens=33)
     oom_attrs = {"config": failed.model_dump(mode="json"), "config_key": failed.key, "failure_kind": "oom"}
     trials.append(_frozen(3, 0.5, oom_attrs, violation=10.0))
@@ -142,16 +143,14 @@ def test_a_probable_oom_is_skipped_not_only_what_dominates_a_failure() -> None:
 
 def test_parallel_proposals_differ_and_are_never_near_copies() -> None:
     sp = spec()
-    trials: list[FrozenTrial] = []
-    for i, c in enumerate(
+    trials = measured(
+        "dense-8b-h100",
         [
             SpecConfig(num_steps=3, topk=1, num_draft_tokens=4),
             SpecConfig(num_steps=5, topk=4, num_draft_tokens=8),
             SpecConfig(num_steps=7, topk=8, num_draft_tokens=50),
-        ]
-    ):
-        value, a = attrs_for("dense-8b-h100", c)
-        trials.append(_frozen(i, value, a))
+        ],
+    )
     rng = random.Random(0)
     first = propose(sp, trials, rng)
     assert first is not None
