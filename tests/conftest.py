@@ -43,11 +43,11 @@ def _drop_pg(name: str) -> None:
 
 
 @contextlib.contextmanager
-def pg_clone(template: str, prefix: str = "spectune_t") -> Iterator[str]:
-    """A fresh Postgres database cloned from `template` (its URL), dropped afterwards."""
+def pg_clone(template: str | None, prefix: str = "spectune_t") -> Iterator[str]:
+    """A fresh Postgres database cloned from `template` (an empty one when None): its URL, dropped afterwards."""
     name = f"{prefix}_{uuid.uuid4().hex[:12]}"
     with _pg_admin() as c:
-        c.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
+        c.execute(f'CREATE DATABASE "{name}"' + ("" if template is None else f' TEMPLATE "{template}"'))
     try:
         yield pg_url(name)
     finally:

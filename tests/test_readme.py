@@ -9,14 +9,13 @@ import re
 import signal
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import _drop_pg, _pg_admin, pg_url, small_spec
+from tests.conftest import pg_clone, small_spec
 from tests.helpers import copy_checkout, free_port, wait_for
 
 pytestmark = pytest.mark.slow
@@ -24,12 +23,16 @@ pytestmark = pytest.mark.slow
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
-def rest_session() -> str:
+def bash_block(after: str) -> str:
+    """The README's first bash block after the text `after`."""
     text = README.read_text(encoding="utf-8")
-    start = text.index("An example session")
-    m = re.compile(r"```bash\n(.*?)```", re.S).search(text, start)
-    assert m is not None, "the README lost its REST session"
+    m = re.compile(r"```bash\n(.*?)```", re.S).search(text, text.index(after))
+    assert m is not None, f"the README lost its bash block after {after!r}"
     return m.group(1)
+
+
+def rest_session() -> str:
+    return bash_block("An example session")
 
 
 def test_readme_rest_session_runs_as_printed(tmp_path: Path) -> None:
@@ -78,22 +81,13 @@ def test_readme_rest_session_runs_as_printed(tmp_path: Path) -> None:
 
 
 def deployment_block() -> str:
-    text = README.read_text(encoding="utf-8")
-    start = text.index("## Running a real deployment")
-    m = re.compile(r"```bash\n(.*?)```", re.S).search(text, start)
-    assert m is not None, "the README lost its deployment block"
-    return m.group(1)
+    return bash_block("## Running a real deployment")
 
 
 @pytest.fixture
 def empty_pg_database() -> Iterator[str]:
-    name = f"spectune_t_{uuid.uuid4().hex[:12]}"
-    with _pg_admin() as c:
-        c.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield pg_url(name)
-    finally:
-        _drop_pg(name)
+    with pg_clone(None) as url:
+        yield url
 
 
 def test_readme_deployment_installs_the_api_host_as_printed(tmp_path: Path, empty_pg_database: str) -> None:
