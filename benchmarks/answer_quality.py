@@ -47,7 +47,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from benchmarks.search_efficiency import Host, Truth, Workload, drive, spectune_plan
-from optimizer import conductor, deploy
+from optimizer import conductor, deploy, ranking
 from optimizer import confirmation as confirm
 from optimizer.analysis import Interval
 from optimizer.space import SpecConfig
@@ -153,7 +153,9 @@ def run_case(ls: Landscape, spec: StudySpec, seed: int, launch_sd: float, best: 
         base_started = _starts(ls, deploy.deployment_settings(spec, None)[0])
         return Outcome(False, 1.0, best, None, None, None, launches, by_kind, extra, base_started, "", None,
                        noise.sd)  # fmt: skip
-    choice = confirm.choose(docs, spec.budget.min_gain if TIE_WITHIN is None else TIE_WITHIN)
+    choice = confirm.choose(
+        docs, spec.budget.min_gain if TIE_WITHIN is None else TIE_WITHIN, ranking.of(spec, snap.trials)
+    )
     w = choice.winner
     iv = w["speedup_interval"]
     pays = confirm.pays(float(w["speedup"]), None if iv is None else Interval(w["speedup"], iv["low"], iv["high"]))

@@ -59,7 +59,7 @@ import optuna
 
 from api.services.leasing.trial import MAX_DUPLICATE_PROPOSALS
 from optimizer import attrs as A
-from optimizer import conductor, confirmation, costs, deploy
+from optimizer import conductor, confirmation, costs, deploy, ranking
 from optimizer import study as opt
 from optimizer.infeasible import known_to_fail, oom_points
 from optimizer.objective import CONSTRAINT_KEY, LevelResult, score
@@ -741,7 +741,7 @@ def _study_answer(store: MemoryStudy, hosts: Sequence[Host], truth: Truth) -> An
         return answer(1.0)  # "speculation does not pay": run the baseline
     confirmed = [doc for doc in store.confirmations(snap) if (doc["violation"] or 0.0) <= 0]
     if confirmed:
-        top = confirmation.choose(confirmed, spec.budget.min_gain).winner
+        top = confirmation.choose(confirmed, spec.budget.min_gain, ranking.of(spec, snap.trials)).winner
         cfg = SpecConfig.model_validate(top["config"])
         return answer(truth.value(cfg) if float(top["speedup"]) > 1.0 else 1.0)
     return answer(incumbent)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from optuna.trial import FrozenTrial
 
@@ -32,6 +32,7 @@ from optimizer.analysis import (
     log_mean_variance,
 )
 from optimizer.objective import LevelResult, score
+from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 
 CANDIDATE_WINDOW = 0.05
@@ -301,8 +302,9 @@ class Choice:
     """The answer among confirmed candidates: the cheapest of those tied with the best."""
 
     winner: Mapping[str, Any]
-    best: Mapping[str, Any]  # the highest confirmed value
+    best: Mapping[str, Any]  # the highest confirmed value, or the best by the study's model
     ties: list[Mapping[str, Any]]  # the others the winner cannot be told apart from
+    ranked: bool = False  # the study's model ordered them (optimizer.ranking), not the confirmations alone
 
     @property
     def note(self) -> str | None:
@@ -312,6 +314,12 @@ class Choice:
         if self.winner is self.best:
             cheaper = [c for c in self.ties if cost_key(c["config"]) < cost_key(self.best["config"])]
             if cheaper:
+                if self.ranked:
+                    return (
+                        f"ties with {others} (overlapping 95% intervals); the study's model of every launch "
+                        f"ranks it first and cannot show that the cheaper {_label(cheaper[0])} gives up less than "
+                        "min_gain, so it is the answer"
+                    )
                 return (
                     f"ties with {others} (overlapping 95% intervals); the cheaper {_label(cheaper[0])} "
                     "measured further behind than min_gain, so the best measured is the answer"
@@ -330,7 +338,15 @@ def _interval_of(c: Mapping[str, Any]) -> Interval | None:
     return None if iv is None else Interval(float(c["speedup"]), float(iv["low"]), float(iv["high"]))
 
 
-def choose(confirmed: Sequence[Mapping[str, Any]], min_gain: float = 0.01) -> Choice:
+class Ranking(Protocol):
+    """Which candidate is best on everything the study measured (optimizer.ranking.Ranking)."""
+
+    def estimate(self, config: SpecConfig) -> float: ...
+
+    def surely_within(self, config: SpecConfig, best: SpecConfig, min_gain: float) -> bool: ...
+
+
+def choose(confirmed: Sequence[Mapping[str, Any]], min_gain: float = 0.01, ranking: Ranking | None = None) -> Choice:
     """The best confirmed candidate, or the cheapest one tied with it.
 
     Tied: the intervals overlap (the data cannot order them); the verdict says so.  The cheapest
@@ -338,10 +354,21 @@ def choose(confirmed: Sequence[Mapping[str, Any]], min_gain: float = 0.01) -> Ch
     having"); one measured further behind is not given the benefit of the doubt.  Entries are
     confirmation documents (`speedup`, `speedup_interval`, `config`, `trial_number`).  Without
     intervals nothing is tied.
+
+    `ranking` (optimizer.ranking.of: the study's model of every launch, where it is trusted):
+    which candidate is best is its call, not one confirmation launch's, and a cheaper tied one is
+    preferred only when it is sure (optimizer.ranking.WITHIN_Z) that it gives up less than `min_gain`.
     """
     if not confirmed:
         raise ValueError("nothing confirmed to choose from")
-    best = max(confirmed, key=lambda c: (float(c["speedup"]), -int(c["trial_number"])))
+
+    def config(c: Mapping[str, Any]) -> SpecConfig:
+        return SpecConfig.model_validate(c["config"])
+
+    def rank(c: Mapping[str, Any]) -> float:
+        return float(c["speedup"]) if ranking is None else ranking.estimate(config(c))
+
+    best = max(confirmed, key=lambda c: (rank(c), -int(c["trial_number"])))
     best_iv = _interval_of(best)
     tied = [
         c
@@ -352,9 +379,14 @@ def choose(confirmed: Sequence[Mapping[str, Any]], min_gain: float = 0.01) -> Ch
         and iv.high >= best_iv.low
         and best_iv.high >= iv.low
     ]
-    close = [c for c in tied if float(c["speedup"]) >= float(best["speedup"]) / (1.0 + min_gain)]
+    close = [
+        c
+        for c in tied
+        if float(c["speedup"]) >= float(best["speedup"]) / (1.0 + min_gain)
+        and (ranking is None or ranking.surely_within(config(c), config(best), min_gain))
+    ]
     winner = min([best, *close], key=lambda c: (cost_key(c["config"]), -float(c["speedup"])))
-    return Choice(winner, best, [c for c in [best, *tied] if c is not winner])
+    return Choice(winner, best, [c for c in [best, *tied] if c is not winner], ranking is not None)
 
 
 # Extra passes on the warm server per level, as a multiple of the workload's repeats: the cost

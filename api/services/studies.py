@@ -29,7 +29,7 @@ from api.services import launch_noise, study_life, trial_records
 from api.services.leasing.records import DEPLOY_FAILED, DEPLOY_RETRY
 from api.services.refusals import active_refusals
 from api.services.study_specs import runnable_spec, stored_spec
-from optimizer import answers, costs, deploy
+from optimizer import answers, costs, deploy, ranking
 from optimizer import attrs as A
 from optimizer import conductor as cond
 from optimizer import confirmation as confirm
@@ -380,7 +380,10 @@ class StudyService:
         ok = [c for c in ok if not c.saturated] or ok
         if ok:
             by_number = {c.trial_number: c for c in ok}
-            choice = confirm.choose([c.model_dump(mode="json") for c in ok], spec.budget.min_gain)
+            # Which one is best: the study's model of every launch where it is trusted (optimizer.ranking).
+            choice = confirm.choose(
+                [c.model_dump(mode="json") for c in ok], spec.budget.min_gain, ranking.of(spec, trials)
+            )
             top = by_number[int(choice.winner["trial_number"])]
             t = next(t for t in trials if t.number == top.trial_number)
             doc = self._describe_best(spec, t, extra_var)

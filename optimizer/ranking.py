@@ -1,0 +1,98 @@
+"""Which confirmed candidate is best, judged on everything the study measured (issue 17 item 4).
+
+One confirmation launch per candidate cannot order near-equal candidates: a launch moves a
+speedup by about as much as the gaps between them (1-2%; `optimizer.analysis.launch_noise`),
+and picking the highest of three such confirmations picks the luckiest launch as often as the
+best configuration (the winner's curse).  The study's performance model (optimizer.perf_model)
+is fitted to every search launch, their accept lengths included: acceptance does not move from
+launch to launch, and neighbouring configurations share their draft positions' acceptance and
+their cost terms, so the model's *difference* between two candidates is far tighter than either
+launch's.  That estimate, shrunk toward what the whole search saw, orders the candidates.
+
+Only the order: the numbers printed with the answer stay those of the launch that proved it
+(its confirmation).  Where the model's predictions missed what was then measured (the stop
+rule's prediction check, optimizer.stop_rules), it is not trusted and the confirmations alone
+rank, as before.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from optuna.trial import FrozenTrial
+
+from optimizer import stop_rules as R
+from optimizer.model_sampler import gain_over, objective_levels, observations_of
+from optimizer.perf_model import MODEL_FLOOR, Candidates, FittedModel, fit
+from optimizer.space import SpecConfig
+from optimizer.spec import StudySpec
+
+# A cheaper tied candidate is preferred only when the model is this sure (one-sided 90%) that it
+# gives up less than `min_gain` against the best: "cannot tell apart" is not "as good", and with
+# launch noise as large as the gaps a one-launch tie says little about how much the cheap one loses.
+WITHIN_Z = 1.28
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """The model's view of a study's candidates (`of`); None from `of` when it has none to trust."""
+
+    spec: StudySpec
+    model: FittedModel
+    floor_sd: float
+
+    def estimate(self, config: SpecConfig) -> float:
+        """The model's objective (speedup) of `config`."""
+        levels, weights = objective_levels(self.spec)
+        mean, _ = self.model.predict_log_speedup(Candidates.of([config]), levels, weights, with_sd=False)
+        return math.exp(float(mean[0]))
+
+    def within(self, config: SpecConfig, best: SpecConfig, min_gain: float) -> float:
+        """How many sd of their difference the model is sure that `config` loses less than
+        `min_gain` against `best` (negative: it probably loses more)."""
+        diff, sd = gain_over(self.spec, self.model, [config], best, self.floor_sd)
+        return (math.log1p(min_gain) + float(diff[0])) / max(float(sd[0]), 1e-9)
+
+    def surely_within(self, config: SpecConfig, best: SpecConfig, min_gain: float) -> bool:
+        return self.within(config, best, min_gain) > WITHIN_Z
+
+
+_MEMO: OrderedDict[str, tuple[str, Ranking | None]] = OrderedDict()
+_MEMO_MAX = 128
+_LOCK = threading.Lock()
+
+
+def of(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Ranking | None:
+    """The ranking of a study's candidates by its model, or None: no model (no accept lengths,
+    too few launches) or one whose predictions missed what was measured.  Memoised on the spec
+    and the finished trials (the study document asks on every read)."""
+    seen = json.dumps(
+        [spec.model_dump_json(), *((t.number, t.state.name, t.value) for t in trials if t.state.is_finished())]
+    )
+    with _LOCK:
+        hit = _MEMO.get(spec.name)
+    if hit is not None and hit[0] == seen:
+        return hit[1]
+    ranking = _fit(spec, trials)
+    with _LOCK:
+        _MEMO[spec.name] = (seen, ranking)
+        _MEMO.move_to_end(spec.name)
+        while len(_MEMO) > _MEMO_MAX:
+            _MEMO.popitem(last=False)
+    return ranking
+
+
+def _fit(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Ranking | None:
+    model = fit(observations_of(trials), spec.search_space.num_steps.high)
+    if model is None:
+        return None
+    check = R.prediction_check(trials)
+    if not check.trusted:
+        return None
+    floor = max(MODEL_FLOOR, check.excess_sd if check.checked >= R.CHECK_MIN else 0.0)
+    return Ranking(spec, model, floor)
