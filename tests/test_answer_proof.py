@@ -47,6 +47,17 @@ def _drive(api: Api, study: str, landscape: str, *, confirm_ooms: bool = False) 
     raise AssertionError("the study did not finish")
 
 
+def _create(api: Api, name: str, *, max_trials: int, top: int, deployed_requests: int | None = None) -> None:
+    """A study of the deploy-tight engine at concurrency 16 (graphs up to 48 do not fit it)."""
+    spec = small_spec(name, budget={"max_trials": max_trials})
+    spec["model"] = {"target": "deploy-tight", "draft": "deploy-tight-eagle3"}
+    spec["workload"] = {**spec["workload"], "concurrency": [16], "repeats": 2}
+    if deployed_requests is not None:
+        spec["serving"] = {"max_running_requests": deployed_requests}
+    spec["confirmation"] = {"top": top}
+    assert api.post("/v1/studies", "user", spec).status_code == 201
+
+
 def _printed(document: StudyDocument, capsys: Any) -> dict[str, str]:
     """What the dashboard note, the HTML report's winner section and the demo print of the answer."""
     from api.demo import _print_result
@@ -62,12 +73,7 @@ def _printed(document: StudyDocument, capsys: Any) -> dict[str, str]:
 
 
 def test_the_printed_command_is_the_server_a_confirmation_started(api: Api, capsys: Any) -> None:
-    spec = small_spec("proof", budget={"max_trials": 4})
-    spec["model"] = {"target": "deploy-tight", "draft": "deploy-tight-eagle3"}
-    spec["workload"] = {**spec["workload"], "concurrency": [16], "repeats": 2}
-    spec["serving"] = {"max_running_requests": 48}
-    spec["confirmation"] = {"top": 2}
-    api.post("/v1/studies", "user", spec)
+    _create(api, "proof", max_trials=4, top=2, deployed_requests=48)
     handed = _drive(api, "proof", "deploy-tight")
     shown = api.get("/v1/studies/proof", "user").json()
     assert shown["state"] == "finished", shown["finish_reason"]
@@ -109,12 +115,7 @@ def test_the_printed_command_is_the_server_a_confirmation_started(api: Api, caps
 
 
 def test_when_no_deployment_starts_the_study_says_so_and_prints_no_command(api: Api, capsys: Any) -> None:
-    spec = small_spec("noproof", budget={"max_trials": 3})
-    spec["model"] = {"target": "deploy-tight", "draft": "deploy-tight-eagle3"}
-    spec["workload"] = {**spec["workload"], "concurrency": [16], "repeats": 2}
-    spec["serving"] = {"max_running_requests": 48}
-    spec["confirmation"] = {"top": 1}
-    api.post("/v1/studies", "user", spec)
+    _create(api, "noproof", max_trials=3, top=1, deployed_requests=48)
     handed = _drive(api, "noproof", "deploy-tight", confirm_ooms=True)
     shown = api.get("/v1/studies/noproof", "user").json()
     assert shown["state"] == "finished"
@@ -188,12 +189,7 @@ def test_a_confirmation_whose_every_envelope_is_known_to_run_out_of_memory_is_no
     from api.models import EventRow, LeaseRow
     from api.services.leasing.records import DEPLOY_FAILED
 
-    spec = small_spec("known-oom", budget={"max_trials": 3})
-    spec["model"] = {"target": "deploy-tight", "draft": "deploy-tight-eagle3"}
-    spec["workload"] = {**spec["workload"], "concurrency": [16], "repeats": 2}
-    spec["serving"] = {"max_running_requests": 48}
-    spec["confirmation"] = {"top": 1}
-    api.post("/v1/studies", "user", spec)
+    _create(api, "known-oom", max_trials=3, top=1, deployed_requests=48)
     ctx = api.client.app.state.ctx  # type: ignore[attr-defined]
     handed: list[dict[str, Any]] = []
     taught = False
@@ -258,11 +254,7 @@ def test_a_confirmation_whose_every_envelope_is_known_to_run_out_of_memory_is_no
 
 
 def test_an_unconfirmed_answer_prints_its_command_with_why_it_is_not_proven(api: Api, capsys: Any) -> None:
-    spec = small_spec("unconfirmed", budget={"max_trials": 3})
-    spec["model"] = {"target": "deploy-tight", "draft": "deploy-tight-eagle3"}
-    spec["workload"] = {**spec["workload"], "concurrency": [16], "repeats": 2}
-    spec["confirmation"] = {"top": 0}
-    api.post("/v1/studies", "user", spec)
+    _create(api, "unconfirmed", max_trials=3, top=0)
     _drive(api, "unconfirmed", "deploy-tight")
     shown = api.get("/v1/studies/unconfirmed", "user").json()
     dep = shown["deployment"]
