@@ -182,6 +182,16 @@ def small_spec(name: str = "s1", **overrides: Any) -> dict[str, Any]:
     return spec
 
 
+def set_path(doc: dict[str, Any], path: str, value: Any, sep: str = ".") -> dict[str, Any]:
+    """`doc` with `value` at the nested key `path` ("budget.max_trials"), tables made as needed."""
+    node = doc
+    *parents, last = path.split(sep)
+    for k in parents:
+        node = node.setdefault(k, {})
+    node[last] = value
+    return doc
+
+
 INVENTORY: dict[str, Any] = {
     "hostname": "gpu-host",
     "sglang_version": "0.5.23",

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.conftest import INVENTORY, Api, make_settings, make_tokens, small_spec
+from tests.conftest import INVENTORY, Api, make_settings, make_tokens, set_path, small_spec
 from tests.test_api_flow import lease, ok_metrics
 from tests.test_fuzz_stateful import BAD_COOKIES
 
@@ -25,15 +25,6 @@ def _error(r: Any) -> dict[str, Any]:
     assert body["detail"] == body["error"]["message"]
     err: dict[str, Any] = body["error"]
     return err
-
-
-def _with(spec: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
-    node = spec
-    keys = dotted.split(".")
-    for k in keys[:-1]:
-        node = node.setdefault(k, {})
-    node[keys[-1]] = value
-    return spec
 
 
 def _post_raw(api: Api, path: str, role: str, text: str) -> Any:
@@ -66,7 +57,7 @@ def _post_raw(api: Api, path: str, role: str, text: str) -> Any:
 def test_spec_numbers_the_code_cannot_use_are_422_and_nothing_is_stored(
     api: Api, dotted: str, value: Any, field: str
 ) -> None:
-    spec = _with(small_spec("bad-number"), dotted, value)
+    spec = set_path(small_spec("bad-number"), dotted, value)
     r = _post_raw(api, "/v1/studies", "user", json.dumps(spec))
     assert r.status_code == 422, r.text
     assert _error(r)["field"] == field
@@ -201,7 +192,7 @@ def test_a_spec_with_more_levels_than_a_report_may_carry_is_refused() -> None:
     ],
 )
 def test_names_with_a_trailing_newline_are_refused(api: Api, dotted: str, value: Any, field: str) -> None:
-    r = api.post("/v1/studies", "user", _with(small_spec("newline"), dotted, value))
+    r = api.post("/v1/studies", "user", set_path(small_spec("newline"), dotted, value))
     assert r.status_code == 422, r.text
     assert _error(r)["field"] == field
     assert api.get("/v1/studies", "user").json() == []

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import INVENTORY, make_tokens, pg_clone, small_spec
+from tests.conftest import INVENTORY, make_tokens, pg_clone, set_path, small_spec
 from tests.helpers import api_server
 
 schemathesis = pytest.importorskip("schemathesis", reason="schemathesis: make setup installs it (the dev extra)")
@@ -200,12 +200,8 @@ def test_a_chunked_body_over_the_limit_is_refused_too(target: Target) -> None:
 
 def _spec_with(**over: Any) -> dict[str, Any]:
     spec = small_spec("limits")
-    for dotted, value in over.items():
-        node = spec
-        keys = dotted.split("__")
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
-        node[keys[-1]] = value
+    for path, value in over.items():
+        set_path(spec, path, value, sep="__")
     return spec
 
 
