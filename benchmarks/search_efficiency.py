@@ -461,6 +461,8 @@ class MemoryStudy:
         if isinstance(action, conductor.StartConfirmation):
             self.phase, self.ending, self.confirmation_began_at = Phase.CONFIRMATION, action.ending, now
             for c in action.candidates:
+                if c.adaptive:
+                    continue  # the simulated hosts model static servers only: no adaptive proof launch
                 self.leases.append(
                     SimLease(
                         f"c{len(self.leases)}",

@@ -26,9 +26,9 @@ from typing import Any
 
 from optuna.trial import FrozenTrial, TrialState
 
+from optimizer import answers, convergence, deploy
 from optimizer import attrs as A
 from optimizer import confirmation as confirm
-from optimizer import convergence, deploy
 from optimizer.analysis import Interval, LaunchNoise
 from optimizer.budget import budget_used
 from optimizer.infeasible import known_to_fail, oom_points
@@ -166,13 +166,15 @@ class Ask:
 
 @dataclass(frozen=True)
 class Candidate:
-    trial_number: int
+    trial_number: int | None  # None: the adaptive deployment (several trials' chains)
     config: SpecConfig
     search_speedup: float | None
     avoid_worker: str | None  # the host that found it, when another can confirm it
     # The deployment its confirmation launches: the printed envelope first (issue 17 item 1).
     tier: int = 0
     envelope: deploy.Envelope | None = None
+    # The study's adaptive answer as printed (`adaptive_proof`), launched once like any answer.
+    adaptive: bool = False
 
 
 @dataclass(frozen=True)
@@ -308,10 +310,12 @@ def settle(snap: Snapshot) -> Action:
     ending = _search_ending(snap, assessment)
     if ending is None:
         return Ask()
+    proof = adaptive_proof(snap)
     if ending.reason == FinishReason.DOES_NOT_PAY:
         # Nothing is likely to reach 1.0x: confirming a loser costs restarts and changes nothing.
-        return Finish(ending)
-    chosen = candidates(snap)
+        # Where a chain pays at part of the load, the answer is adaptive, and it is launched.
+        return Finish(ending) if proof is None else StartConfirmation(ending, (proof,))
+    chosen = candidates(snap) + (() if proof is None else (proof,))
     if not chosen:
         return Finish(ending)
     return StartConfirmation(ending, chosen)
@@ -438,6 +442,18 @@ def candidates(snap: Snapshot) -> tuple[Candidate, ...]:
     return tuple(out)
 
 
+def adaptive_proof(snap: Snapshot) -> Candidate | None:
+    """The launch that proves an adaptive answer (issue 17 items 1, 3), or None when the answer
+    is not adaptive: SGLang's `--speculative-adaptive` server exactly as it would be printed
+    (optimizer.deploy.adaptive_plan), measured at the study's levels like any confirmation."""
+    settings = deploy.adaptive_plan(
+        snap.spec, answers.adaptive_export(snap.spec, snap.trials, launch_noise(snap).variance)
+    )
+    if settings is None or settings.speculative is None:
+        return None
+    return Candidate(None, settings.speculative, None, None, 0, deploy.Envelope(settings, ""), adaptive=True)
+
+
 def next_deployment(
     spec: StudySpec,
     config: SpecConfig,
@@ -498,7 +514,8 @@ def launch_noise(snap: Snapshot) -> LaunchNoise:
 def _confirmation_for(snap: Snapshot, worker_id: str) -> Action:
     queued = sorted(
         (le for le in snap.leases if le.kind == "confirm" and le.state == "queued"),
-        key=lambda le: (le.created_at or snap.now, le.trial_number or 0),
+        # The adaptive proof (no trial number) last: it answers for the candidates' chains.
+        key=lambda le: (le.created_at or snap.now, le.trial_number is None, le.trial_number or 0),
     )
     if not queued:
         moved = settle(snap)

@@ -46,6 +46,10 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30000
 
 Mode = Literal["static", "adaptive", "no_speculation"]
+# The configuration key of the launch that proves an adaptive answer (one server, several chains).
+ADAPTIVE_KEY = "adaptive"
+# The event of an adaptive deployment that did not start (the answer falls back to what was proven).
+ADAPTIVE_FAILED = "adaptive_failed"
 
 
 def placeholder(name: str) -> str:

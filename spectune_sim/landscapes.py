@@ -406,6 +406,22 @@ DEPLOY_TIGHT = dataclasses.replace(
     calibration=(),
 )
 
+# moe-pcie's host with a draft that is often right and a verify that turns compute-bound past a
+# few tokens (assumption): speculation pays 1.8x alone and loses from 4 running requests on, so
+# no single configuration pays over both, and SGLang's adaptive mode (drafting at batch 1, steps
+# 0 from 4) is the answer (issue 17 item 3).
+SPLIT_LOAD = dataclasses.replace(
+    MOE_PCIE,
+    name="split-load",
+    summary="moe-pcie with a compute-bound verify: 1.8x alone, every configuration loses from 4 requests on",
+    modelled_on="moe-pcie with accept 0.8..0.55 per depth and a verify knee at 3 tokens (assumption)",
+    accept_by_depth=(0.8, 0.75, 0.7, 0.65, 0.6, 0.55),
+    verify_slope=0.02,
+    verify_knee=3,
+    verify_slope_after=0.6,
+    calibration=(),
+)
+
 LANDSCAPES: dict[str, Landscape] = {
     ls.name: ls
     for ls in (
@@ -418,6 +434,7 @@ LANDSCAPES: dict[str, Landscape] = {
         TWO_PEAKS,
         NOISY_8B,
         DEPLOY_TIGHT,
+        SPLIT_LOAD,
     )  # fmt: skip
 }
 

@@ -240,6 +240,8 @@ class SimServer:
 
     async def _lifecycle(self) -> int:
         v = self.r.values
+        # The command line as this server received it (also /server_info's launch_command).
+        log.info("launch_command=%s", shlex.join([sys.executable, "-m", "spectune_sim", *self.argv]))
         log.info("server_args=ServerArgs(%s)", ", ".join(f"{k}={v[k]!r}" for k in sorted(v)))
         for w in self.r.warnings:
             log.warning(w)

@@ -24,8 +24,8 @@ from api.db import db_now
 from api.errors import ConflictError, LimitReachedError
 from api.models import BaselineRow, EventRow, LeaseRow, StudyRow, TrialConfigRow, WorkerRow
 from api.optuna_tables import empty_counts, trial_counts
+from api.services import adaptive_answer, launch_noise, study_life, trial_records
 from api.services import eligibility as elig
-from api.services import launch_noise, study_life, trial_records
 from api.services.leasing.records import DEPLOY_FAILED, DEPLOY_RETRY
 from api.services.refusals import active_refusals
 from api.services.study_specs import runnable_spec, stored_spec
@@ -236,7 +236,10 @@ class StudyService:
                 (e.kind, e.detail or "")
                 for e in s.scalars(
                     select(EventRow)
-                    .where(EventRow.study_name == name, EventRow.kind.in_((DEPLOY_RETRY, DEPLOY_FAILED)))
+                    .where(
+                        EventRow.study_name == name,
+                        EventRow.kind.in_((DEPLOY_RETRY, DEPLOY_FAILED, deploy.ADAPTIVE_FAILED)),
+                    )
                     .order_by(EventRow.at)
                 )
             ]
@@ -280,14 +283,29 @@ class StudyService:
         exported = answers.adaptive_export(spec, trials, extra)
         answer = _answer_of(winner, fresh_by_trial)
         pays = cond.pays(answer)
+        version = DEFAULT_SGLANG_VERSION if winner is None else winner.sglang_version
         deployment = deploy.plan_deployment(
-            spec,
-            None if winner is None else winner.config,
-            pays=pays,
-            exported=exported,
-            version=DEFAULT_SGLANG_VERSION if winner is None else winner.sglang_version,
+            spec, None if winner is None else winner.config, pays=pays, exported=exported, version=version
         )
-        deployment, unproven = _proof(deployment, winner, confirmations, events)
+        # An adaptive answer is what its own launch made of it (api.services.adaptive_answer).
+        adaptive = adaptive_answer.outcome(
+            spec,
+            deployment,
+            [r for r in confirm_rows if adaptive_answer.is_adaptive_proof(r)],
+            [d for k, d in events if k == deploy.ADAPTIVE_FAILED],
+            extra,
+            version,
+        )
+        if adaptive.fallback is not None:
+            deployment = deploy.plan_deployment(
+                spec, None if winner is None else winner.config, pays=pays, exported=None, version=version
+            )
+        if adaptive.proven is not None:
+            deployment, unproven = adaptive.proven, None
+        else:
+            deployment, unproven = _proof(deployment, winner, confirmations, events)
+            if adaptive.pending is not None and deployment is not None and deployment.mode == "adaptive":
+                deployment = dataclasses.replace(deployment, proof_note=adaptive.pending)
         # Hosts whose baselines disagree beyond the noise seen: one is probably saturated.
         hosts_note = confirm.host_disagreement(latest_levels, noise.variance / 2)
         if winner is not None:
@@ -326,11 +344,15 @@ class StudyService:
             launch_noise=D.LaunchNoise(**noise.as_json()),
             adaptive_spec=None if exported is None else D.AdaptiveExport(**exported.as_json()),
             verdict=_with_note(
-                unproven
-                or cond.verdict(
-                    answer,
-                    measured,
-                    adaptive=deployment.reason if deployment and deployment.mode == "adaptive" else None,
+                adaptive.verdict
+                or _after(
+                    adaptive.fallback,
+                    unproven
+                    or cond.verdict(
+                        answer,
+                        measured,
+                        adaptive=deployment.reason if deployment and deployment.mode == "adaptive" else None,
+                    ),
                 ),
                 hosts_note,
             ),
@@ -351,7 +373,7 @@ class StudyService:
             # Running studies: which workers can take it, and a warning naming the requirement none meets.
             eligibility=waiting,
             # None until something was measured; then whether the deployed command speculates.
-            speculation_pays=None if winner is None else pays,
+            speculation_pays=None if winner is None else pays or adaptive.proven is not None,
             deployment=None if deployment is None else D.Deployment(**deployment.as_json()),
         )
 
@@ -648,6 +670,10 @@ def _proof(
     else:
         note = ""
     return (deployment if not note else dataclasses.replace(deployment, proof_note=note)), None
+
+
+def _after(first: str | None, verdict: str) -> str:
+    return verdict if first is None else f"{first}: {verdict}"
 
 
 def _with_note(verdict: str, note: str | None) -> str:

@@ -269,29 +269,34 @@ def persist(s: Session, spec: StudySpec, action: c.Action, now: datetime) -> Non
         # Each candidate is confirmed as it would be deployed: the winner's confirmation is then
         # the launch that proves the printed command (issue 17 item 1), no launch added.
         tier, env = cand.tier, cand.envelope or deploy.deployment_envelopes(spec, cand.config)[0]
-        payload = lease_payload(
-            spec,
-            cand.config,
-            confirm={
+        # The adaptive proof has no smaller envelope to fall back to: if it does not start, the
+        # answer falls back to what the other confirmations proved (api.services.studies).
+        info: dict[str, Any] = (
+            {"adaptive": True, "avoid_worker": None, "search_speedup": None}
+            if cand.adaptive
+            else {
                 "avoid_worker": cand.avoid_worker,
                 "search_speedup": cand.search_speedup,
                 "tier": tier,
                 "envelope_note": env.note,
-            },
+            }
         )
+        payload = lease_payload(spec, cand.config, confirm=info)
         payload["server"] = env.settings.model_dump(mode="json")
-        s.add(
-            new_lease_row(
-                spec,
-                LeaseKind.CONFIRM,
-                now,
-                0.0,
-                worker_id=None,
-                config=cand.config,
-                number=cand.trial_number,
-                payload=payload,
-            )
+        row_ = new_lease_row(
+            spec,
+            LeaseKind.CONFIRM,
+            now,
+            0.0,
+            worker_id=None,
+            config=cand.config,
+            number=cand.trial_number,
+            payload=payload,
         )
+        if cand.adaptive:
+            # Its own key: it is not a re-launch of its initial chain (the launch-noise groups).
+            row_.config_key = deploy.ADAPTIVE_KEY
+        s.add(row_)
     row.phase = Phase.CONFIRMATION.value
     row.confirmation_began_at = now
     row.finish_rule = action.ending.reason.value

@@ -138,6 +138,7 @@ class ConfirmLeases:
                         "tier": info.get("tier"),
                         "note": info.get("envelope_note") or "",
                         "server": lease.payload.get("server"),
+                        "adaptive": bool(info.get("adaptive")),
                     },
                 }
                 end(s, lease, LeaseState.COMPLETED, now, speedup=result.value, result=stored)
@@ -152,6 +153,10 @@ class ConfirmLeases:
                     self.retry(s, lease, now, reason)
                 elif failure is not None and failure.kind in ("oom", "launch_timeout") and "tier" in info:
                     self.next_envelope(s, spec, lease, now, failure.kind, failure.message, trials)
+                elif failure is not None and info.get("adaptive"):
+                    # No smaller envelope: the answer falls back to what was proven (studies.py).
+                    why = deploy.deployment_failure(failure.kind, failure.message)
+                    event(s, deploy.ADAPTIVE_FAILED, lease, f"the adaptive deployment did not start ({why})")
                 else:
                     event(s, "confirm_failed", lease, reason)
             study_life.settle(s, spec, now, trials, self.settings)
@@ -194,6 +199,13 @@ class ConfirmLeases:
         """Queue a confirmation again (its baseline pairing is redone), up to max_attempts."""
         if lease.attempt >= self.settings.max_attempts:
             event(s, "confirm_given_up", lease, f"{reason}; gave up after {lease.attempt} attempts")
+            if (lease.payload.get("confirm") or {}).get("adaptive"):
+                event(
+                    s,
+                    deploy.ADAPTIVE_FAILED,
+                    lease,
+                    f"the adaptive deployment was not measured: {reason}; gave up after {lease.attempt} attempts",
+                )
             return
         info = {
             k: v for k, v in (lease.payload.get("confirm") or {}).items() if k not in ("baseline_id", "baseline_fresh")
