@@ -324,3 +324,23 @@ def test_the_conductor_confirms_a_candidate_in_the_envelope_the_model_leaves() -
     (chosen,) = cd.candidates(snap)
     assert chosen.config.key == "s5-k2-n10-bsauto"
     assert chosen.tier == 1 and chosen.envelope is not None and "was not launched" in chosen.envelope.note
+
+
+def test_a_kv_pool_failure_says_nothing_about_the_graph_terms() -> None:
+    sp = spec({"max_running_requests": 48})
+    ok = _trial(0, sp, SpecConfig(num_steps=3, topk=1, num_draft_tokens=4))
+    cfg = SpecConfig(num_steps=2, topk=1, num_draft_tokens=3)
+    kv = create_trial(
+        state=TrialState.COMPLETE, value=0.0, params={}, distributions={},
+        user_attrs={"config": cfg.model_dump(mode="json"), "config_key": cfg.key, "failure_kind": "oom",
+                    "failure_message": "Not enough memory for the KV cache pool (token_to_kv_pool)"},
+    )  # fmt: skip
+    kv.number = 1
+    assert [x.started for x in tuning_launches(sp, [ok, kv])] == [True]
+    graph = create_trial(
+        state=TrialState.COMPLETE, value=0.0, params={}, distributions={},
+        user_attrs={"config": cfg.model_dump(mode="json"), "config_key": cfg.key, "failure_kind": "oom",
+                    "failure_message": "CUDA out of memory while capturing cuda graph"},
+    )  # fmt: skip
+    graph.number = 2
+    assert [x.started for x in tuning_launches(sp, [ok, graph])] == [True, False]
