@@ -30,6 +30,7 @@ from optimizer.memory_boundary import (
     Judgement,
     MemoryBoundary,
     Terms,
+    capture_list,
     judge,
     terms_for,
     tuning_launches,
@@ -54,7 +55,12 @@ def envelope_fixed(spec: StudySpec) -> bool:
 def smallest_deployment(spec: StudySpec, config: SpecConfig) -> ServerSettings:
     """The least demanding envelope a confirmation may deploy `config` in (fewest graphs)."""
     envs = [e.settings for e in deployment_envelopes(spec, config)]
-    return min(envs, key=lambda s: (Terms.of(s, config).sizes, Terms.of(s, config).batch))
+
+    def graphs(s: ServerSettings) -> tuple[int, int]:
+        sizes = capture_list(s)
+        return len(sizes), sizes[-1]
+
+    return min(envs, key=graphs)
 
 
 def weigh(spec: StudySpec, trials: Sequence[FrozenTrial], pool: Sequence[SpecConfig]) -> Weights:
