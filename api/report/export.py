@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from api.documents import Confirmation, StudyDocument, TrialRow
+from optimizer.space import SpecConfig
 
 LEVEL_FIELDS = (
     "output_tok_s",
@@ -56,10 +57,7 @@ def rows(study: str, trials: Sequence[TrialRow]) -> list[dict[str, Any]]:
             "trial": t.number,
             "state": t.state,
             "source": t.source,
-            "num_steps": None if c is None else c.num_steps,
-            "topk": None if c is None else c.topk,
-            "num_draft_tokens": None if c is None else c.num_draft_tokens,
-            "cuda_graph_max_bs": None if c is None else c.cuda_graph_max_bs,
+            **_config_columns(c),
             "objective_speedup": t.speedup,
             "feasible": t.feasible,
             "startup_s": t.startup_s,
@@ -88,6 +86,12 @@ def rows(study: str, trials: Sequence[TrialRow]) -> list[dict[str, Any]]:
 _FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 
 
+def _config_columns(config: SpecConfig | None) -> dict[str, Any]:
+    """The configuration's columns of a row (empty for a baseline)."""
+    fields = ("num_steps", "topk", "num_draft_tokens", "cuda_graph_max_bs")
+    return {f: None if config is None else getattr(config, f) for f in fields}
+
+
 def cell(value: Any) -> Any:
     """A CSV cell: text that a spreadsheet would run as a formula gets a leading `'`; numbers
     (negative ones too) stay numbers."""
@@ -110,10 +114,7 @@ def confirmation_rows(study: str, confirmations: Sequence[Confirmation] | None) 
             "trial": c.trial_number,
             "state": f"confirmation {c.state}",
             "source": "confirmation",
-            "num_steps": None if cfg is None else cfg.num_steps,
-            "topk": None if cfg is None else cfg.topk,
-            "num_draft_tokens": None if cfg is None else cfg.num_draft_tokens,
-            "cuda_graph_max_bs": None if cfg is None else cfg.cuda_graph_max_bs,
+            **_config_columns(cfg),
             "objective_speedup": c.speedup,
             "worker_id": c.worker_id,
         }
