@@ -161,16 +161,8 @@ class FittedModel:
         mean = self._objective(theta, cand, levels, weights)
         if not with_sd:
             return mean, np.zeros_like(mean)
-        cov = np.zeros((len(theta), len(theta)))
-        na = len(self.logits) + 1
-        cov[:na, :na] = self.accept_cov
-        cov[na:, na:] = self.cost_cov
-        grads = np.empty((len(theta), len(mean)))
-        for j in range(len(theta)):
-            h = 1e-4 * max(1.0, abs(theta[j]))
-            bumped = theta.copy()
-            bumped[j] += h
-            grads[j] = (self._objective(bumped, cand, levels, weights) - mean) / h
+        cov = self._cov(len(theta))
+        grads = self._gradients(theta, cand, levels, weights, mean)
         var = np.einsum("ic,ij,jc->c", grads, cov, grads)
         return mean, np.sqrt(np.maximum(var, 0.0) + MODEL_FLOOR**2)
 
@@ -192,15 +184,27 @@ class FittedModel:
         both = Candidates.of(list(cand.configs) + list(ref.configs[:1]))
         base = self._objective(theta, both, levels, weights)
         cov = self._cov(len(theta))
-        grads = np.empty((len(theta), len(base)))
+        grads = self._gradients(theta, both, levels, weights, base)
+        dg = grads[:, :-1] - grads[:, -1:]
+        var = np.einsum("ic,ij,jc->c", dg, cov, dg)
+        return base[:-1] - base[-1], np.sqrt(np.maximum(var, 0.0) + np.asarray(floor) ** 2)
+
+    def _gradients(
+        self,
+        theta: FloatArray,
+        cand: Candidates,
+        levels: Sequence[int],
+        weights: Sequence[float],
+        at: FloatArray,
+    ) -> FloatArray:
+        """d objective / d theta per candidate (rows: parameters), by forward differences from `at`."""
+        grads = np.empty((len(theta), len(at)))
         for j in range(len(theta)):
             h = 1e-4 * max(1.0, abs(theta[j]))
             bumped = theta.copy()
             bumped[j] += h
-            grads[j] = (self._objective(bumped, both, levels, weights) - base) / h
-        dg = grads[:, :-1] - grads[:, -1:]
-        var = np.einsum("ic,ij,jc->c", dg, cov, dg)
-        return base[:-1] - base[-1], np.sqrt(np.maximum(var, 0.0) + np.asarray(floor) ** 2)
+            grads[j] = (self._objective(bumped, cand, levels, weights) - at) / h
+        return grads
 
     def _cov(self, n: int) -> FloatArray:
         cov = np.zeros((n, n))
