@@ -24,6 +24,22 @@ from fastapi.testclient import TestClient
 os.environ["TZ"] = "UTC"
 time.tzset()
 
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A SIGTERM (a `timeout` around pytest, CI cancelling a job) unwinds like Ctrl-C.
+
+    Python's default SIGTERM ends the interpreter at once: no fixture teardown, no `finally`,
+    so every server a test started in its own process group outlived the run (two `spectune
+    server`s from tests/test_readme.py were found an hour after a timed-out run).  As an
+    exception it passes through every `finally` and teardown, which kill what they started.
+    """
+
+    def unwind(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"pytest received signal {signum}")
+
+    signal.signal(signal.SIGTERM, unwind)
+
+
 PG_HOST = os.environ.get("SPECTUNE_TEST_PG_HOST", "127.0.0.1")
 PG_USER = os.environ.get("SPECTUNE_TEST_PG_USER", "postgres")
 PG_ADMIN_DSN = f"host={PG_HOST} port=5432 user={PG_USER} dbname=postgres"
