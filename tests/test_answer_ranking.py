@@ -178,7 +178,7 @@ def test_the_service_answers_the_candidate_its_model_ranks_first_not_the_luckies
     truth_of: dict[str, float] = {}  # every configuration launched, by the simulator's model
 
     def truth(config: dict[str, Any]) -> float:
-        return float(sim_levels(landscape, config, [1])[0]["output_tok_s"]) / base_tok
+        return float(sim_levels(landscape, config, [1])[0]["output_tok_s"]) / float(base_tok)
 
     best_key: str | None = None
     for _ in range(120):  # bounded: the search, its baselines, then the confirmations
