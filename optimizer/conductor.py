@@ -446,6 +446,8 @@ def adaptive_proof(snap: Snapshot) -> Candidate | None:
     """The launch that proves an adaptive answer (issue 17 items 1, 3), or None when the answer
     is not adaptive: SGLang's `--speculative-adaptive` server exactly as it would be printed
     (optimizer.deploy.adaptive_plan), measured at the study's levels like any confirmation."""
+    if snap.spec.confirmation.top <= 0:
+        return None  # the study confirms nothing (its answer is printed unproven, and says so)
     settings = deploy.adaptive_plan(
         snap.spec, answers.adaptive_export(snap.spec, snap.trials, launch_noise(snap).variance)
     )

@@ -102,6 +102,9 @@ def test_no_adaptive_answer_no_proof(monkeypatch: pytest.MonkeyPatch) -> None:
     spec = spec_of("adaptive-none", **SPEC)
     monkeypatch.setattr(c.convergence, "assess", lambda spec, trials: _settled(False))
     losing = [split(0, CHAIN, {1: 0.9, 4: 0.5})]
+    # A study that confirms nothing (confirmation.top 0) launches no proof either.
+    unconfirmed = spec_of("adaptive-top0", **SPEC, confirmation={"top": 0})
+    assert isinstance(c.settle(snap(unconfirmed, TRIALS, baselines=BASES)), c.Finish)
     assert c.settle(snap(spec, losing, baselines=BASES)) == c.Finish(
         Ending(FinishReason.DOES_NOT_PAY, "the rule's words")
     )
