@@ -278,6 +278,12 @@ class StudyDocument(_Document):
         None when there is none (`printed_command_note` says why)."""
         return None if self.deployment is None else self.deployment.launch_command
 
+    def adaptive_proven(self) -> bool:
+        """Is the answer an adaptive server its own launch proved?  Its numbers are then in the
+        verdict, and `best` is only the best static configuration."""
+        dep = self.deployment
+        return dep is not None and dep.mode == "adaptive" and dep.proven_by is not None
+
     def printed_command_note(self) -> str:
         """What stands behind `printed_command`: the launch that started it, why it is not proven,
         or, with no command, the verdict saying why (e.g. no candidate's deployment started)."""

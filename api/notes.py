@@ -92,6 +92,11 @@ def render_note(shown: StudyDocument, baselines: list[str]) -> str:
         out.append(
             f"- trial {best.trial_number}: steps {c.num_steps}, topk {c.topk}, "
             f"draft tokens {c.num_draft_tokens} → **{_fmt(best.speedup)}×** the baseline"
+            + (
+                " (the best static configuration; the answer is the adaptive server below, see the verdict)"
+                if shown.adaptive_proven()
+                else ""
+            )
         )
         for level, iv in best.speedup_interval_by_level.items():
             out.append(f"- concurrency {level}: 95% interval {iv.low:.3f}–{iv.high:.3f}")

@@ -99,8 +99,9 @@ def test_the_adaptive_answer_is_the_command_its_confirmation_launched(pg_db_url:
     # The only difference: where the config file is (the worker's own file; the user's working directory).
     assert seen[3:config_at] + [ADAPTIVE_FILE] + seen[config_at + 1 :] == server_args[3:]
     assert json.loads(printed[1]) == json.loads(written) == dep["adaptive_config"]
-    # `study show` names the launch.
+    # `study show` names the launch, and says the static best is not the answer.
     assert shown.returncode == 0 and proof["id"] in shown.stdout, shown.stdout
+    assert "the answer is the adaptive server below" in shown.stdout
 
 
 def _port(worker_toml: Path) -> str:

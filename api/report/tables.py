@@ -47,6 +47,11 @@ def study_summary(shown: StudyDocument) -> str:
         lines.append(
             f"best     trial {best.trial_number}: steps {c.num_steps}, topk {c.topk}, "
             f"draft tokens {c.num_draft_tokens} -> {best.speedup or 0.0:.3f}x"
+            + (
+                " (the best static configuration; the answer is the adaptive server below)"
+                if shown.adaptive_proven()
+                else ""
+            )
         )
     dep = shown.deployment
     if dep:
