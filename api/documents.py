@@ -317,6 +317,9 @@ class ModelPrediction(_Document):
     observations: int
     p_oom: float
     predicted_cost_s: float
+    # "model": the model's best value; "local": a neighbour of the incumbent, proposed because the
+    # model failed its prediction check (optimizer.model_sampler).  Older trials say neither.
+    move: Literal["model", "local"] = "model"
 
 
 class TrialRow(_Document):

@@ -51,6 +51,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -825,6 +826,62 @@ def _run_answer(hosts: Sequence[Host], truth: Truth, run: Run) -> Answer:
     return _answer(hosts, truth, share * best, "fixed")
 
 
+def simulate_seed(
+    landscape: Landscape,
+    workload: Workload,
+    seed: int,
+    *,
+    workers: int = 2,
+    strategies: Sequence[str] = STUDY_STRATEGIES,
+    spec_host_sd: float = SPEC_HOST_SD,
+) -> dict[str, Answer]:
+    """Every strategy on one landscape and seed (each seed's hosts and noise are its own, so seeds
+    can run in any order or process and give the same answers)."""
+    space = SearchSpace()
+    out: dict[str, Answer] = {}
+    top = max(workload.levels)
+    default_plan = Plan(max_running_requests=top, cuda_graph_max_bs=top)
+    noise = NoiseModel(spec_host_sigma=spec_host_sd)
+    spec = spec_for(workload, "auto", seed)
+    plan = spectune_plan(spec)
+    truth = Truth(landscape, workload, plan, space)
+    for name in strategies:
+
+        def hosts_of(p: Plan, n: int, name: str = name) -> list[Host]:
+            return [
+                Host(
+                    landscape,
+                    workload,
+                    p,
+                    random.Random(f"{landscape.name}/{seed}/{name}/{k}"),
+                    seed,
+                    noise=noise,
+                    host_id=f"h{k}",
+                )
+                for k in range(n)
+            ]
+
+        if name in ("default", "budget20"):
+            hs = hosts_of(plan, workers)
+            s = (
+                spec
+                if name == "default"
+                else spec.model_copy(
+                    update={"budget": spec.budget.model_copy(update={"converge": False, "max_trials": 20})}
+                )
+            )
+            out[name] = run_study(hs, truth, s)
+        elif name == "tpe":
+            hs = hosts_of(default_plan, 1)
+            run = run_tpe(hs[0], truth, seed, 20)
+            out[name] = _run_answer(hs, truth, run)
+        else:
+            hs = hosts_of(default_plan, 1)
+            run = run_grid(hs[0], truth)
+            out[name] = _run_answer(hs, truth, run)
+    return out
+
+
 def simulate_studies(
     landscape: Landscape,
     workload: Workload,
@@ -834,50 +891,27 @@ def simulate_studies(
     strategies: Sequence[str] = STUDY_STRATEGIES,
     spec_host_sd: float = SPEC_HOST_SD,
 ) -> dict[str, list[Answer]]:
-    space = SearchSpace()
     out: dict[str, list[Answer]] = {s: [] for s in strategies}
-    top = max(workload.levels)
-    default_plan = Plan(max_running_requests=top, cuda_graph_max_bs=top)
-    noise = NoiseModel(spec_host_sigma=spec_host_sd)
     for seed in range(seeds):
-        spec = spec_for(workload, "auto", seed)
-        plan = spectune_plan(spec)
-        truth = Truth(landscape, workload, plan, space)
+        got = simulate_seed(
+            landscape, workload, seed, workers=workers, strategies=strategies, spec_host_sd=spec_host_sd
+        )
         for name in strategies:
-
-            def hosts_of(p: Plan, n: int, name: str = name, seed: int = seed) -> list[Host]:
-                return [
-                    Host(
-                        landscape,
-                        workload,
-                        p,
-                        random.Random(f"{landscape.name}/{seed}/{name}/{k}"),
-                        seed,
-                        noise=noise,
-                        host_id=f"h{k}",
-                    )
-                    for k in range(n)
-                ]
-
-            if name in ("default", "budget20"):
-                hs = hosts_of(plan, workers)
-                s = (
-                    spec
-                    if name == "default"
-                    else spec.model_copy(
-                        update={"budget": spec.budget.model_copy(update={"converge": False, "max_trials": 20})}
-                    )
-                )
-                out[name].append(run_study(hs, truth, s))
-            elif name == "tpe":
-                hs = hosts_of(default_plan, 1)
-                run = run_tpe(hs[0], truth, seed, 20)
-                out[name].append(_run_answer(hs, truth, run))
-            else:
-                hs = hosts_of(default_plan, 1)
-                run = run_grid(hs[0], truth)
-                out[name].append(_run_answer(hs, truth, run))
+            out[name].append(got[name])
     return out
+
+
+def _case_seed(job: tuple[Case, int, int, tuple[str, ...], float]) -> dict[str, Answer]:
+    case, seed, workers, strategies, spec_host_sd = job
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return simulate_seed(
+        LANDSCAPES[case.landscape],
+        Workload(levels=case.levels),
+        seed,
+        workers=workers,
+        strategies=strategies,
+        spec_host_sd=spec_host_sd,
+    )
 
 
 def _median(xs: Sequence[float]) -> float:
@@ -920,6 +954,18 @@ def study_report(
         )
     lines.append("")
     return lines
+
+
+def per_seed_report(label: str, answers: Sequence[Answer]) -> list[str]:
+    """One line per seed of the default study: where a table's counts come from."""
+    out = []
+    for seed, a in enumerate(answers):
+        split = "/".join(str(a.by_kind.get(k, 0)) for k in ("baseline", "search", "confirm", "failed"))
+        inc = "-" if a.incumbent_share is None else f"{a.incumbent_share:.4f}"
+        out.append(
+            f"  {label} seed {seed}: {a.launches} launches ({split}), answer {a.share:.4f}, incumbent {inc}; {a.reason[:160]}"
+        )
+    return [*out, ""]
 
 
 def _endings(answers: Sequence[Answer]) -> dict[str, int]:
@@ -969,6 +1015,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=2, help="workers (hosts) of the service's studies")
     ap.add_argument("--strategies", default=",".join(STUDY_STRATEGIES))
     ap.add_argument("--spec-host-sd", type=float, default=SPEC_HOST_SD)
+    ap.add_argument("--jobs", type=int, default=1, help="processes running (case, seed) pairs side by side")
+    ap.add_argument("--per-seed", action="store_true", help="one line per default study: launches, shares, reason")
     args = ap.parse_args(argv)
     by_label = {c.label: c for c in CASES}
     strategies = [s for s in args.strategies.split(",") if s]
@@ -978,20 +1026,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"per-host offset sd {args.spec_host_sd}",
         flush=True,
     )
-    results: list[tuple[Case, list[Answer]]] = []
+    cases = []
     for label in args.cases.split(","):
         if label not in by_label:
             ap.error(f"no case {label!r}; known: {', '.join(by_label)}")
-        case = by_label[label]
-        cells = simulate_studies(
-            LANDSCAPES[case.landscape],
-            Workload(levels=case.levels),
-            args.seeds,
-            workers=args.workers,
-            strategies=strategies,
-            spec_host_sd=args.spec_host_sd,
-        )
+        cases.append(by_label[label])
+    if args.jobs < 1:
+        ap.error("--jobs must be at least 1")
+    jobs = [
+        (case, seed, args.workers, tuple(strategies), args.spec_host_sd) for case in cases for seed in range(args.seeds)
+    ]
+    if args.jobs > 1:
+        # Each (case, seed) is independent and seeded by itself: the same answers in any process.
+        with ProcessPoolExecutor(args.jobs) as pool:
+            answers = list(pool.map(_case_seed, jobs))
+    else:
+        answers = [_case_seed(j) for j in jobs]
+    results: list[tuple[Case, list[Answer]]] = []
+    for k, case in enumerate(cases):
+        mine = answers[k * args.seeds : (k + 1) * args.seeds]
+        cells = {name: [a[name] for a in mine] for name in strategies}
         print("\n".join(study_report(case.label, case.levels, cells, args.seeds, args.workers)), flush=True)
+        if args.per_seed and "default" in cells:
+            print("\n".join(per_seed_report(case.label, cells["default"])), flush=True)
         if "default" in cells:
             results.append((case, cells["default"]))
     print("\n".join(calibration_report(results, args.workers)), flush=True)

@@ -103,13 +103,32 @@ def overlaps(a: Interval | None, b: Interval | None, value_a: float, value_b: fl
     return a.high >= b.low and b.high >= a.low
 
 
+# A runner-up is confirmed only when its chance of beating the leader by more than min_gain is at
+# least this (the stop rule's risk, optimizer.convergence.P_MATTERS): otherwise choosing the
+# leader without it keeps within what the study promises, and each confirmation is a restart
+# (and, on a host without a fresh baseline, a baseline too).
+RUNNER_UP_CHANCE = 0.1
+
+
+def beat_chance(leader: Interval, other: Interval, min_gain: float) -> float:
+    """The chance that `other` truly beats `leader` by more than `min_gain`, from their values and
+    95% intervals (normal on the log scale)."""
+    sd = math.hypot(_log_sd(leader), _log_sd(other))
+    d = math.log(other.value / leader.value) - math.log1p(min_gain)
+    if sd <= 0:
+        return 1.0 if d > 0 else 0.0
+    return float(0.5 * math.erfc(-d / (sd * math.sqrt(2))))
+
+
 def candidates(
     trials: Sequence[FrozenTrial], top: int, spec: StudySpec | None = None, extra_var: float = 0.0
 ) -> list[FrozenTrial]:
     """The distinct configurations worth confirming, best measured first (at most `top`).
 
-    With the spec, only those whose search interval overlaps the leader's: one whose interval
-    lies wholly below cannot be the winner, and each confirmation is a restart.
+    With the spec, only the runners-up that may beat the leader by more than `min_gain` with a
+    chance of at least RUNNER_UP_CHANCE (their search intervals, widened by the launch noise
+    `extra_var`): one that cannot changes no answer the study stands behind, and each
+    confirmation is a restart.
     """
     if top <= 0:
         return []
@@ -127,7 +146,10 @@ def candidates(
             iv = search_interval(spec, t, extra_var)
             if not out:
                 lead_iv = iv
-            elif not overlaps(iv, lead_iv, float(t.value or 0.0), float(out[0].value or 0.0)):
+            elif lead_iv is None or iv is None:
+                if not overlaps(iv, lead_iv, float(t.value or 0.0), float(out[0].value or 0.0)):
+                    continue
+            elif beat_chance(lead_iv, iv, spec.budget.min_gain) < RUNNER_UP_CHANCE:
                 continue
         seen.add(key)
         out.append(t)
@@ -322,7 +344,8 @@ class Choice:
                     )
                 return (
                     f"ties with {others} (overlapping 95% intervals); the cheaper {_label(cheaper[0])} "
-                    "measured further behind than min_gain, so the best measured is the answer"
+                    f"may be more than min_gain behind (a {100 * TIE_RISK:.0f}% chance or more), so the best "
+                    "measured is the answer"
                 )
             return f"ties with {others} (overlapping 95% intervals); it is also the cheapest of them"
         return f"ties with {others} (overlapping 95% intervals): the cheapest of the tied configurations is the answer"
@@ -338,6 +361,29 @@ def _interval_of(c: Mapping[str, Any]) -> Interval | None:
     return None if iv is None else Interval(float(c["speedup"]), float(iv["low"]), float(iv["high"]))
 
 
+# The risk the answer may take of being more than min_gain below the best confirmed candidate
+# for being cheaper: the stop rule's (optimizer.convergence.P_MATTERS), so the tie rule does not
+# spend what the stop rule promised.
+TIE_RISK = 0.1
+
+
+def _log_sd(iv: Interval) -> float:
+    return math.log(iv.high / iv.low) / (2 * Z95) if iv.low > 0 and iv.high > iv.low else 0.0
+
+
+def behind_risk(best: Mapping[str, Any], other: Mapping[str, Any], min_gain: float) -> float:
+    """The chance that `other` is truly more than `min_gain` below `best`, from their confirmed
+    values and 95% intervals (normal on the log scale; 1.0 without intervals)."""
+    a, b = _interval_of(best), _interval_of(other)
+    if a is None or b is None:
+        return 1.0
+    sd = math.hypot(_log_sd(a), _log_sd(b))
+    d = math.log(float(best["speedup"]) / float(other["speedup"])) - math.log1p(min_gain)
+    if sd <= 0:
+        return 1.0 if d > 0 else 0.0
+    return float(0.5 * math.erfc(-d / (sd * math.sqrt(2))))
+
+
 class Ranking(Protocol):
     """Which candidate is best on everything the study measured (optimizer.ranking.Ranking)."""
 
@@ -349,15 +395,17 @@ class Ranking(Protocol):
 def choose(confirmed: Sequence[Mapping[str, Any]], min_gain: float = 0.01, ranking: Ranking | None = None) -> Choice:
     """The best confirmed candidate, or the cheapest one tied with it.
 
-    Tied: the intervals overlap (the data cannot order them); the verdict says so.  The cheapest
-    tied one is the answer when it was measured within `min_gain` of the best (the study's "worth
-    having"); one measured further behind is not given the benefit of the doubt.  Entries are
+    Tied: the intervals overlap (the data cannot order them); the verdict says so.  Entries are
     confirmation documents (`speedup`, `speedup_interval`, `config`, `trial_number`).  Without
     intervals nothing is tied.
 
     `ranking` (optimizer.ranking.of: the study's model of every launch, where it is trusted):
     which candidate is best is its call, not one confirmation launch's, and a cheaper tied one is
-    preferred only when it is sure (optimizer.ranking.WITHIN_Z) that it gives up less than `min_gain`.
+    preferred only when measured within `min_gain` of the best and the ranking is sure
+    (optimizer.ranking.WITHIN_Z) that it gives up less than `min_gain`.  Without one, the cheapest
+    tied candidate is the answer only when the chance that it is more than `min_gain` below the
+    best (the study's "worth having") is under `TIE_RISK`; a cheaper one that may well be further
+    behind is not given the benefit of the doubt.
     """
     if not confirmed:
         raise ValueError("nothing confirmed to choose from")
@@ -382,8 +430,12 @@ def choose(confirmed: Sequence[Mapping[str, Any]], min_gain: float = 0.01, ranki
     close = [
         c
         for c in tied
-        if float(c["speedup"]) >= float(best["speedup"]) / (1.0 + min_gain)
-        and (ranking is None or ranking.surely_within(config(c), config(best), min_gain))
+        if (
+            float(c["speedup"]) >= float(best["speedup"]) / (1.0 + min_gain)
+            and ranking.surely_within(config(c), config(best), min_gain)
+            if ranking is not None
+            else behind_risk(best, c, min_gain) < TIE_RISK
+        )
     ]
     winner = min([best, *close], key=lambda c: (cost_key(c["config"]), -float(c["speedup"])))
     return Choice(winner, best, [c for c in [best, *tied] if c is not winner], ranking is not None)

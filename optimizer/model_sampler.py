@@ -34,7 +34,7 @@ from optuna.trial import FrozenTrial, TrialState
 from scipy.stats import norm
 
 from optimizer import attrs as A
-from optimizer import deployability, launch_cost
+from optimizer import deployability, launch_cost, stop_rules
 from optimizer.infeasible import known_to_fail, oom_points
 from optimizer.params import distributions
 from optimizer.perf_model import (
@@ -58,6 +58,11 @@ PREDICTION_ATTR = A.MODEL_PREDICTION
 NEAR_COPY = 0.75
 
 
+# How far the model-free local moves look around the incumbent (in `lattice_distance` units):
+# the immediate neighbours first, then the next ring once those are all launched.
+LOCAL_RADII = (1.0, 2.0)
+
+
 @dataclass(frozen=True)
 class Proposal:
     config: SpecConfig
@@ -67,6 +72,9 @@ class Proposal:
     observations: int
     p_fail: float = 0.0  # of running out of memory, by the learnt boundary
     cost_s: float = 0.0  # predicted start-up + benchmark seconds
+    # "model": the model's best value; "local": a neighbour of the incumbent, chosen because the
+    # model failed its prediction check (optimizer.stop_rules) and its argmax is not to be trusted.
+    move: str = "model"
 
 
 def objective_levels(spec: StudySpec) -> tuple[list[int], list[float]]:
@@ -176,6 +184,99 @@ def coords(configs: Sequence[SpecConfig]) -> FloatArray:
     ).reshape(len(configs), 3)
 
 
+def _lattice(c: SpecConfig, space: SearchSpace) -> tuple[int, int, int, int]:
+    """A configuration's place on the space's own grid: steps, topk's and graph size's positions
+    in the space's lists, draft tokens."""
+    topks = sorted(space.topk)
+    graphs = sorted(space.cuda_graph_max_bs or [])
+    k = topks.index(c.topk) if c.topk in topks else 0
+    g = graphs.index(c.cuda_graph_max_bs) if c.cuda_graph_max_bs in graphs else 0
+    return c.num_steps, k, g, c.num_draft_tokens
+
+
+def _ndt_step(c: SpecConfig) -> float:
+    return max(1.0, round(c.num_draft_tokens / 10))
+
+
+def lattice_distance(ref: SpecConfig, pool: Sequence[SpecConfig], space: SearchSpace) -> FloatArray:
+    """Moves on the space's own grid from `ref` to each configuration: one per draft step, one per
+    topk choice (and graph size choice) in the space's list, and one per draft-token step, which is
+    a tenth of ref's draft tokens (at least 1).  A chain's draft tokens follow its steps, so
+    between two chains only the steps count.
+
+    This is the neighbourhood a search without a model walks: nothing about how throughput
+    depends on the flags, only which flags sit next to each other.
+    """
+    rs, rk, rg, rn = _lattice(ref, space)
+    step = _ndt_step(ref)
+    out = np.empty(len(pool))
+    for i, c in enumerate(pool):
+        s, k, g, n = _lattice(c, space)
+        d = float(abs(s - rs) + abs(k - rk) + abs(g - rg))
+        if not (c.topk == 1 and ref.topk == 1):
+            d += abs(n - rn) / step
+        out[i] = d
+    return out
+
+
+@dataclass(frozen=True)
+class LocalMoves:
+    """The incumbent's unlaunched neighbours (indices into the pool), whether each carries on the
+    move that found the incumbent (`onward`), and how many of the axes it moves along were probed
+    already by a launch next to the incumbent (`probed`: an untried direction comes first)."""
+
+    index: np.ndarray
+    onward: FloatArray
+    probed: FloatArray
+
+
+def _axes(ref: SpecConfig, c: SpecConfig, space: SearchSpace) -> frozenset[int]:
+    a, b = _lattice(ref, space), _lattice(c, space)
+    axes = {i for i in range(3) if a[i] != b[i]}
+    if a[3] != b[3] and not (ref.topk == 1 and c.topk == 1) and a[1] == b[1]:
+        axes.add(3)
+    return frozenset(axes)
+
+
+def local_moves(
+    ref: SpecConfig, pool: Sequence[SpecConfig], space: SearchSpace, launched: Sequence[SpecConfig] = ()
+) -> LocalMoves:
+    """The incumbent's nearest unlaunched neighbours (the first ring of LOCAL_RADII that has any).
+
+    `launched`: every launched configuration, in the order the results arrived (launches in
+    flight after them); the incumbent's predecessor (the best before it) tells the direction that
+    improved last, and a neighbour one more step that way is "onward" (pattern search's move
+    after a success).
+    """
+    empty = LocalMoves(np.zeros(0, dtype=int), np.zeros(0), np.zeros(0))
+    if not pool:
+        return empty
+    dist = lattice_distance(ref, pool, space)
+    idx = np.zeros(0, dtype=int)
+    for r in LOCAL_RADII:
+        idx = np.flatnonzero((dist > 0) & (dist <= r + 1e-9))
+        if idx.size:
+            break
+    if not idx.size:
+        return empty
+    ring = [pool[i] for i in idx]
+    near = [c for c in launched if c.key != ref.key and float(lattice_distance(ref, [c], space)[0]) <= 1.0 + 1e-9]
+    done = {ax for c in near for ax in _axes(ref, c, space) if len(_axes(ref, c, space)) == 1}
+    probed = np.array([float(len(_axes(ref, c, space) & done)) for c in ring])
+    onward = np.zeros(len(ring))
+    upto = next((i for i, c in enumerate(launched) if c.key == ref.key), len(launched))
+    if upto:
+        prev = launched[upto - 1]
+        if 0 < float(lattice_distance(ref, [prev], space)[0]) <= 1.0 + 1e-9:
+            a, b = np.array(_lattice(ref, space)), np.array(_lattice(prev, space))
+            target = a + (a - b)
+            for j, c in enumerate(ring):
+                got = np.array(_lattice(c, space))
+                same = (got == target)[:3] if (c.topk == 1 and ref.topk == 1) else got == target
+                onward[j] = float(bool(np.all(same)))
+    return LocalMoves(idx, onward, probed)
+
+
 def pending_penalty(pool: Sequence[SpecConfig], pending: Sequence[SpecConfig]) -> FloatArray:
     """Factor on each candidate's value: 0 for a near-copy of a configuration in flight, rising to
     1 away from them (what the pending launch will teach about its neighbours is not worth a
@@ -232,14 +333,29 @@ def propose(
         z = (mean - incumbent) / sd
     ei = sd * (z * norm.cdf(z) + norm.pdf(z))
     penalty = pending_penalty(pool, op.pending)
-    if not penalty.any():
-        return None
     cost = launch_cost.fit(spec, trials).seconds(pool, np.exp(mean), p_fail)
     value = ei * (1.0 - p_fail) * penalty / (cost / float(np.median(cost)))
-    # Ties (flat value far from the incumbent) go to the higher mean, then to the smaller server
-    # (fewer draft tokens, shorter graph capture).
-    order = np.lexsort((cand.ndt, -mean, -np.round(value, 12)))
-    i = int(order[0])
+    local = _local_moves(spec, trials, pool, best)
+    if local is not None:
+        # The model failed its prediction check: its argmax is where a wrong model points, and the
+        # incumbent's neighbours it rates low are what it never tries.  Walk them (pattern search
+        # on the space's grid): onward along the move that found the incumbent, then the
+        # directions no launch has probed, the model's value deciding only among equals.  A
+        # neighbour of a launch in flight is not excluded (the model's "it will teach us about its
+        # neighbours" is what failed); a near-copy of one goes last.
+        move = "local"
+        v = (ei * (1.0 - p_fail))[local.index]
+        clear = penalty[local.index] > 0
+        first = np.lexsort((-mean[local.index], -np.round(v, 12), ~clear, local.probed, -local.onward))
+        i = int(local.index[first[0]])
+    else:
+        if not penalty.any():
+            return None
+        move = "model"
+        # Ties (flat value far from the incumbent) go to the higher mean, then to the smaller
+        # server (fewer draft tokens, shorter graph capture).
+        order = np.lexsort((cand.ndt, -mean, -np.round(value, 12)))
+        i = int(order[0])
     return Proposal(
         config=cand.configs[i],
         predicted_speedup=float(math.exp(mean[i])),
@@ -248,7 +364,25 @@ def propose(
         observations=model.n_observations,
         p_fail=float(p_fail[i]),
         cost_s=float(cost[i]),
+        move=move,
     )
+
+
+def _local_moves(
+    spec: StudySpec, trials: Sequence[FrozenTrial], pool: Sequence[SpecConfig], best: FrozenTrial | None
+) -> LocalMoves | None:
+    """The model-free local moves, or None: only when the model failed its prediction check, a
+    configuration beats the baseline (the incumbent to walk around) and a neighbour is open."""
+    if best is None or float(best.value or 0.0) <= 1.0:
+        return None
+    if stop_rules.prediction_check(trials).trusted:
+        return None
+    by_number = {t.number: t for t in trials}
+    launched = [A.TrialRecord(by_number[x.number]).config for x in stop_rules.launches(trials)]
+    # Launches in flight count as probed directions too (another host is measuring them).
+    launched += pending_configs(trials)
+    moves = local_moves(A.TrialRecord(best).config, pool, spec.search_space, launched)
+    return moves if moves.index.size else None
 
 
 class ModelSampler(BaseSampler):
@@ -283,6 +417,7 @@ class ModelSampler(BaseSampler):
                         "observations": proposal.observations,
                         "p_oom": proposal.p_fail,
                         "predicted_cost_s": proposal.cost_s,
+                        "move": proposal.move,
                     }
                 )
             ),

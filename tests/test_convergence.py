@@ -15,7 +15,7 @@ from optimizer import convergence, costs, launch_cost, stop_rules
 from optimizer import study as opt
 from optimizer.infeasible import needs_at_least
 from optimizer.memory_boundary import PROBABLE_FAILURE, MemoryBoundary, terms_for, tuning_launches
-from optimizer.model_sampler import NEAR_COPY, coords, open_pool, propose
+from optimizer.model_sampler import NEAR_COPY, coords, lattice_distance, local_moves, open_pool, propose, space_configs
 from optimizer.plan import server_settings
 from optimizer.space import SearchSpace, SpecConfig
 from optimizer.spec import parse_spec
@@ -356,3 +356,61 @@ def test_the_improvement_rate_rule_stops_a_model_that_keeps_seeing_a_chance() ->
     assert a.settled and a.rule is StopRule.IMPROVEMENT_RATE and a.model_trusted, a.reason
     assert a.reason.startswith("converged after 9 configurations (improvement-rate rule)"), a.reason
     assert "none of the last 8 launches beat s6-k4-n16" in a.reason and "found at launch 1" in a.reason
+
+
+# --- Model-free local moves once the model is distrusted (optimizer.model_sampler) -------------
+
+
+def _c(steps: int, topk: int, tokens: int) -> SpecConfig:
+    return SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=tokens).canonical()
+
+
+def test_the_lattice_neighbours_are_one_flag_step_away() -> None:
+    space = SearchSpace()
+    ref = _c(5, 4, 14)
+    got = lattice_distance(
+        ref, [_c(5, 4, 15), _c(6, 4, 14), _c(5, 8, 14), _c(5, 2, 14), _c(5, 4, 16), _c(6, 8, 14)], space
+    )
+    assert got.tolist() == [1.0, 1.0, 1.0, 1.0, 2.0, 2.0]
+    # A chain's draft tokens follow its steps: the next chain is one step away.
+    assert lattice_distance(_c(3, 1, 4), [_c(4, 1, 5)], space).tolist() == [1.0]
+    # Draft-token steps grow with the tree: 43 tokens move by 4 at a time.
+    assert lattice_distance(_c(6, 8, 43), [_c(6, 8, 47)], space).tolist() == [1.0]
+    pool = [c for c in space_configs(space) if c.key != ref.key]
+    ring = local_moves(ref, pool, space)
+    keys = sorted(pool[i].key for i in ring.index)
+    assert keys == sorted(
+        c.key for c in [_c(4, 4, 14), _c(6, 4, 14), _c(5, 2, 14), _c(5, 8, 14), _c(5, 4, 13), _c(5, 4, 15)]
+    )
+    # Once the whole first ring is launched, the second one.
+    rest = [c for c in pool if c.key not in keys]
+    second = local_moves(ref, rest, space)
+    assert second.index.size and all(lattice_distance(ref, [rest[i]], space)[0] == 2.0 for i in second.index)
+
+
+def test_local_moves_go_onward_then_along_an_unprobed_flag() -> None:
+    space = SearchSpace()
+    ref = _c(5, 4, 14)
+    launched = [_c(5, 4, 13), ref, _c(6, 4, 14)]  # 13 -> 14 improved; steps were probed since
+    pool = [c for c in space_configs(space) if c.key not in {x.key for x in launched}]
+    moves = local_moves(ref, pool, space, launched)
+    ring = [pool[i] for i in moves.index]
+    onward = [c.key for c, o in zip(ring, moves.onward, strict=True) if o]
+    assert onward == [_c(5, 4, 15).key]
+    probed = {c.key: p for c, p in zip(ring, moves.probed, strict=True)}
+    assert probed[_c(4, 4, 14).key] == 1.0  # the steps axis was probed by 6/4/14
+    assert probed[_c(5, 8, 14).key] == 0.0 and probed[_c(5, 4, 15).key] == 1.0  # 13 probed the tokens
+
+
+def test_a_distrusted_model_walks_the_incumbents_neighbours_instead_of_its_argmax() -> None:
+    space = SearchSpace()
+    trials = _run_with_predictions(ZIGZAG_RUN, miss=1.25)
+    assert not stop_rules.prediction_check(trials).trusted
+    p = propose(spec(), trials, random.Random(0))
+    assert p is not None and p.move == "local"
+    assert lattice_distance(ZIGZAG_RUN[0], [p.config], space)[0] == 1.0, p.config.key
+    # The model still says what it expects there (the prediction check goes on).
+    assert p.predicted_speedup > 0 and p.predicted_sd > 0
+    # A model that predicts within its uncertainty proposes its own best, wherever it lies.
+    trusted = propose(spec(), _run_with_predictions(ZIGZAG_RUN, miss=1.0), random.Random(0))
+    assert trusted is not None and trusted.move == "model"

@@ -12,11 +12,12 @@ import random
 from optimizer.analysis import (
     MIN_LAUNCH_SD,
     PRIOR_LAUNCH_SD,
+    Interval,
     Relaunch,
     launch_noise,
     ratio_interval,
 )
-from optimizer.confirmation import choose, study_relaunches
+from optimizer.confirmation import RUNNER_UP_CHANCE, TIE_RISK, beat_chance, behind_risk, choose, study_relaunches
 
 
 def _launch(rng: random.Random, true: float, launch_sd: float, pass_sd: float, passes: int = 3) -> list[float]:
@@ -95,16 +96,34 @@ def test_overlapping_candidates_are_a_tie_and_the_cheaper_one_is_the_answer() ->
     choice = choose([b, a, loser])
     assert choice.winner is a and choice.ties == [b]  # 2/2/3 is both the best and cheaper
     assert choice.note is not None and "2/8/3" in choice.note
-    c = _c(7, 3, 4, 8, 1.24, 1.215, 1.265)
+    c = _c(7, 3, 4, 8, 1.233, 1.225, 1.241)
     choice = choose([a, c, loser])
     assert choice.best is c and choice.winner is a, "tied: the cheaper 2/2/3 wins over 3/4/8"
     assert choice.note is not None and "cheapest" in choice.note
+    # Tied and measured within min_gain, but with a wide interval: it may well be more than
+    # min_gain behind (a 41% chance here), so it is not given the benefit of the doubt.
+    wide = _c(7, 3, 4, 8, 1.24, 1.215, 1.265)
+    assert behind_risk(wide, a, 0.01) > TIE_RISK
+    choice = choose([a, wide, loser])
+    assert choice.winner is wide and choice.ties == [a]
     # Overlapping, but measured more than min_gain behind: not given the benefit of the doubt.
     ahead = _c(9, 3, 4, 8, 1.26, 1.225, 1.295)
     choice = choose([a, ahead], min_gain=0.01)
     assert choice.winner is ahead and choice.ties == [a]
-    assert choice.note is not None and "further behind than min_gain" in choice.note
-    assert choose([a, ahead], min_gain=0.03).winner is a
+    assert choice.note is not None and "more than min_gain behind" in choice.note
+    assert choose([a, ahead], min_gain=0.06).winner is a
     apart = _c(8, 3, 4, 8, 1.40, 1.38, 1.42)
     choice = choose([a, apart])
     assert choice.winner is apart and choice.ties == [] and choice.note is None
+
+
+def test_a_runner_up_is_confirmed_only_when_it_may_beat_the_leader_by_min_gain() -> None:
+    leader = Interval(1.50, 1.47, 1.53)
+    # Measured 0.7% behind with intervals this wide: it may still be ahead by more than 1%.
+    close = Interval(1.49, 1.46, 1.52)
+    assert beat_chance(leader, close, 0.01) >= RUNNER_UP_CHANCE
+    # 3.4% behind: its interval still overlaps the leader's, but a win by 1% is out of reach.
+    behind = Interval(1.45, 1.42, 1.48)
+    assert behind.high > leader.low and beat_chance(leader, behind, 0.01) < RUNNER_UP_CHANCE
+    # The chance falls as the gain that matters grows.
+    assert beat_chance(leader, close, 0.03) < beat_chance(leader, close, 0.0)
