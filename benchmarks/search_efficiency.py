@@ -484,6 +484,7 @@ class MemoryStudy:
         """The completed confirmations as api.services.studies documents them: each against its
         paired baseline, with the study's launch noise as it stands (`snap`'s)."""
         extra_var = conductor.launch_noise(snap).variance
+        searched = {t.number: t.value for t in snap.trials}
         out = []
         for le in self.leases:
             if le.kind == "confirm" and le.state == "completed" and le.measurement is not None and le.config:
@@ -491,6 +492,7 @@ class MemoryStudy:
                 out.append(
                     got.as_json()
                     | {"config": le.config.model_dump(mode="json"), "trial_number": le.trial_number}
+                    | {"search_speedup": searched.get(le.trial_number or -1)}
                     | {"worker_id": le.worker_id, "envelope": le.envelope, "extra_passes": le.extra_passes}
                 )
         return out

@@ -392,9 +392,22 @@ class Ranking(Protocol):
     def surely_within(self, config: SpecConfig, best: SpecConfig, min_gain: float) -> bool: ...
 
 
+def _ranking_value(c: Mapping[str, Any]) -> float:
+    """What a candidate is ranked by without the study's model: its confirmed value and, where the
+    document carries it, its search measurement too (the geometric mean: two launches of the same
+    server, each against a baseline of its own host, so the ranking is not one launch's luck)."""
+    v = float(c["speedup"])
+    s = c.get("search_speedup")
+    return math.sqrt(v * float(s)) if isinstance(s, int | float) and s > 0 and v > 0 else v
+
+
 def choose(confirmed: Sequence[Mapping[str, Any]], min_gain: float = 0.01, ranking: Ranking | None = None) -> Choice:
     """The best confirmed candidate, or the cheapest one tied with it.
 
+    Best: by `ranking` where there is one, else by the confirmed value and, where the documents
+    carry it (`search_speedup`), the search's measurement of the same server too
+    (`_ranking_value`): a runner-up's one lucky confirmation does not displace a leader measured
+    well twice.
     Tied: the intervals overlap (the data cannot order them); the verdict says so.  Entries are
     confirmation documents (`speedup`, `speedup_interval`, `config`, `trial_number`).  Without
     intervals nothing is tied.
@@ -414,7 +427,7 @@ def choose(confirmed: Sequence[Mapping[str, Any]], min_gain: float = 0.01, ranki
         return SpecConfig.model_validate(c["config"])
 
     def rank(c: Mapping[str, Any]) -> float:
-        return float(c["speedup"]) if ranking is None else ranking.estimate(config(c))
+        return _ranking_value(c) if ranking is None else ranking.estimate(config(c))
 
     best = max(confirmed, key=lambda c: (rank(c), -int(c["trial_number"])))
     best_iv = _interval_of(best)

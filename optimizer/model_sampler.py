@@ -221,34 +221,29 @@ def lattice_distance(ref: SpecConfig, pool: Sequence[SpecConfig], space: SearchS
 
 @dataclass(frozen=True)
 class LocalMoves:
-    """The incumbent's unlaunched neighbours (indices into the pool), whether each carries on the
-    move that found the incumbent (`onward`), and how many of the axes it moves along were probed
-    already by a launch next to the incumbent (`probed`: an untried direction comes first)."""
+    """The incumbent's unlaunched neighbours (indices into the pool), and for each whether it
+    carries on a slope (`onward`: its mirror image through the incumbent was measured, so the
+    incumbent beat the step the other way; pattern search's move after a success)."""
 
     index: np.ndarray
     onward: FloatArray
-    probed: FloatArray
 
 
-def _axes(ref: SpecConfig, c: SpecConfig, space: SearchSpace) -> frozenset[int]:
-    a, b = _lattice(ref, space), _lattice(c, space)
-    axes = {i for i in range(3) if a[i] != b[i]}
-    if a[3] != b[3] and not (ref.topk == 1 and c.topk == 1) and a[1] == b[1]:
-        axes.add(3)
-    return frozenset(axes)
+def _mirror_key(c: SpecConfig, space: SearchSpace) -> tuple[int, int, int, int]:
+    s, k, g, n = _lattice(c, space)
+    return s, k, g, -1 if c.topk == 1 else n  # a chain's draft tokens follow its steps
 
 
 def local_moves(
-    ref: SpecConfig, pool: Sequence[SpecConfig], space: SearchSpace, launched: Sequence[SpecConfig] = ()
+    ref: SpecConfig, pool: Sequence[SpecConfig], space: SearchSpace, measured: Sequence[SpecConfig] = ()
 ) -> LocalMoves:
     """The incumbent's nearest unlaunched neighbours (the first ring of LOCAL_RADII that has any).
 
-    `launched`: every launched configuration, in the order the results arrived (launches in
-    flight after them); the incumbent's predecessor (the best before it) tells the direction that
-    improved last, and a neighbour one more step that way is "onward" (pattern search's move
-    after a success).
+    `measured`: the configurations with a result; a neighbour whose mirror image through the
+    incumbent is one of them is "onward" (the incumbent beat that side, so the slope points this
+    way).
     """
-    empty = LocalMoves(np.zeros(0, dtype=int), np.zeros(0), np.zeros(0))
+    empty = LocalMoves(np.zeros(0, dtype=int), np.zeros(0))
     if not pool:
         return empty
     dist = lattice_distance(ref, pool, space)
@@ -259,22 +254,17 @@ def local_moves(
             break
     if not idx.size:
         return empty
-    ring = [pool[i] for i in idx]
-    near = [c for c in launched if c.key != ref.key and float(lattice_distance(ref, [c], space)[0]) <= 1.0 + 1e-9]
-    done = {ax for c in near for ax in _axes(ref, c, space) if len(_axes(ref, c, space)) == 1}
-    probed = np.array([float(len(_axes(ref, c, space) & done)) for c in ring])
-    onward = np.zeros(len(ring))
-    upto = next((i for i, c in enumerate(launched) if c.key == ref.key), len(launched))
-    if upto:
-        prev = launched[upto - 1]
-        if 0 < float(lattice_distance(ref, [prev], space)[0]) <= 1.0 + 1e-9:
-            a, b = np.array(_lattice(ref, space)), np.array(_lattice(prev, space))
-            target = a + (a - b)
-            for j, c in enumerate(ring):
-                got = np.array(_lattice(c, space))
-                same = (got == target)[:3] if (c.topk == 1 and ref.topk == 1) else got == target
-                onward[j] = float(bool(np.all(same)))
-    return LocalMoves(idx, onward, probed)
+    seen = {_mirror_key(c, space) for c in measured if c.key != ref.key}
+    centre = np.array(_mirror_key(ref, space))
+    onward = np.zeros(idx.size)
+    for j, i in enumerate(idx):
+        c = pool[i]
+        here = np.array(_mirror_key(c, space))
+        mirror = 2 * centre - here
+        if (c.topk == 1) != (ref.topk == 1):
+            continue  # between a chain and a tree the draft tokens do not mirror
+        onward[j] = float(tuple(int(x) for x in mirror) in seen)
+    return LocalMoves(idx, onward)
 
 
 def pending_penalty(pool: Sequence[SpecConfig], pending: Sequence[SpecConfig]) -> FloatArray:
@@ -339,14 +329,14 @@ def propose(
     if local is not None:
         # The model failed its prediction check: its argmax is where a wrong model points, and the
         # incumbent's neighbours it rates low are what it never tries.  Walk them (pattern search
-        # on the space's grid): onward along the move that found the incumbent, then the
-        # directions no launch has probed, the model's value deciding only among equals.  A
+        # on the space's grid): onward where the incumbent beat the step the other way, the
+        # model's value deciding only among equals.  A
         # neighbour of a launch in flight is not excluded (the model's "it will teach us about its
         # neighbours" is what failed); a near-copy of one goes last.
         move = "local"
         v = (ei * (1.0 - p_fail))[local.index]
         clear = penalty[local.index] > 0
-        first = np.lexsort((-mean[local.index], -np.round(v, 12), ~clear, local.probed, -local.onward))
+        first = np.lexsort((-mean[local.index], -np.round(v, 12), ~clear, -local.onward))
         i = int(local.index[first[0]])
     else:
         if not penalty.any():
@@ -378,10 +368,8 @@ def _local_moves(
     if stop_rules.prediction_check(trials).trusted:
         return None
     by_number = {t.number: t for t in trials}
-    launched = [A.TrialRecord(by_number[x.number]).config for x in stop_rules.launches(trials)]
-    # Launches in flight count as probed directions too (another host is measuring them).
-    launched += pending_configs(trials)
-    moves = local_moves(A.TrialRecord(best).config, pool, spec.search_space, launched)
+    measured = [A.TrialRecord(by_number[x.number]).config for x in stop_rules.launches(trials)]
+    moves = local_moves(A.TrialRecord(best).config, pool, spec.search_space, measured)
     return moves if moves.index.size else None
 
 

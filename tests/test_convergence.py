@@ -388,18 +388,21 @@ def test_the_lattice_neighbours_are_one_flag_step_away() -> None:
     assert second.index.size and all(lattice_distance(ref, [rest[i]], space)[0] == 2.0 for i in second.index)
 
 
-def test_local_moves_go_onward_then_along_an_unprobed_flag() -> None:
+def test_local_moves_go_onward_where_the_incumbent_beat_the_step_the_other_way() -> None:
     space = SearchSpace()
     ref = _c(5, 4, 14)
-    launched = [_c(5, 4, 13), ref, _c(6, 4, 14)]  # 13 -> 14 improved; steps were probed since
-    pool = [c for c in space_configs(space) if c.key not in {x.key for x in launched}]
-    moves = local_moves(ref, pool, space, launched)
+    measured = [_c(5, 4, 13), ref, _c(5, 8, 14), _c(9, 8, 64)]  # 13 tokens and topk 8 were worse
+    pool = [c for c in space_configs(space) if c.key not in {x.key for x in measured}]
+    moves = local_moves(ref, pool, space, measured)
     ring = [pool[i] for i in moves.index]
-    onward = [c.key for c, o in zip(ring, moves.onward, strict=True) if o]
-    assert onward == [_c(5, 4, 15).key]
-    probed = {c.key: p for c, p in zip(ring, moves.probed, strict=True)}
-    assert probed[_c(4, 4, 14).key] == 1.0  # the steps axis was probed by 6/4/14
-    assert probed[_c(5, 8, 14).key] == 0.0 and probed[_c(5, 4, 15).key] == 1.0  # 13 probed the tokens
+    onward = sorted(c.key for c, o in zip(ring, moves.onward, strict=True) if o)
+    assert onward == sorted([_c(5, 4, 15).key, _c(5, 2, 14).key])
+    assert len(ring) == 4  # 4/4/14, 6/4/14, 5/2/14, 5/4/15
+    # Chains mirror along their steps.
+    chain = _c(4, 1, 5)
+    pool = [c for c in space_configs(space) if c.key not in {chain.key, _c(3, 1, 4).key}]
+    moves = local_moves(chain, pool, space, [_c(3, 1, 4), chain])
+    assert [pool[i].key for i, o in zip(moves.index, moves.onward, strict=True) if o] == [_c(5, 1, 6).key]
 
 
 def test_a_distrusted_model_walks_the_incumbents_neighbours_instead_of_its_argmax() -> None:

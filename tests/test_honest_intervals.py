@@ -127,3 +127,15 @@ def test_a_runner_up_is_confirmed_only_when_it_may_beat_the_leader_by_min_gain()
     assert behind.high > leader.low and beat_chance(leader, behind, 0.01) < RUNNER_UP_CHANCE
     # The chance falls as the gain that matters grows.
     assert beat_chance(leader, close, 0.03) < beat_chance(leader, close, 0.0)
+
+
+def test_the_ranking_counts_the_search_measurement_too() -> None:
+    # b's confirmation came out 0.6% above a's, but the search measured a 4% ahead: over both
+    # launches a is the better server, and the two are tied, so a (the better) is the answer.
+    a = {**_c(4, 3, 4, 16, 1.50, 1.47, 1.53), "search_speedup": 1.56}
+    b = {**_c(5, 3, 4, 17, 1.509, 1.48, 1.54), "search_speedup": 1.50}
+    choice = choose([a, b])
+    assert choice.best is a and choice.winner is a and choice.ties == [b]
+    # Without the search values the confirmation alone ranks them.
+    plain = [{k: v for k, v in c.items() if k != "search_speedup"} for c in (a, b)]
+    assert choose(plain).best is plain[1]
