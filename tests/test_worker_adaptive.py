@@ -15,6 +15,7 @@ from optimizer.sglang import AdaptiveSteps, ServerSettings, adaptive_refusal, bu
 from optimizer.space import SpecConfig
 from spectune_protocol import LeaseOut
 from tests.test_launcher_process import launch, sim_engine
+from tests.test_worker_agent import ApiServer, FakeApi
 from workers.agent import server_settings_refusal
 from workers.config import DEFAULT_ALLOWED_EXTRA_ARGS, RESERVED_FLAGS
 from workers.launcher import Launcher
@@ -92,15 +93,18 @@ def test_the_flags_are_the_workers_own_never_an_extra_arg() -> None:
     assert "not on this worker's allowlist" in (server_settings_refusal(sneaky, allowed) or "")
 
 
-def test_the_worker_refuses_an_adaptive_server_its_sglang_cannot_run() -> None:
-    allowed = frozenset(DEFAULT_ALLOWED_EXTRA_ARGS)
+def test_an_adaptive_server_its_sglang_cannot_run_is_not_launched() -> None:
     off_at_8 = ServerSettings.model_validate(server({"steps_by_batch": {"1": 3, "8": 0}}))
     chains = ServerSettings.model_validate(server({"steps_by_batch": {"1": 3, "8": 1}}))
-    assert server_settings_refusal(off_at_8, allowed, "0.5.23") is None
-    assert "0.5.16" in (server_settings_refusal(off_at_8, allowed, "0.5.13") or "")
-    assert server_settings_refusal(chains, allowed, "0.5.13") is None
-    assert "no --speculative-adaptive" in (server_settings_refusal(chains, allowed, "0.5.10") or "")
-    assert adaptive_refusal("0.5.10", chains.adaptive) is not None  # type: ignore[arg-type]
+    assert off_at_8.adaptive is not None and chains.adaptive is not None
+    assert adaptive_refusal("0.5.23", off_at_8.adaptive) is None
+    assert "0.5.16" in (adaptive_refusal("0.5.13", off_at_8.adaptive) or "")
+    assert adaptive_refusal("0.5.13", chains.adaptive) is None
+    assert "no --speculative-adaptive" in (adaptive_refusal("0.5.10", chains.adaptive) or "")
+    with pytest.raises(ValueError, match="0.5.16"):
+        build_server_args(
+            off_at_8, version="0.5.13", model_path="/m", draft_model_path="/d", adaptive_config_path="/run/a.json"
+        )
     args = build_server_args(
         off_at_8, version="0.5.23", model_path="/m", draft_model_path="/d", adaptive_config_path="/run/a.json"
     )
@@ -145,3 +149,47 @@ def test_a_server_that_switched_adaptive_mode_off_is_a_mismatch(tmp_path: Path, 
     )
     started = launch(launcher, settings)
     assert started.mismatches["speculative_adaptive"] == (True, False)
+
+
+@pytest.fixture
+def fake_api() -> Iterator[tuple[FakeApi, ApiServer]]:
+    fake = FakeApi()
+    server = ApiServer(fake)
+    server.start()
+    yield fake, server
+    server.stop()
+
+
+def test_a_worker_whose_sglang_cannot_run_it_reports_it_as_sglang_would_without_a_launch(
+    tmp_path: Path, fake_api: tuple[FakeApi, ApiServer]
+) -> None:
+    """SGLang 0.5.13 has adaptive mode but no steps 0: the lease fails `invalid_config` (what that
+    SGLang would do at start-up), not a refusal of the study, and nothing is started."""
+    from tests.helpers import sim_worker_toml, wait_for, write_token
+    from tests.test_worker_agent import TOKEN, lease_body, running_agent
+
+    fake, srv = fake_api
+    write_token(tmp_path, TOKEN)
+    for name in ("dense-8b-h100", "eagle3-draft"):
+        (tmp_path / "models" / name).mkdir(parents=True, exist_ok=True)
+    (tmp_path / "prompts").mkdir(exist_ok=True)
+    config = tmp_path / "worker.toml"
+    config.write_text(
+        sim_worker_toml(
+            api_url=srv.url,
+            worker_id="w1",
+            top={"prompt_dir": "prompts", "idle_poll_s": 0.05, "idle_poll_max_s": 0.2},
+            engine={"sglang_version": "0.5.13", "log_dir": str(tmp_path / "logs")},
+            timeouts={"startup_s": 60, "stop_s": 10, "api_s": 5, "api_retry_max_s": 0.5},
+            models={"llama": "models/dense-8b-h100", "eagle": "models/eagle3-draft"},
+        )
+    )
+    body = lease_body("L-1", kind="confirm", trial_number=None)
+    body["server"]["adaptive"] = {"steps_by_batch": {"1": 3, "2": 0}}
+    fake.queue = [body]
+    with running_agent(config):
+        wait_for("the report", lambda: "L-1" in fake.completed)
+    failure = fake.reports()["L-1"].failure
+    assert failure is not None and failure.kind == "invalid_config" and not failure.host_fault
+    assert "0.5.16" in failure.message
+    assert not list((tmp_path / "logs").glob("server-*")), "nothing was launched or written"

@@ -133,17 +133,14 @@ def _failed(kind: FailureKind, message: str, *, log_tail: str = "", host_fault: 
     return CompleteIn(outcome="failed", failure=failure)
 
 
-def server_settings_refusal(
-    settings: ServerSettings, allowed_extra_args: frozenset[str], version: str | None = None
-) -> str | None:
+def server_settings_refusal(settings: ServerSettings, allowed_extra_args: frozenset[str]) -> str | None:
     """Why this worker will not launch these settings, or None.
 
     The worker does not trust the API (SECURITY.md): a study's extra flags were checked against
     the API's allowlist, but only this host's own list decides what it runs.  Values become
     single argv elements (never a shell), and a word value that looked like an option would let
-    argparse read it as a flag, so such values are refused too.  An adaptive server (typed steps
-    per batch size, validated on receipt) is refused where this host's SGLang `version` has no
-    adaptive mode or not the steps it asks (optimizer.sglang.adaptive_refusal).
+    argparse read it as a flag, so such values are refused too.  The adaptive flags are the
+    worker's own (workers.config.RESERVED_FLAGS): a lease sets them only as typed steps.
     """
     refused = sorted(flag for flag in settings.extra_args if flag not in allowed_extra_args)
     if refused:
@@ -158,8 +155,6 @@ def server_settings_refusal(
             return f"server flag {flag} has the value {value[:80]!r}; only a short word (letters, digits, . _ : + -) is accepted"
     if not _SAFE_WORD_RE.match(settings.attention_backend):
         return f"attention backend {settings.attention_backend[:80]!r} is not a backend name"
-    if settings.adaptive is not None and version is not None:
-        return adaptive_refusal(version, settings.adaptive)
     return None
 
 
@@ -373,10 +368,18 @@ class Agent:
                 f"model(s) {', '.join(missing)} not in this worker's model registry (known: {known}); "
                 "add them to [models] in the worker config, or place the study on workers that have them",
             )
-        refusal = server_settings_refusal(settings, self.settings.allowed_extra_args, self.settings.sglang_version)
+        refusal = server_settings_refusal(settings, self.settings.allowed_extra_args)
         if refusal is not None:
             log.warning("lease %s refused: %s", lid, refusal)
             return _failed("refused", refusal)
+        if settings.adaptive is not None:
+            unsupported = adaptive_refusal(self.settings.sglang_version, settings.adaptive)
+            if unsupported is not None:
+                # What SGLang here would reject at start-up, reported as its launch would be (not a
+                # refusal of the study: the study's other work still runs here, and its answer
+                # falls back to what was proven).
+                log.warning("lease %s: %s", lid, unsupported)
+                return _failed("invalid_config", unsupported)
         try:
             plan = self._load_requests(lease.workload, self.settings.prompt_dir)
         except (ValueError, OSError, LoadgenError) as e:

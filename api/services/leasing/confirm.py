@@ -156,7 +156,12 @@ class ConfirmLeases:
                 elif failure is not None and info.get("adaptive"):
                     # No smaller envelope: the answer falls back to what was proven (studies.py).
                     why = deploy.deployment_failure(failure.kind, failure.message)
-                    event(s, deploy.ADAPTIVE_FAILED, lease, f"the adaptive deployment did not start ({why})")
+                    event(
+                        s,
+                        deploy.ADAPTIVE_FAILED,
+                        lease,
+                        f"the adaptive deployment did not start ({why}: {failure.message[:300]})",
+                    )
                 else:
                     event(s, "confirm_failed", lease, reason)
             study_life.settle(s, spec, now, trials, self.settings)
