@@ -26,9 +26,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    SerializerFunctionWrapHandler,
     StringConstraints,
-    model_serializer,
     model_validator,
 )
 
@@ -166,7 +164,8 @@ class ServerSettings(BaseModel):
     extra_args: dict[_FlagName, _Text | int | float | bool] = Field(default_factory=dict, max_length=32)
     # SGLang's adaptive mode (None: static speculation).  Left out of the serialised form when
     # None, so every stored key and lease of a static server is what it was before the field.
-    adaptive: AdaptiveSteps | None = None
+    # (exclude_if rather than a wrapping serializer: that one erased the field types from OpenAPI.)
+    adaptive: AdaptiveSteps | None = Field(default=None, exclude_if=lambda v: v is None)
 
     @model_validator(mode="after")
     def _adaptive_is_a_chain(self) -> ServerSettings:
@@ -181,13 +180,6 @@ class ServerSettings(BaseModel):
                 f"{sorted(set(self.adaptive.steps_by_batch.values()))} (SGLang refuses to start otherwise)"
             )
         return self
-
-    @model_serializer(mode="wrap")
-    def _without_unset_adaptive(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        out: dict[str, Any] = handler(self)
-        if out.get("adaptive", 0) is None:
-            del out["adaptive"]
-        return out
 
     def baseline(self) -> ServerSettings:
         """The same server without speculation: the reference every speedup is measured against."""
