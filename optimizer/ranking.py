@@ -10,9 +10,9 @@ their cost terms, so the model's *difference* between two candidates is far tigh
 launch's.  That estimate, shrunk toward what the whole search saw, orders the candidates.
 
 Only the order: the numbers printed with the answer stay those of the launch that proved it
-(its confirmation).  Where the model's predictions missed what was then measured (the stop
-rule's prediction check, optimizer.stop_rules), it is not trusted and the confirmations alone
-rank, as before.
+(its confirmation).  Where the model's predictions missed what was then measured, or were not
+checked on enough launches (the stop rule's prediction check, optimizer.stop_rules), it is not
+trusted and the confirmations alone rank, as before.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ _LOCK = threading.Lock()
 
 
 def of(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Ranking | None:
-    """The ranking of a study's candidates by its model, or None: no model (no accept lengths,
-    too few launches) or one whose predictions missed what was measured.  Memoised on the spec
+    """The ranking of a study's candidates by its model, or None: no model (no accept lengths),
+    one whose predictions were not checked on enough launches, or missed what was measured.  Memoised on the spec
     and the finished trials (the study document asks on every read)."""
     seen = json.dumps(
         [spec.model_dump_json(), *((t.number, t.state.name, t.value) for t in trials if t.state.is_finished())]
@@ -91,8 +91,10 @@ def _fit(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Ranking | None:
     model = fit(observations_of(trials), spec.search_space.num_steps.high)
     if model is None:
         return None
+    # Trusted only once its predictions were checked against launches made after them, and held:
+    # a model nobody tested (another sampler made no predictions) does not overrule a measurement.
     check = R.prediction_check(trials)
-    if not check.trusted:
+    if check.checked < R.CHECK_MIN or not check.trusted:
         return None
     floor = max(MODEL_FLOOR, check.excess_sd if check.checked >= R.CHECK_MIN else 0.0)
     return Ranking(spec, model, floor)

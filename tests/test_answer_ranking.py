@@ -127,7 +127,10 @@ def test_ranked_on_every_launch_the_answer_is_within_one_percent_more_often() ->
     for d in range(draws):
         trials = []
         for i, cfg in enumerate(SEARCH):
-            trials.append(_trial(i, cfg, _levels(rng, cfg, 0.01), _levels(rng, None, 0.01)))
+            t = _trial(i, cfg, _levels(rng, cfg, 0.01), _levels(rng, None, 0.01))
+            # What the `auto` sampler predicted before the launch, within the noise: the check holds.
+            t.user_attrs[A.MODEL_PREDICTION] = {"speedup": _truth(cfg), "log_sd": 0.02}
+            trials.append(t)
         docs = []
         for i, cfg in enumerate(CANDIDATES):
             lv, base = _levels(rng, cfg, 0.01), _levels(rng, None, 0.01)
@@ -148,8 +151,9 @@ def test_ranked_on_every_launch_the_answer_is_within_one_percent_more_often() ->
     assert ranked >= plain + 0.3 * draws, (plain, ranked)
 
 
-def test_a_model_whose_predictions_missed_does_not_rank() -> None:
-    """Where the stop rule's prediction check distrusts the model, the confirmations alone rank."""
+def test_a_model_whose_predictions_missed_or_were_never_checked_does_not_rank() -> None:
+    """Where the stop rule's prediction check distrusts the model, or no prediction was made to
+    check (another sampler), the confirmations alone rank."""
     rng = random.Random(5)
     trials = []
     for i, cfg in enumerate(SEARCH):
@@ -161,6 +165,12 @@ def test_a_model_whose_predictions_missed_does_not_rank() -> None:
         {"name": "distrust", "model": {"target": "t", "draft": "d"}, "workload": {"concurrency": [1]}}
     )
     assert ranking.of(spec, trials) is None
+    for t in trials:
+        t.user_attrs[A.MODEL_PREDICTION] = {"speedup": _truth(A.TrialRecord(t).config), "log_sd": 0.02}
+    assert ranking.of(spec.model_copy(update={"name": "checked"}), trials) is not None
+    for t in trials:
+        del t.user_attrs[A.MODEL_PREDICTION]
+    assert ranking.of(spec.model_copy(update={"name": "unchecked"}), trials) is None
 
 
 # ------------------------------------------------------------------ through the REST API
