@@ -26,7 +26,7 @@ from typing import Any
 
 from optuna.trial import FrozenTrial, TrialState
 
-from optimizer import answers, convergence, deploy
+from optimizer import answers, convergence, deploy, ranking
 from optimizer import attrs as A
 from optimizer import confirmation as confirm
 from optimizer.analysis import Interval, LaunchNoise
@@ -426,7 +426,9 @@ def candidates(snap: Snapshot) -> tuple[Candidate, ...]:
     }
     out = []
     noise = launch_noise(snap)
-    for t in confirm.candidates(list(snap.trials), spec.confirmation.top, spec, noise.variance):
+    # The study's model, where trusted, names contenders the leader's one launch may hide (optimizer.ranking).
+    rank = ranking.of(spec, snap.trials)
+    for t in confirm.candidates(list(snap.trials), spec.confirmation.top, spec, noise.variance, rank):
         r = A.TrialRecord(t)
         measured_on = r.worker_id
         first = next_deployment(spec, r.config, trials=snap.trials)

@@ -121,14 +121,20 @@ def beat_chance(leader: Interval, other: Interval, min_gain: float) -> float:
 
 
 def candidates(
-    trials: Sequence[FrozenTrial], top: int, spec: StudySpec | None = None, extra_var: float = 0.0
+    trials: Sequence[FrozenTrial],
+    top: int,
+    spec: StudySpec | None = None,
+    extra_var: float = 0.0,
+    ranking: Ranking | None = None,
 ) -> list[FrozenTrial]:
     """The distinct configurations worth confirming, best measured first (at most `top`).
 
     With the spec, only the runners-up that may beat the leader by more than `min_gain` with a
     chance of at least RUNNER_UP_CHANCE (their search intervals, widened by the launch noise
     `extra_var`): one that cannot changes no answer the study stands behind, and each
-    confirmation is a restart.
+    confirmation is a restart.  With a `ranking` (the study's trusted model, optimizer.ranking),
+    a runner-up it puts above the leader is confirmed too: the leader's one search launch may be
+    its luckiest, and `choose` asks the same ranking which is best.
     """
     if top <= 0:
         return []
@@ -149,7 +155,10 @@ def candidates(
             elif lead_iv is None or iv is None:
                 if not overlaps(iv, lead_iv, float(t.value or 0.0), float(out[0].value or 0.0)):
                     continue
-            elif beat_chance(lead_iv, iv, spec.budget.min_gain) < RUNNER_UP_CHANCE:
+            elif beat_chance(lead_iv, iv, spec.budget.min_gain) < RUNNER_UP_CHANCE and not (
+                ranking is not None
+                and ranking.estimate(A.TrialRecord(t).config) > ranking.estimate(A.TrialRecord(out[0]).config)
+            ):
                 continue
         seen.add(key)
         out.append(t)

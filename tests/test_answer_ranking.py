@@ -22,7 +22,7 @@ from benchmarks.answer_quality import small_gain
 from optimizer import attrs as A
 from optimizer import ranking
 from optimizer.analysis import ratio_interval
-from optimizer.confirmation import choose
+from optimizer.confirmation import candidates, choose
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 from spectune_sim.model import predict
@@ -217,3 +217,25 @@ def test_the_service_answers_the_candidate_its_model_ranks_first_not_the_luckies
     mine = next(c for c in done if key_of(c["config"]) == best_key)
     assert winner["speedup"] == pytest.approx(mine["speedup"])  # the numbers are its own launch's
     assert key_of(choose(done, 0.01).winner["config"]) != best_key  # one launch each: a lucky one
+
+
+def test_a_runner_up_the_model_ranks_above_the_leader_is_confirmed() -> None:
+    """The leader's one search launch may be its luckiest: a runner-up measured 3% behind (no
+    chance to beat it by min_gain on the measurements alone) is confirmed when the trusted model
+    puts it first, and only then."""
+    spec = StudySpec.model_validate(
+        {"name": "cands", "model": {"target": "t", "draft": "d"}, "workload": {"concurrency": [1]}}
+    )
+
+    def lv(tok: float) -> list[dict[str, Any]]:
+        runs = [tok * f for f in (0.999, 1.0, 1.001)]
+        return [{"concurrency": 1, "output_tok_s": tok, "output_tok_s_runs": runs, "per_user_tok_s": tok,
+                 "accept_length": 2.0}]  # fmt: skip
+
+    lead, runner = SEARCH[1], SEARCH[4]
+    trials = [_trial(0, lead, lv(105.0), lv(100.0)), _trial(1, runner, lv(102.0), lv(100.0))]
+    assert [t.number for t in candidates(trials, 3, spec)] == [0]
+    ranks = FakeRanking({lead.key: 1.03, runner.key: 1.04}, sure=False)
+    assert [t.number for t in candidates(trials, 3, spec, 0.0, ranks)] == [0, 1]
+    behind = FakeRanking({lead.key: 1.04, runner.key: 1.03}, sure=False)
+    assert [t.number for t in candidates(trials, 3, spec, 0.0, behind)] == [0]
