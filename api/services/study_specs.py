@@ -6,7 +6,13 @@ A neutral module both the study service and the lease service read from; it deci
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
+import threading
+from collections import OrderedDict
+from datetime import datetime
+from typing import Any
 
 import optuna
 from optuna.trial import FrozenTrial
@@ -21,8 +27,25 @@ from optimizer import study as opt
 from optimizer.errors import StudyNotFoundError
 from optimizer.plan import baseline_key
 from optimizer.spec import StudySpec
+from optimizer.study_state import StudyState
 
 log = logging.getLogger("spectune.api.studies")
+
+
+def parsed_spec(doc: dict[str, Any]) -> StudySpec:
+    """A stored spec, validated once per distinct document (ValidationError when it fails).
+
+    Every ask validated every running study's spec (`LeaseService._candidate_studies`): 300
+    validations per lease at 300 studies, CPU that held the GIL against every other request and
+    the event loop's health probes.  A stored spec never changes, so its canonical JSON is the key;
+    the instances are shared, and nothing writes to a spec.
+    """
+    return _parsed(json.dumps(doc, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=2048)
+def _parsed(doc: str) -> StudySpec:
+    return StudySpec.model_validate(json.loads(doc))
 
 
 def spec_of(s: Session, name: str) -> StudySpec:
@@ -39,7 +62,7 @@ def stored_spec(row: StudyRow) -> StudySpec:
     0003), and a new spec that fails is refused at creation.
     """
     try:
-        return StudySpec.model_validate(row.spec)
+        return parsed_spec(row.spec)
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
@@ -57,10 +80,47 @@ def runnable_spec(row: StudyRow) -> StudySpec | None:
     leasing or warm starts for every other study: they pass it by (`spectune db upgrade` stops it).
     """
     try:
-        return StudySpec.model_validate(row.spec)
+        return parsed_spec(row.spec)
     except ValidationError as e:
         log.warning("study %s is passed by: its stored spec fails today's checks (%s); stop it", row.name, e)
         return None
+
+
+# Running studies' specs by (name, created_at): a study's spec never changes once stored, and a
+# name created again is a new key.  Bounded; a study whose spec fails today's checks is kept as None.
+_RUNNABLE: OrderedDict[tuple[str, datetime], StudySpec | None] = OrderedDict()
+_RUNNABLE_MAX = 4096
+_RUNNABLE_LOCK = threading.Lock()
+
+
+def running_specs(s: Session) -> list[StudySpec]:
+    """Every running study's spec, oldest first; one whose spec fails today's checks is passed by.
+
+    Every ask reads them (LeaseService._candidate_studies): loading and validating every running
+    study's stored spec cost CPU per ask that grew with the number of studies (300 at 300) and
+    held the GIL against the event loop's health probes.  Only the names and creation times are
+    read now; a spec is loaded and validated once.
+    """
+    keys = [
+        (str(name), at)
+        for name, at in s.execute(
+            select(StudyRow.name, StudyRow.created_at)
+            .where(StudyRow.state == StudyState.RUNNING)
+            .order_by(StudyRow.created_at, StudyRow.name)
+        )
+    ]
+    with _RUNNABLE_LOCK:
+        missing = [name for name, at in keys if (name, at) not in _RUNNABLE]
+    if missing:
+        for row in s.scalars(select(StudyRow).where(StudyRow.name.in_(missing))):
+            spec = runnable_spec(row)
+            with _RUNNABLE_LOCK:
+                _RUNNABLE[(row.name, row.created_at)] = spec
+                while len(_RUNNABLE) > _RUNNABLE_MAX:
+                    _RUNNABLE.popitem(last=False)
+    with _RUNNABLE_LOCK:
+        found = [_RUNNABLE.get(key) for key in keys]
+    return [spec for spec in found if spec is not None]
 
 
 def baseline_key_of(spec: StudySpec) -> str:

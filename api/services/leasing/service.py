@@ -26,7 +26,7 @@ from api.auth import Principal, require_role, require_worker
 from api.context import ServiceContext
 from api.db import LOCK_WAIT_MS, REPORT_LOCK_WAIT_MS, db_now, lock_name
 from api.errors import BusyError, ConflictError, InvalidInputError, LeaseGoneError
-from api.models import LeaseRow, StudyRow, WorkerRow
+from api.models import LeaseRow, WorkerRow
 from api.services import grants, identity, refusals, study_life
 from api.services.eligibility import requirements_unmet
 from api.services.leasing import records
@@ -34,10 +34,10 @@ from api.services.leasing.baseline import BaselineLeases
 from api.services.leasing.confirm import ConfirmLeases
 from api.services.leasing.expiry import Expiry
 from api.services.leasing.records import HostHealth, lease_out
-from api.services.leasing.states import LeaseKind, LeaseState, StudyState, WorkerHoldsLeaseError
+from api.services.leasing.states import LeaseKind, LeaseState, WorkerHoldsLeaseError
 from api.services.leasing.trial import TrialLeases
 from api.services.report_checks import check_report
-from api.services.study_specs import baseline_key_of, runnable_spec, spec_of, study_trials
+from api.services.study_specs import baseline_key_of, running_specs, spec_of, study_trials
 from optimizer import study as opt
 from optimizer.conductor import Ask, Confirm, MeasureBaseline, RetryLease
 from optimizer.spec import StudySpec
@@ -158,19 +158,12 @@ class LeaseService:
 
     def _candidate_studies(self, inv: Inventory, worker_id: str) -> list[StudySpec]:
         with self.ctx.sessions() as s:
-            rows = s.scalars(
-                select(StudyRow)
-                .where(StudyRow.state == StudyState.RUNNING)
-                .order_by(StudyRow.created_at, StudyRow.name)
-            ).all()
+            specs = running_specs(s)
             refused = {e.study_name for e in refusals.active_refusals(s, worker_id=worker_id)}
         out = []
         inventory = inv.model_dump(mode="json")
-        for row in rows:
-            if row.name in refused:
-                continue
-            spec = runnable_spec(row)
-            if spec is None:
+        for spec in specs:
+            if spec.name in refused:
                 continue
             # Models, placement labels, GPU count: the same test `GET /v1/studies/{name}` warns with.
             if requirements_unmet(spec, inventory):
