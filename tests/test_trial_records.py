@@ -220,7 +220,7 @@ def test_a_quarantined_trial_no_longer_steers_the_study(api: Api, db_url: str, t
 
 
 def _study_with_a_forged_trial(sampler: str, forged_told: str) -> tuple[Any, Any, int]:
-    """Six trials measured with the simulator, then one whose report was forged (1,000x the
+    """Eight trials measured with the simulator, then one whose report was forged (1,000x the
     throughput), told as measured (`forged_told="value"`) or as a failure; (storage, spec, number)."""
     import optuna
 
@@ -230,11 +230,11 @@ def _study_with_a_forged_trial(sampler: str, forged_told: str) -> tuple[Any, Any
     sp = spec(sampler=sampler)
     storage = optuna.storages.InMemoryStorage()
     opt.create_study(storage, sp)
-    for i in range(7):
+    for i in range(9):
         study = opt.load_study(storage, sp)
         asked = opt.ask(study, sp)
         a = attrs_for("moe-pcie", asked.config, [1])
-        if i < 6:
+        if i < 8:
             opt.tell_value(study, asked.number, value_of(a), 0.0, a)
             continue
         a["levels"] = [{**lv, "output_tok_s": lv["output_tok_s"] * 1000} for lv in a["levels"]]
