@@ -20,6 +20,7 @@ from api.models import FINISH_RULES, STUDY_PHASES, STUDY_STATES
 from optimizer import attrs as A
 from optimizer import conductor as c
 from optimizer import convergence
+from optimizer import stop_rules as R
 from optimizer.analysis import Interval
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
@@ -164,6 +165,79 @@ def test_budget_used_with_launches_in_flight_waits() -> None:
 def test_an_asked_trial_without_a_lease_keeps_the_study_from_finishing() -> None:
     spec = spec_of(**NO_CONVERGE)
     assert isinstance(c.settle(snap(spec, [*FOUR, running(4)], baselines=BASES)), c.Wait)
+
+
+# ------------------------------------------------------------------ a fleet: asks gated by what the rule needs
+
+FLEET = tuple(host(f"w{i}") for i in range(1, 5))
+FLEET_BASES = tuple(base(h.id, T0 - timedelta(minutes=30), id_=i + 1) for i, h in enumerate(FLEET))
+
+
+def flying(n: int) -> list[c.LeaseView]:
+    """`n` search launches in flight on the fleet's hosts."""
+    return [c.LeaseView(f"t{i}", "trial", "active", 10 + i, worker_id=f"w{i + 1}") for i in range(n)]
+
+
+def unsettled(chance: float, *, trusted: bool = True) -> convergence.Assessment:
+    check = R.PredictionCheck(6, 1.0 if trusted else 3.0, trusted, None, 0.0, 0.0)
+    return convergence.Assessment(False, "not yet", 5, 100, chance, "k", 1.0, None, check=check)
+
+
+# The incumbent (1.10x) is the last result: the model rule wants MODEL_HOLD launch(es) after it.
+HOLD_PENDING = [
+    measured(i, v, cfg, f"w{i + 1}") for i, (v, cfg) in enumerate(zip((1.02, 1.05, 1.01, 1.10), CONFIGS, strict=True))
+]
+
+
+def test_a_fleet_waits_when_the_launches_in_flight_are_what_the_model_rule_still_needs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Four hosts: the model sees nothing likely to beat the incumbent, and wants one launch after
+    it.  With one launch in flight the other hosts wait (before: each asked, and every launch they
+    started was counted after the rule settled); with none in flight, one asks."""
+    spec = spec_of("cond-hold")
+    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials: unsettled(0.05))
+    assert c.launches_needed(spec, HOLD_PENDING, unsettled(0.05)) == convergence.MODEL_HOLD
+    s = snap(spec, HOLD_PENDING, baselines=FLEET_BASES, hosts=FLEET)
+    assert isinstance(c.next_action(s, "w1"), c.Ask)
+    action = c.next_action(replace(s, leases=flying(1)), "w4")
+    assert isinstance(action, c.Wait) and "in flight are what the stop rule still needs" in action.reason
+    # Still undecided (a 50% chance left): one more model proposal, not a third.
+    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials: unsettled(0.5))
+    s = replace(s, spec=spec_of("cond-unsure"))  # the rule's memo is per study name
+    assert isinstance(c.next_action(replace(s, leases=flying(1)), "w4"), c.Ask)
+    action = c.next_action(replace(s, leases=flying(c.MODEL_PARALLEL)), "w4")
+    assert isinstance(action, c.Wait) and "model's proposals are in flight" in action.reason
+
+
+def test_a_distrusted_model_waits_for_its_quiet_spell_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The empirical rule wants `hold_needed` launches without a gain after the incumbent; when the
+    launches in flight complete that spell, the fleet waits."""
+    spec = spec_of("cond-quiet")
+    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials: unsettled(0.5, trusted=False))
+    extra = [SpecConfig(num_steps=4, topk=1, num_draft_tokens=5), SpecConfig(num_steps=1, topk=2, num_draft_tokens=3)]
+    quiet = [*HOLD_PENDING, measured(4, 1.00, extra[0], "w1")]  # one launch without a gain so far
+    need = R.hold_needed(4) - 1
+    assert need == 2 and c.launches_needed(spec, quiet, unsettled(0.5, trusted=False)) == need
+    s = snap(spec, quiet, baselines=FLEET_BASES, hosts=FLEET)
+    assert c.in_flight_settles(replace(s, leases=flying(1))) is None
+    # One more quiet result: the one launch in flight completes the spell.
+    s = snap(spec_of("cond-quiet-2"), [*quiet, measured(5, 1.01, extra[1], "w2")], baselines=FLEET_BASES, hosts=FLEET)
+    action = c.next_action(replace(s, leases=flying(1)), "w4")
+    assert isinstance(action, c.Wait) and "still needs (1)" in action.reason
+
+
+def test_before_the_model_has_its_results_the_fleet_launches_only_what_it_needs() -> None:
+    """One result in, the model wants MIN_MEASURED: three in flight are enough, two are not."""
+    spec = spec_of("cond-first")
+    one = [measured(0, 1.05, CONFIGS[0])]
+    s = snap(spec, one, baselines=FLEET_BASES, hosts=FLEET)
+    missing = convergence.MIN_MEASURED - 1
+    assert isinstance(c.next_action(replace(s, leases=flying(missing - 1)), "w4"), c.Ask)
+    assert isinstance(c.next_action(replace(s, leases=flying(missing)), "w4"), c.Wait)
+    # A sampler without the stop rule is never held back.
+    tpe = snap(spec_of("cond-first-tpe", sampler="tpe"), one, baselines=FLEET_BASES, hosts=FLEET)
+    assert isinstance(c.next_action(replace(tpe, leases=flying(3)), "w4"), c.Ask)
 
 
 # ------------------------------------------------------------------ the end of the search
@@ -358,9 +432,31 @@ def test_an_idle_fleet_measures_only_the_baselines_its_confirmations_need() -> N
     fresh_w2 = base("w2", T0 - timedelta(minutes=1), id_=9)
     s = confirming(hosts=fleet, baselines=(*old, fresh_w2), leases=(*QUEUED, busy))
     assert c.next_action(s, "w3") == c.Wait("the queued confirmations are taken by hosts that hold a fresh baseline")
-    # With one more confirmation queued than they claim, an idle host measures.
+    # One more confirmation queued than they claim: still no third baseline, the two confirming
+    # hosts take it next to the fresh baselines they hold (a study on two workers does the same).
     more = c.LeaseView("c6", "confirm", "queued", 2, created_at=BEGAN)
-    assert c.next_action(replace(s, leases=(*s.leases, more)), "w3") == c.MeasureBaseline("w3", for_confirmation=True)
+    s = replace(s, leases=(*s.leases, more))
+    action = c.next_action(s, "w3")
+    assert isinstance(action, c.Wait) and "2 other hosts confirm" in action.reason
+    # A confirming host that went away leaves its place to another, which measures its baseline.
+    gone = replace(s, hosts=(host("w1", last_seen=T0 - timedelta(hours=1)), *fleet[1:]))
+    assert c.next_action(gone, "w3") == c.MeasureBaseline("w3", for_confirmation=True)
+
+
+def test_three_confirmations_on_a_fleet_of_four_use_two_hosts() -> None:
+    """Four idle hosts, three queued confirmations: two hosts measure a fresh baseline (one
+    confirms two candidates next to it), not three."""
+    fleet = tuple(host(f"w{i}") for i in range(1, 5))
+    old = tuple(base(h.id, BEGAN - timedelta(minutes=30), id_=i + 1) for i, h in enumerate(fleet))
+    third = c.LeaseView("c7", "confirm", "queued", 2, created_at=BEGAN, avoid_worker="w3")
+    s = confirming(hosts=fleet, baselines=old, leases=(*QUEUED, third))
+    measuring = []
+    for h in fleet:
+        if isinstance(c.next_action(s, h.id), c.MeasureBaseline):
+            measuring.append(h.id)
+            lease = c.LeaseView(f"b-{h.id}", "baseline", "active", worker_id=h.id, created_at=T0, leased_at=T0)
+            s = replace(s, leases=(*s.leases, lease))
+    assert measuring == ["w1", "w2"][: c.CONFIRM_HOSTS]
 
 
 def test_the_study_finishes_when_every_confirmation_is_done() -> None:
