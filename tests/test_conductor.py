@@ -235,6 +235,11 @@ def test_before_the_model_has_its_results_the_fleet_launches_only_what_it_needs(
     missing = convergence.MIN_MEASURED - 1
     assert isinstance(c.next_action(replace(s, leases=flying(missing - 1)), "w4"), c.Ask)
     assert isinstance(c.next_action(replace(s, leases=flying(missing)), "w4"), c.Wait)
+    # One result missing, one in flight: the second host still launches a starting point (two at a time).
+    three = [measured(i, 1.0 + i / 100, CONFIGS[i]) for i in range(missing)]
+    s = snap(spec_of("cond-first-3"), three, baselines=FLEET_BASES, hosts=FLEET)
+    assert isinstance(c.next_action(replace(s, leases=flying(1)), "w2"), c.Ask)
+    assert isinstance(c.next_action(replace(s, leases=flying(c.MODEL_PARALLEL)), "w3"), c.Wait)
     # A sampler without the stop rule is never held back.
     tpe = snap(spec_of("cond-first-tpe", sampler="tpe"), one, baselines=FLEET_BASES, hosts=FLEET)
     assert isinstance(c.next_action(replace(tpe, leases=flying(3)), "w4"), c.Ask)
