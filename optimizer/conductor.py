@@ -491,7 +491,8 @@ def candidates(snap: Snapshot) -> tuple[Candidate, ...]:
     }
     out = []
     noise = launch_noise(snap)
-    # The study's model, where trusted, names contenders the leader's one launch may hide (optimizer.ranking).
+    # The study's model, where trusted, judges the runners-up (optimizer.ranking): those it ranks
+    # above the leader (its one launch may be its luckiest) and those that may beat it by min_gain.
     rank = ranking.of(spec, snap.trials)
     for t in confirm.candidates(list(snap.trials), spec.confirmation.top, spec, noise.variance, rank):
         r = A.TrialRecord(t)

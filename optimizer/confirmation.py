@@ -120,21 +120,31 @@ def beat_chance(leader: Interval, other: Interval, min_gain: float) -> float:
     return float(0.5 * math.erfc(-d / (sd * math.sqrt(2))))
 
 
+class RunnerUps(Protocol):
+    """The study's model of every launch, where it is trusted (optimizer.ranking.Ranking)."""
+
+    def estimate(self, config: SpecConfig) -> float: ...
+
+    def beat_chance(self, config: SpecConfig, best: SpecConfig, min_gain: float) -> float: ...
+
+
 def candidates(
     trials: Sequence[FrozenTrial],
     top: int,
     spec: StudySpec | None = None,
     extra_var: float = 0.0,
-    ranking: Ranking | None = None,
+    ranking: RunnerUps | None = None,
 ) -> list[FrozenTrial]:
     """The distinct configurations worth confirming, best measured first (at most `top`).
 
     With the spec, only the runners-up that may beat the leader by more than `min_gain` with a
     chance of at least RUNNER_UP_CHANCE (their search intervals, widened by the launch noise
     `extra_var`): one that cannot changes no answer the study stands behind, and each
-    confirmation is a restart.  With a `ranking` (the study's trusted model, optimizer.ranking),
-    a runner-up it puts above the leader is confirmed too: the leader's one search launch may be
-    its luckiest, and `choose` asks the same ranking which is best.
+    confirmation is a restart.  With a `ranking` (the study's model of every launch, trusted where
+    its predictions held, optimizer.ranking) the model judges instead: a runner-up is confirmed
+    when the model gives it that chance (it pools every launch, so it is far surer of a difference
+    than two launches' intervals are) or ranks it above the leader (the leader's one search launch
+    may be its luckiest, and `choose` asks the same ranking which is best).
     """
     if top <= 0:
         return []
@@ -152,13 +162,16 @@ def candidates(
             iv = search_interval(spec, t, extra_var)
             if not out:
                 lead_iv = iv
+            elif ranking is not None:
+                cfg, lead_cfg = A.TrialRecord(t).config, A.TrialRecord(out[0]).config
+                if ranking.beat_chance(cfg, lead_cfg, spec.budget.min_gain) < RUNNER_UP_CHANCE and ranking.estimate(
+                    cfg
+                ) <= ranking.estimate(lead_cfg):
+                    continue
             elif lead_iv is None or iv is None:
                 if not overlaps(iv, lead_iv, float(t.value or 0.0), float(out[0].value or 0.0)):
                     continue
-            elif beat_chance(lead_iv, iv, spec.budget.min_gain) < RUNNER_UP_CHANCE and not (
-                ranking is not None
-                and ranking.estimate(A.TrialRecord(t).config) > ranking.estimate(A.TrialRecord(out[0]).config)
-            ):
+            elif beat_chance(lead_iv, iv, spec.budget.min_gain) < RUNNER_UP_CHANCE:
                 continue
         seen.add(key)
         out.append(t)

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from optuna.trial import FrozenTrial
+from scipy.stats import norm
 
 from optimizer import stop_rules as R
 from optimizer.model_sampler import gain_over, objective_levels, observations_of
@@ -60,6 +61,12 @@ class Ranking:
 
     def surely_within(self, config: SpecConfig, best: SpecConfig, min_gain: float) -> bool:
         return self.within(config, best, min_gain) > WITHIN_Z
+
+    def beat_chance(self, config: SpecConfig, best: SpecConfig, min_gain: float) -> float:
+        """The model's chance that `config` beats `best` by more than `min_gain` (whether a
+        runner-up is worth a confirmation, optimizer.confirmation.candidates)."""
+        diff, sd = gain_over(self.spec, self.model, [config], best, self.floor_sd)
+        return float(norm.cdf((float(diff[0]) - math.log1p(min_gain)) / max(float(sd[0]), 1e-9)))
 
 
 _MEMO: OrderedDict[str, tuple[str, Ranking | None]] = OrderedDict()

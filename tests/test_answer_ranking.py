@@ -52,6 +52,9 @@ class FakeRanking:
     def surely_within(self, config: SpecConfig, best: SpecConfig, min_gain: float) -> bool:
         return self.sure
 
+    def beat_chance(self, config: SpecConfig, best: SpecConfig, min_gain: float) -> float:
+        return 1.0 if self.estimate(config) > self.estimate(best) * (1.0 + min_gain) else 0.0
+
 
 def _key(c: dict[str, Any]) -> str:
     return SpecConfig.model_validate(c["config"]).key
@@ -182,7 +185,11 @@ def test_the_service_answers_the_candidate_its_model_ranks_first_not_the_luckies
     document's winner is the truly best confirmed candidate, with its own confirmation's numbers;
     the confirmations alone would have answered a lucky one."""
     landscape = "moe-pcie"
-    doc = small_spec("ranked", sampler="auto", seed=3, budget={"max_trials": 12}, confirmation={"top": 3})
+    # A small min_gain: the model judges which runners-up are confirmed (a 10% chance to beat the
+    # leader by min_gain), and near-equal candidates must be confirmed for the ranking to matter.
+    doc = small_spec(
+        "ranked", sampler="auto", seed=3, budget={"max_trials": 12, "min_gain": 0.002}, confirmation={"top": 3}
+    )
     assert api.post("/v1/studies", "user", doc).status_code == 201
     base_tok = sim_levels(landscape, None, [1])[0]["output_tok_s"]
     truth_of: dict[str, float] = {}  # every configuration launched, by the simulator's model

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import random
 
+from optimizer import attrs as A
 from optimizer.analysis import (
     MIN_LAUNCH_SD,
     PRIOR_LAUNCH_SD,
@@ -17,7 +18,18 @@ from optimizer.analysis import (
     launch_noise,
     ratio_interval,
 )
-from optimizer.confirmation import RUNNER_UP_CHANCE, TIE_RISK, beat_chance, behind_risk, choose, study_relaunches
+from optimizer.confirmation import (
+    RUNNER_UP_CHANCE,
+    TIE_RISK,
+    beat_chance,
+    behind_risk,
+    candidates,
+    choose,
+    study_relaunches,
+)
+from optimizer.space import SpecConfig
+from optimizer.spec import parse_spec
+from tests.search_support import frozen_trial, trial_attrs
 
 
 def _launch(rng: random.Random, true: float, launch_sd: float, pass_sd: float, passes: int = 3) -> list[float]:
@@ -139,3 +151,39 @@ def test_the_ranking_counts_the_search_measurement_too() -> None:
     # Without the search values the confirmation alone ranks them.
     plain = [{k: v for k, v in c.items() if k != "search_speedup"} for c in (a, b)]
     assert choose(plain).best is plain[1]
+
+
+class _Model:
+    """A study model's view of the candidates: its estimates and its chances."""
+
+    def __init__(self, chances: dict[str, float], estimates: dict[str, float]) -> None:
+        self.chances, self.estimates = chances, estimates
+        self.asked: list[tuple[str, str]] = []
+
+    def estimate(self, config: SpecConfig) -> float:
+        return self.estimates[config.key]
+
+    def beat_chance(self, config: SpecConfig, best: SpecConfig, min_gain: float) -> float:
+        self.asked.append((config.key, best.key))
+        return self.chances[config.key]
+
+
+def test_the_study_model_decides_which_runners_up_are_confirmed() -> None:
+    sp = parse_spec({"name": "r", "model": {"target": "t", "draft": "d"}})
+    configs = [SpecConfig(num_steps=s, topk=4, num_draft_tokens=n) for s, n in ((6, 16), (5, 16), (6, 15))]
+    trials = [
+        frozen_trial(i, value, trial_attrs("zigzag-tiles", c, [1]))
+        for i, (c, value) in enumerate(zip(configs, (2.50, 2.49, 2.48), strict=True))
+    ]
+    # By their search intervals alone (with a launch noise of 2%) both runners-up may still beat
+    # the leader by 1%.
+    noise = 0.02**2
+    assert len(candidates(trials, 3, sp, noise)) == 3
+    estimates = {configs[0].key: 2.50, configs[1].key: 2.49, configs[2].key: 2.47}
+    model = _Model({configs[1].key: 0.2, configs[2].key: 0.01}, estimates)
+    got = candidates(trials, 3, sp, noise, ranking=model)
+    assert [A.TrialRecord(t).config_key for t in got] == [configs[0].key, configs[1].key]
+    assert {best for _, best in model.asked} == {configs[0].key}  # each judged against the leader
+    # One the model ranks above the leader is confirmed whatever its chance to win by min_gain.
+    above = _Model({configs[1].key: 0.2, configs[2].key: 0.01}, {**estimates, configs[2].key: 2.51})
+    assert len(candidates(trials, 3, sp, noise, ranking=above)) == 3
