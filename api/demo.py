@@ -161,7 +161,8 @@ def _progress_line(elapsed: float, study: StudyDocument) -> str:
     best_s = "none yet"
     if best:
         c = best.config
-        best_s = f"{best.speedup or 0.0:.3f}x (steps {c.num_steps}, topk {c.topk}, draft tokens {c.num_draft_tokens})"
+        what = "SGLang's adaptive server" if best.adaptive else ""
+        best_s = f"{best.speedup or 0.0:.3f}x ({what or f'steps {c.num_steps}, topk {c.topk}, draft tokens {c.num_draft_tokens}'})"
     return (
         f"[{elapsed:5.0f} s] baselines measured {study.baselines_measured} | trials: "
         f"{t.COMPLETE} done, {t.RUNNING} running, {t.FAIL} failed | best so far {best_s}"
@@ -197,8 +198,16 @@ def _print_result(study: StudyDocument, trials: list[TrialRow], db_url: str, wal
         band = f" ({iv.low:.3f}-{iv.high:.3f})" if iv else ""
         got = f"{row.speedup:.3f}x{band}" if row.speedup is not None else row.state
         config = "?" if row.config is None else _config_text(row.config)
-        echo(f"  confirmed {config}: search {row.search_speedup or 0.0:.3f}x, re-measured {got}")
-    echo(f"  answer: {_config_text(answer.config)} (trial {answer.trial_number})")
+        if row.adaptive:
+            echo(f"  launched the adaptive answer as printed ({config}): {got}")
+        else:
+            echo(f"  confirmed {config}: search {row.search_speedup or 0.0:.3f}x, re-measured {got}")
+    if answer.adaptive:
+        echo(f"  answer: {answer.label()}, lease {answer.lease_id} on {answer.confirmed_on}")
+    else:
+        echo(f"  answer: {_config_text(answer.config)} (trial {answer.trial_number})")
+    if study.best_static is not None:
+        echo(f"  the best static configuration: {study.best_static.label()}: {study.best_static.speedup or 0.0:.3f}x")
     for level, lv_speedup in (answer.speedup_by_level or {}).items():
         iv = answer.speedup_interval_by_level.get(level)
         spread = f", 95% interval {iv.low:.3f}-{iv.high:.3f}" if iv else ""

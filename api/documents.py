@@ -122,12 +122,32 @@ class Winner(BestTrial):
     saturated: dict[str, str] = Field(description="levels whose measurement saturated the host, with why")
     ties: list[Tie] = Field(default_factory=list, description="confirmed candidates tied with the winner")
     tie_note: str | None = None
+    adaptive: bool = Field(
+        default=False,
+        description="the answer is SGLang's adaptive server its own launch proved: every number here is that "
+        "launch's; `config` is its speculative settings, `trial_number` the trial that measured them statically",
+    )
+    steps_by_batch: dict[str, int] | None = Field(default=None, description="the adaptive server's steps by batch size")
+
+    def label(self) -> str:
+        """The answer in words: the adaptive server, or the configuration and its trial."""
+        c = self.config
+        if self.adaptive:
+            steps = ", ".join(
+                f"{bs}: {s}" for bs, s in sorted((self.steps_by_batch or {}).items(), key=lambda kv: int(kv[0]))
+            )
+            return (
+                f"SGLang's adaptive server (steps by batch size {steps}; topk {c.topk}, "
+                f"draft tokens {c.num_draft_tokens})"
+            )
+        return f"trial {self.trial_number}: steps {c.num_steps}, topk {c.topk}, draft tokens {c.num_draft_tokens}"
 
 
 class Confirmation(_Document):
-    """A candidate's re-measurement against a fresh baseline (its latest attempt)."""
+    """A candidate's re-measurement against a fresh baseline (its latest attempt), or the launch of
+    the adaptive answer (`adaptive`, no trial number: it runs several trials' chains)."""
 
-    trial_number: int
+    trial_number: int | None
     config: SpecConfig | None
     state: str
     attempt: int
@@ -146,6 +166,7 @@ class Confirmation(_Document):
     baseline_levels: list[MeasuredLevel] | None
     extra_passes: int
     saturated: dict[str, str] = Field(description="levels whose measurement saturated the host, with why")
+    adaptive: bool = Field(default=False, description="the launch of the adaptive answer exactly as printed")
 
 
 class LevelAnswer(_Document):
@@ -259,6 +280,11 @@ class StudyDocument(_Document):
     best: Winner | None = Field(description="the answer (the winner: confirmed, else the search's best)")
     best_measured: BestTrial | None = Field(description="the search's own best measured trial")
     winner: Winner | None
+    best_static: Winner | None = Field(
+        default=None,
+        description="the best static configuration, when the answer (`best`, `winner`) is an adaptive server "
+        "its own launch proved; None otherwise (`best` is then the static answer itself)",
+    )
     confirmation: list[Confirmation]
     best_by_level: dict[str, LevelAnswer]
     launch_noise: LaunchNoise
@@ -279,10 +305,9 @@ class StudyDocument(_Document):
         return None if self.deployment is None else self.deployment.launch_command
 
     def adaptive_proven(self) -> bool:
-        """Is the answer an adaptive server its own launch proved?  Its numbers are then in the
-        verdict, and `best` is only the best static configuration."""
-        dep = self.deployment
-        return dep is not None and dep.mode == "adaptive" and dep.proven_by is not None
+        """Is the answer an adaptive server its own launch proved?  `best` and `winner` are then
+        that launch's record, and `best_static` the best static configuration."""
+        return self.best is not None and self.best.adaptive
 
     def printed_command_note(self) -> str:
         """What stands behind `printed_command`: the launch that started it, why it is not proven,

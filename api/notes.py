@@ -88,21 +88,15 @@ def render_note(shown: StudyDocument, baselines: list[str]) -> str:
     if best is None:
         out.append("- none yet")
     else:
-        c = best.config
-        out.append(
-            f"- trial {best.trial_number}: steps {c.num_steps}, topk {c.topk}, "
-            f"draft tokens {c.num_draft_tokens} → **{_fmt(best.speedup)}×** the baseline"
-            + (
-                " (the best static configuration; the answer is the adaptive server below, see the verdict)"
-                if shown.adaptive_proven()
-                else ""
-            )
-        )
+        out.append(f"- {best.label()} → **{_fmt(best.speedup)}×** the baseline")
         for level, iv in best.speedup_interval_by_level.items():
             out.append(f"- concurrency {level}: 95% interval {iv.low:.3f}–{iv.high:.3f}")
         if best.confirmed:
             # One record: the launch the answer's numbers come from (issue 17 item 5).
             out.append(f"- confirmed on {best.confirmed_on} (lease {best.lease_id})")
+        static = shown.best_static
+        if static is not None:
+            out.append(f"- the best static configuration: {static.label()} → {_fmt(static.speedup)}×")
         command, note = shown.printed_command(), shown.printed_command_note()
         if command is None:
             out.append(f"- no command to print: {note}")

@@ -3,19 +3,29 @@ document reads what became of it (api/services/adaptive_answer.py)."""
 
 from __future__ import annotations
 
+import csv
+import io
+import json
 from datetime import timedelta
 from typing import Any
 
 import pytest
 from optuna.trial import FrozenTrial, TrialState
 
+from api.documents import Confirmation, StudyDocument, TrialRow
 from api.models import LeaseRow
+from api.report.export import to_csv, to_json
+from api.report.tables import study_summary
 from api.services.adaptive_answer import outcome
+from api.services.studies import _confirmations
 from optimizer import attrs as A
 from optimizer import conductor as c
 from optimizer import deploy
 from optimizer.space import SpecConfig
 from optimizer.study_state import Ending, FinishReason
+from tests.conftest import INVENTORY, Api, small_spec
+from tests.search_support import lease, ok, sim_levels
+from tests.test_answer_proof import _printed
 from tests.test_conductor import BASES, T0, _settled, snap, spec_of
 
 CHAIN = SpecConfig(num_steps=2, topk=1, num_draft_tokens=3)
@@ -111,7 +121,12 @@ def test_no_adaptive_answer_no_proof(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _row(state: str, id_: str = "a1", **kw: Any) -> LeaseRow:
-    return LeaseRow(id=id_, state=state, kind="confirm", payload={"confirm": {"adaptive": True}}, **kw)
+    return LeaseRow(id=id_, state=state, kind="confirm", payload={"confirm": {"adaptive": True}}, attempt=1, **kw)
+
+
+def _record(rows: list[LeaseRow]) -> Confirmation | None:
+    """The adaptive launch's entry of the document's confirmations, as the study document builds it."""
+    return next((c for c in _confirmations(spec_of("adaptive-doc", **SPEC), rows) if c.adaptive), None)
 
 
 def test_the_document_reads_the_launch_pending_failed_or_proven() -> None:
@@ -120,12 +135,12 @@ def test_the_document_reads_the_launch_pending_failed_or_proven() -> None:
         spec, CHAIN, pays=False, exported=c.answers.adaptive_export(spec, TRIALS), version="0.5.23"
     )
     assert planned is not None and planned.mode == "adaptive"
-    assert outcome(spec, planned, [], [], 0.0, "0.5.23") == type(outcome(spec, planned, [], [], 0.0, "0.5.23"))()
-    pending = outcome(spec, planned, [_row("queued")], [], 0.0, "0.5.23")
+    assert outcome(spec, planned, [], [], None, "0.5.23") == type(outcome(spec, planned, [], [], None, "0.5.23"))()
+    pending = outcome(spec, planned, [_row("queued")], [], _record([_row("queued")]), "0.5.23")
     assert pending.pending is not None and "a1" in pending.pending and pending.proven is None
     failed = outcome(
-        spec, planned, [_row("failed")], ["the adaptive deployment did not start (out of GPU memory at start-up)"], 0.0,
-        "0.5.23",
+        spec, planned, [_row("failed")], ["the adaptive deployment did not start (out of GPU memory at start-up)"],
+        _record([_row("failed")]), "0.5.23",
     )  # fmt: skip
     assert failed.fallback is not None and "out of GPU memory" in failed.fallback and "falls back" in failed.fallback
     server = planned.settings.model_dump(mode="json")
@@ -133,14 +148,94 @@ def test_the_document_reads_the_launch_pending_failed_or_proven() -> None:
         "completed",
         "a2",
         worker_id="w2",
+        speedup=(1.55 * 0.99) ** 0.5,  # what completing the lease stores (the objective)
         result={
             "metrics": {"levels": _levels({1: 1.55, 4: 0.99}), "sglang_version": "0.5.23"},
             "confirmation": {"baseline_levels": _levels({1: 1.0, 4: 1.0})},
             "deployment": {"server": server, "adaptive": True},
         },
     )
-    proven = outcome(spec, planned, [_row("failed"), done], [], 0.0, "0.5.23")
+    rows = [_row("failed"), done]
+    proven = outcome(spec, planned, rows, [], _record(rows), "0.5.23")
     assert proven.proven is not None and proven.proven.proven_by == "a2"
     assert proven.proven.command() == planned.command(), "the proven command is the printed one"
     assert proven.verdict is not None and "lease a2 on w2" in proven.verdict
     assert "1: 1.550x" in proven.verdict and "4: 0.990x" in proven.verdict
+
+
+def _adaptive_levels(server: dict[str, Any], config: dict[str, Any], levels: list[int]) -> list[Any]:
+    """The adaptive server as the simulated engine measures it: its chain where its steps are
+    above 0, the server without speculation where they are 0."""
+    steps = {int(k): v for k, v in server["adaptive"]["steps_by_batch"].items()}
+    return [sim_levels("split-load", config if steps.get(c, 0) > 0 else None, [c])[0] for c in levels]
+
+
+def test_the_proven_adaptive_launch_is_best_on_every_surface(api: Api, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 17 item 5: one result, one number.  Through the REST API, a study on the split-load
+    engine (a chain pays alone, everything loses from 4 running requests on) answers SGLang's
+    adaptive server; its launch is `best` and `winner` (speedup, interval, levels, host, lease),
+    every renderer prints that record, the CSV export carries its confirmation rows, and the
+    static winner is shown only as the best static configuration."""
+    name = "adaptive-one-record"
+    spec = small_spec(
+        name,
+        model={"target": "split-load", "draft": "split-load-eagle3"},
+        search_space={"num_steps": {"low": 1, "high": 2}, "topk": [1]},
+        workload={"output_len": 32, "num_prompts": 4, "concurrency": [1, 4], "warmup_requests": 1, "repeats": 2},
+        budget={"max_trials": 2, "converge": False},
+        confirmation={"top": 1},
+        seed=11,
+    )
+    assert api.post("/v1/studies", "user", spec).status_code == 201
+    inventory = INVENTORY | {"models": ["split-load", "split-load-eagle3"]}
+    for _ in range(60):  # bounded: two trials, their baselines, two confirmations
+        if api.get(f"/v1/studies/{name}", "user").json()["state"] != "running":
+            break
+        for w in ("w1", "w2"):
+            got = lease(api, w, inventory)
+            if got is None:
+                continue
+            levels = got["workload"]["concurrency"]
+            if got["server"].get("adaptive"):
+                body = ok(_adaptive_levels(got["server"], got["config"], levels))
+            else:
+                body = ok(sim_levels("split-load", got["config"] if got["kind"] != "baseline" else None, levels))
+            assert api.post(f"/v1/leases/{got['lease_id']}/complete", "worker", body).status_code == 200
+    shown = api.get(f"/v1/studies/{name}", "user").json()
+    assert shown["state"] == "finished", shown["finish_reason"]
+    dep = shown["deployment"]
+    assert dep["mode"] == "adaptive" and dep["proven_by"], shown["verdict"]
+    (proof,) = [c for c in shown["confirmation"] if c["adaptive"]]
+    assert proof["trial_number"] is None and proof["state"] == "completed" and proof["lease_id"] == dep["proven_by"]
+    best = shown["best"]
+    # One record: best is the winner is the adaptive launch, its numbers, host and lease.
+    assert best == shown["winner"] and best["adaptive"] is True
+    assert best["lease_id"] == proof["lease_id"] and best["worker_id"] == best["confirmed_on"] == proof["worker_id"]
+    assert best["speedup"] == proof["speedup"] and best["speedup_interval"] == proof["speedup_interval"]
+    assert best["speedup_by_level"] == proof["speedup_by_level"] and best["levels"] == proof["levels"]
+    assert best["server"] == dep["server"] and best["launch_command"] == dep["launch_command"]
+    assert best["steps_by_batch"] == {"1": dep["adaptive_config"]["1"]["candidate_steps"][0], "4": 0}
+    # The static winner is what it is: the best static configuration, not the answer.
+    static = shown["best_static"]
+    assert static is not None and static["adaptive"] is False and static["lease_id"] != best["lease_id"]
+    number = f"{best['speedup']:.3f}x"
+    assert number in shown["verdict"] and best["lease_id"] in shown["verdict"] and best["worker_id"] in shown["verdict"]
+    document = StudyDocument.model_validate(shown)
+    summary = study_summary(document)
+    (best_line,) = [line for line in summary.splitlines() if line.startswith("best ")]
+    assert "adaptive server" in best_line and number in best_line, summary
+    assert f"lease {best['lease_id']} on {best['worker_id']}" in summary
+    assert "the best static configuration" in summary and f"{static['speedup']:.3f}x" in summary
+    texts = _printed(document, capsys)
+    for where, text in texts.items():
+        assert f"{best['speedup']:.3f}" in text and best["lease_id"] in text, (where, text)
+        assert "the best static configuration" in text, where
+    # The CSV export: the adaptive launch's confirmation rows, at each level, with its numbers.
+    trials = [TrialRow.model_validate(t) for t in api.get(f"/v1/studies/{name}/trials", "user").json()]
+    rows = list(csv.DictReader(io.StringIO(to_csv(name, trials, document.confirmation))))
+    mine = [r for r in rows if r["source"] == "adaptive confirmation"]
+    assert [int(r["concurrency"]) for r in mine] == [1, 4], rows
+    assert all(float(r["objective_speedup"]) == best["speedup"] and r["worker_id"] == best["worker_id"] for r in mine)
+    assert {r["concurrency"]: float(r["speedup"]) for r in mine} == {k: v for k, v in best["speedup_by_level"].items()}
+    # The JSON export is the document: the same best.
+    assert json.loads(to_json(document, trials))["study"]["best"] == best

@@ -146,6 +146,7 @@ def test_export_has_the_confirmation_rows() -> None:
             "envelope_note": "",
             "extra_passes": 0,
             "saturated": {},
+            "adaptive": False,
             "config": {"num_steps": 2, "topk": 1, "num_draft_tokens": 3},
             "speedup": 1.2,
             "worker_id": "w2",

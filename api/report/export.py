@@ -113,7 +113,8 @@ def confirmation_rows(study: str, confirmations: Sequence[Confirmation] | None) 
             "study": study,
             "trial": c.trial_number,
             "state": f"confirmation {c.state}",
-            "source": "confirmation",
+            # The adaptive answer's launch has no trial of its own: it runs several trials' chains.
+            "source": "adaptive confirmation" if c.adaptive else "confirmation",
             **_config_columns(cfg),
             "objective_speedup": c.speedup,
             "worker_id": c.worker_id,

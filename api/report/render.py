@@ -123,8 +123,7 @@ def _winner(shown: StudyDocument) -> str:
     if best is None:
         return "<p>No configuration has been measured yet.</p>"
     c = best.config
-    rows: list[tuple[str, Any]] = [
-        ("trial", best.trial_number),
+    rows: list[tuple[str, Any]] = ([("answer", best.label())] if best.adaptive else [("trial", best.trial_number)]) + [
         ("num_steps / topk / num_draft_tokens", f"{c.num_steps} / {c.topk} / {c.num_draft_tokens}"),
         ("cuda_graph_max_bs", c.cuda_graph_max_bs or "default"),
         ("speedup (objective)", _num(best.speedup)),
@@ -135,6 +134,11 @@ def _winner(shown: StudyDocument) -> str:
         band = f" (95% interval {iv.low:.3f}–{iv.high:.3f})" if iv else " (no interval: fewer than 2 repeats)"
         rows.append((f"speedup at concurrency {level}", f"{value:.3f}{band}"))
     rows += [("measured on", best.worker_id or "—"), ("SGLang", best.sglang_version or "—")]
+    if best.lease_id:
+        rows.append(("launch (lease)", best.lease_id))
+    static = shown.best_static
+    if static is not None:
+        rows.append(("the best static configuration", f"{static.label()}: {_num(static.speedup)}"))
     table = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in rows)
     command, note = shown.printed_command(), shown.printed_command_note()
     if command is None:

@@ -43,16 +43,15 @@ def study_summary(shown: StudyDocument) -> str:
         lines.append(base)
     best = shown.best
     if best:
-        c = best.config
-        lines.append(
-            f"best     trial {best.trial_number}: steps {c.num_steps}, topk {c.topk}, "
-            f"draft tokens {c.num_draft_tokens} -> {best.speedup or 0.0:.3f}x"
-            + (
-                " (the best static configuration; the answer is the adaptive server below)"
-                if shown.adaptive_proven()
-                else ""
-            )
-        )
+        iv = best.speedup_interval
+        band = f" [{iv.low:.3f}-{iv.high:.3f}]" if iv else ""
+        lines.append(f"best     {best.label()} -> {best.speedup or 0.0:.3f}x{band}")
+        if best.confirmed:
+            # One record: the launch the answer's numbers come from (issue 17 item 5).
+            lines.append(f"         measured by lease {best.lease_id} on {best.confirmed_on}")
+    static = shown.best_static
+    if static:
+        lines.append(f"static   the best static configuration: {static.label()} -> {static.speedup or 0.0:.3f}x")
     dep = shown.deployment
     if dep:
         lines.append(f"deploy   ({dep.mode.replace('_', ' ')}: {dep.reason})")
@@ -131,7 +130,8 @@ def progress_line(shown: StudyDocument) -> str:
     filled = min(20, round(20 * launched / budget)) if budget else 0
     bar = "#" * filled + "." * (20 - filled)
     best = shown.best
-    best_text = f"best {best.speedup or 0.0:.3f}x (trial {best.trial_number})" if best else "no result yet"
+    what = "adaptive server" if best and best.adaptive else f"trial {best.trial_number}" if best else ""
+    best_text = f"best {best.speedup or 0.0:.3f}x ({what})" if best else "no result yet"
     cost = shown.cost
     spent = f"  {cost.launches} launches, {cost.gpu_hours:.2f} GPU-h"
     line = (

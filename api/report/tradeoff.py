@@ -77,15 +77,25 @@ def series(shown: StudyDocument, trials: Sequence[TrialRow]) -> list[Series]:
         if t.state == "COMPLETE" and t.feasible and t.levels and t.speedup is not None and t.duplicate_of is None
     ]  # fmt: skip
     measured.sort(key=lambda t: -(t.speedup or 0.0))
-    winner_no = None if shown.winner is None else shown.winner.trial_number
-    winner = next((t for t in measured if t.number == winner_no), measured[0] if measured else None)
     out: list[Series] = []
-    base_levels = (None if winner is None else winner.baseline_levels) or []
-    if base_levels:
-        out.append(Series("baseline (no speculation)", "baseline", _points(base_levels, tp, limits)))
-    if winner is not None:
-        out.append(Series(f"winner {_config_label(winner)}", "winner", _points(winner.levels or [], tp, limits)))
-    for t in [t for t in measured if t is not winner][:RUNNER_UPS]:
+    answer = shown.winner
+    if answer is not None and answer.adaptive:
+        # The answer is the adaptive server: its own launch, not any trial of the search, is the winner.
+        if answer.baseline_levels:
+            out.append(Series("baseline (no speculation)", "baseline", _points(answer.baseline_levels, tp, limits)))
+        out.append(Series("winner: adaptive server", "winner", _points(answer.levels or [], tp, limits)))
+        runners = measured
+    else:
+        winner_no = None if answer is None else answer.trial_number
+        winner = next((t for t in measured if t.number == winner_no), measured[0] if measured else None)
+        base_levels = (None if winner is None else winner.baseline_levels) or []
+        if base_levels:
+            out.append(Series("baseline (no speculation)", "baseline", _points(base_levels, tp, limits)))
+        if winner is not None:
+            label = f"winner {_config_label(winner)}"
+            out.append(Series(label, "winner", _points(winner.levels or [], tp, limits)))
+        runners = [t for t in measured if t is not winner]
+    for t in runners[:RUNNER_UPS]:
         out.append(Series(f"runner-up {_config_label(t)}", "runner-up", _points(t.levels or [], tp, limits)))
     return [s for s in out if s.points]
 

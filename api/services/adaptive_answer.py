@@ -5,7 +5,8 @@ more confirmation: that server exactly as printed (optimizer.conductor.adaptive_
 module reads what became of it for the study document:
 
 * completed: the answer is the server that launch started, its numbers are that launch's
-  (against the baseline paired with it), and the verdict names the launch;
+  (against the baseline paired with it), and the verdict names the launch; `winner_of` makes it
+  the study's `best` and `winner` (one record, issue 17 item 5);
 * queued or running: the planned adaptive command, saying it is not launched yet;
 * failed or given up: the answer falls back to what the other confirmations proved (the static
   winner, or the server without speculation), and the verdict says so first.
@@ -15,13 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
+from optuna.trial import FrozenTrial, TrialState
+
+from api import documents as D
 from api.models import LeaseRow
-from optimizer import confirmation as confirm
+from optimizer import attrs as A
 from optimizer import deploy
 from optimizer.analysis import Interval
-from optimizer.sglang import ServerSettings
 from optimizer.spec import StudySpec
 
 
@@ -45,15 +47,17 @@ def outcome(
     planned: deploy.Deployment | None,
     rows: Sequence[LeaseRow],
     failures: Sequence[str],
-    extra_var: float,
+    record: D.Confirmation | None,
     version: str,
 ) -> AdaptiveOutcome:
-    """What the study's adaptive proof (`rows`: its attempts, oldest first) makes of the answer."""
+    """What the study's adaptive proof (`rows`: its attempts, oldest first; `record`: its entry of
+    the document's confirmations) makes of the answer."""
     if not rows:
         return AdaptiveOutcome()
-    done = [r for r in rows if r.state == "completed" and r.result]
-    if done:
-        return _proven(spec, planned, done[-1], extra_var, version)
+    if record is not None and record.state == "completed" and record.speedup is not None and record.server:
+        row = next((r for r in rows if r.id == record.lease_id), None)
+        ran = None if row is None else ((row.result or {}).get("metrics") or {}).get("sglang_version")
+        return _proven(spec, planned, record, ran or version)
     live = [r for r in rows if r.state in ("queued", "active")]
     if live:
         where = "is running" if live[-1].state == "active" else "is queued"
@@ -63,14 +67,10 @@ def outcome(
 
 
 def _proven(
-    spec: StudySpec, planned: deploy.Deployment | None, row: LeaseRow, extra_var: float, version: str
+    spec: StudySpec, planned: deploy.Deployment | None, record: D.Confirmation, version: str
 ) -> AdaptiveOutcome:
-    result: dict[str, Any] = row.result or {}
-    settings = ServerSettings.model_validate((result.get("deployment") or {})["server"])
-    assert settings.adaptive is not None
-    levels = (result.get("metrics") or {}).get("levels") or []
-    base = (result.get("confirmation") or {}).get("baseline_levels") or []
-    got = confirm.confirm_result(spec, levels, base, extra_var)
+    settings = record.server
+    assert settings is not None and settings.adaptive is not None
     reason = (
         planned.reason
         if planned is not None and planned.mode == "adaptive"
@@ -81,24 +81,66 @@ def _proven(
         "adaptive",
         settings,
         True,
-        (result.get("metrics") or {}).get("sglang_version") or version,
+        version,
         reason,
         settings.adaptive.config_doc(),
         tuple(spec.workload.concurrency),
         deploy.load_note(spec, speculation=True),
-        proven_by=row.id,
+        proven_by=record.lease_id,
         proof_note="",
     )
+    # The verdict reads the one record every surface prints (issue 17 item 5).
+    ivs = record.speedup_interval_by_level or {}
     by_level = ", ".join(
-        f"{c}: {v:.3f}x{_iv(got.intervals_by_level.get(c))}" for c, v in sorted(got.speedup_by_level.items())
+        f"{c}: {v:.3f}x{_iv(ivs.get(c))}"
+        for c, v in sorted((record.speedup_by_level or {}).items(), key=lambda kv: int(kv[0]))
     )
     steps = ", ".join(f"{bs}: {s}" for bs, s in sorted(settings.adaptive.steps_by_batch.items()))
     verdict = (
-        f"SGLang's adaptive mode (steps by batch size {steps}), launched exactly as printed (lease {row.id} on "
-        f"{row.worker_id}): {got.value:.3f}x{_iv(got.interval)} at concurrency {by_level}"
+        f"SGLang's adaptive mode (steps by batch size {steps}), launched exactly as printed (lease "
+        f"{record.lease_id} on {record.worker_id}): {record.speedup:.3f}x{_iv(record.speedup_interval)} at "
+        f"concurrency {by_level}"
     )
     return AdaptiveOutcome(proven=dep, verdict=verdict)
 
 
-def _iv(iv: Interval | None) -> str:
+def winner_of(record: D.Confirmation, static: D.Winner | None, trials: Sequence[FrozenTrial], version: str) -> D.Winner:
+    """The answer's one record when it is the adaptive server: its launch's numbers, host and lease.
+
+    `trial_number` names the trial that measured its speculative settings statically (the search
+    never ran the adaptive server itself, so there is no search speedup)."""
+    settings = record.server
+    assert settings is not None and settings.adaptive is not None and record.speedup is not None
+    config = settings.speculative or record.config
+    assert config is not None
+    same = [t for t in trials if A.TrialRecord(t).config_key == config.key and t.state == TrialState.COMPLETE]
+    trial = same[0] if same else None
+    number = trial.number if trial is not None else (static.trial_number if static is not None else 0)
+    return D.Winner(
+        trial_number=number,
+        params={} if trial is None else dict(trial.params),
+        config=config,
+        speedup=record.speedup,
+        speedup_by_level=record.speedup_by_level,
+        speedup_interval_by_level=record.speedup_interval_by_level or {},
+        levels=record.levels,
+        worker_id=record.worker_id,
+        sglang_version=version,
+        launch_command=None,
+        search_speedup=None,
+        speedup_interval=record.speedup_interval,
+        confirmed=True,
+        confirmed_on=record.worker_id,
+        search_worker_id=None,
+        lease_id=record.lease_id,
+        baseline_levels=record.baseline_levels,
+        server=settings,
+        envelope_note=record.envelope_note,
+        saturated=record.saturated,
+        adaptive=True,
+        steps_by_batch={str(bs): s for bs, s in sorted(settings.adaptive.steps_by_batch.items())},
+    )
+
+
+def _iv(iv: D.Interval | Interval | None) -> str:
     return "" if iv is None else f" [{iv.low:.3f}-{iv.high:.3f}]"

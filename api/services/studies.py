@@ -293,15 +293,21 @@ class StudyService:
             deployment,
             [r for r in confirm_rows if adaptive_answer.is_adaptive_proof(r)],
             [d for k, d in events if k == deploy.ADAPTIVE_FAILED],
-            extra,
+            next((c for c in confirmations if c.adaptive), None),
             version,
         )
         if adaptive.fallback is not None:
             deployment = deploy.plan_deployment(
                 spec, None if winner is None else winner.config, pays=pays, exported=None, version=version
             )
+        best_static = None
         if adaptive.proven is not None:
             deployment, unproven = adaptive.proven, None
+            record = next(c for c in confirmations if c.adaptive)
+            # One record (issue 17 item 5): the answer is the adaptive launch everywhere, and the
+            # static winner is shown as what it is, the best static configuration.
+            best_static = winner
+            winner = adaptive_answer.winner_of(record, best_static, trials, adaptive.proven.version)
         else:
             deployment, unproven = _proof(deployment, winner, confirmations, events)
             if adaptive.pending is not None and deployment is not None and deployment.mode == "adaptive":
@@ -335,6 +341,7 @@ class StudyService:
             best=winner,
             best_measured=best_doc,
             winner=winner,
+            best_static=best_static,
             confirmation=confirmations,
             best_by_level={
                 str(k): D.LevelAnswer(**v.as_json())
@@ -537,14 +544,22 @@ def _confirmations(spec: StudySpec, rows: Sequence[LeaseRow], extra_var: float =
     now (it grows with every re-launch the study makes), not as it was when each was reported.
     """
     latest: dict[int, LeaseRow] = {}
+    proof: LeaseRow | None = None
     for r in rows:
+        if adaptive_answer.is_adaptive_proof(r):
+            # The adaptive answer's launch (no trial number): its last completed attempt, else its last.
+            if proof is None or r.state == "completed" or proof.state != "completed":
+                proof = r
+            continue
         if r.trial_number is None:
             continue
         prev = latest.get(r.trial_number)
         if prev is None or prev.state != "completed":
             latest[r.trial_number] = r
     out = []
-    for number, r in sorted(latest.items()):
+    # The candidates by trial number, then the adaptive launch (it comes last, as it is launched).
+    entries: list[tuple[int | None, LeaseRow]] = [*sorted(latest.items()), *([] if proof is None else [(None, proof)])]
+    for number, r in entries:
         info = dict((r.result or {}).get("confirmation") or {})
         measured = launch_noise.confirm_measurement(r) if r.state == "completed" else None
         if measured is not None:
@@ -575,6 +590,7 @@ def _confirmations(spec: StudySpec, rows: Sequence[LeaseRow], extra_var: float =
                 baseline_levels=None if measured is None else _levels(measured[2]),
                 extra_passes=((r.result or {}).get("metrics") or {}).get("extra_passes") or 0,
                 saturated={str(k): v for k, v in saturated.items()},
+                adaptive=number is None,
             )
         )
     return out
@@ -654,7 +670,7 @@ def _proof(
                 f"in it; started with {winner.envelope_note}"
             )
         return deployment.proven(str(winner.lease_id), winner.server, note), None
-    tried = [c for c in confirmations if c.server is not None or c.state == "failed"]
+    tried = [c for c in confirmations if not c.adaptive and (c.server is not None or c.state == "failed")]
     if not winner.confirmed and failed and not any(c.state == "completed" for c in tried):
         return None, "no command: none of the candidates' deployments started (" + "; ".join(failed) + ")"
     # Not proven by a launch of this study, said with the command (proven_by stays None).
