@@ -99,9 +99,14 @@ def test_the_adaptive_answer_is_the_command_its_confirmation_launched(pg_db_url:
     # The only difference: where the config file is (the worker's own file; the user's working directory).
     assert seen[3:config_at] + [ADAPTIVE_FILE] + seen[config_at + 1 :] == server_args[3:]
     assert json.loads(printed[1]) == json.loads(written) == dep["adaptive_config"]
-    # `study show` names the launch, and says the static best is not the answer.
+    # One record (item 5): best is that launch, its number on show's best line; the static winner
+    # is shown only as the best static configuration.
+    assert st["best"] == st["winner"] and st["best"]["adaptive"] and st["best"]["lease_id"] == proof["id"]
+    assert st["best_static"] is not None and not st["best_static"]["adaptive"]
     assert shown.returncode == 0 and proof["id"] in shown.stdout, shown.stdout
-    assert "the answer is the adaptive server below" in shown.stdout
+    (best_line,) = [line for line in shown.stdout.splitlines() if line.startswith("best ")]
+    assert f"{st['best']['speedup']:.3f}x" in best_line and "adaptive" in best_line, shown.stdout
+    assert "the best static configuration" in shown.stdout
 
 
 def _port(worker_toml: Path) -> str:
