@@ -24,7 +24,7 @@ from optimizer import deploy
 from optimizer.space import SpecConfig
 from optimizer.study_state import Ending, FinishReason
 from tests.conftest import INVENTORY, Api, small_spec
-from tests.search_support import lease, ok, sim_levels
+from tests.search_support import OOM, lease, ok, sim_levels
 from tests.test_answer_proof import _printed
 from tests.test_conductor import BASES, T0, _settled, snap, spec_of
 
@@ -177,30 +177,7 @@ def test_the_proven_adaptive_launch_is_best_on_every_surface(api: Api, capsys: p
     every renderer prints that record, the CSV export carries its confirmation rows, and the
     static winner is shown only as the best static configuration."""
     name = "adaptive-one-record"
-    spec = small_spec(
-        name,
-        model={"target": "split-load", "draft": "split-load-eagle3"},
-        search_space={"num_steps": {"low": 1, "high": 2}, "topk": [1]},
-        workload={"output_len": 32, "num_prompts": 4, "concurrency": [1, 4], "warmup_requests": 1, "repeats": 2},
-        budget={"max_trials": 2, "converge": False},
-        confirmation={"top": 1},
-        seed=11,
-    )
-    assert api.post("/v1/studies", "user", spec).status_code == 201
-    inventory = INVENTORY | {"models": ["split-load", "split-load-eagle3"]}
-    for _ in range(60):  # bounded: two trials, their baselines, two confirmations
-        if api.get(f"/v1/studies/{name}", "user").json()["state"] != "running":
-            break
-        for w in ("w1", "w2"):
-            got = lease(api, w, inventory)
-            if got is None:
-                continue
-            levels = got["workload"]["concurrency"]
-            if got["server"].get("adaptive"):
-                body = ok(_adaptive_levels(got["server"], got["config"], levels))
-            else:
-                body = ok(sim_levels("split-load", got["config"] if got["kind"] != "baseline" else None, levels))
-            assert api.post(f"/v1/leases/{got['lease_id']}/complete", "worker", body).status_code == 200
+    _split_load_study(api, name)
     shown = api.get(f"/v1/studies/{name}", "user").json()
     assert shown["state"] == "finished", shown["finish_reason"]
     dep = shown["deployment"]
@@ -239,3 +216,51 @@ def test_the_proven_adaptive_launch_is_best_on_every_surface(api: Api, capsys: p
     assert {r["concurrency"]: float(r["speedup"]) for r in mine} == {k: v for k, v in best["speedup_by_level"].items()}
     # The JSON export is the document: the same best.
     assert json.loads(to_json(document, trials))["study"]["best"] == best
+
+
+def _split_load_study(api: Api, name: str, *, adaptive_ooms: bool = False) -> None:
+    """A study on split-load driven to its end through the REST API; the adaptive server's launch
+    is measured as the simulated engine would run it, or runs out of memory at start-up."""
+    spec = small_spec(
+        name,
+        model={"target": "split-load", "draft": "split-load-eagle3"},
+        search_space={"num_steps": {"low": 1, "high": 2}, "topk": [1]},
+        workload={"output_len": 32, "num_prompts": 4, "concurrency": [1, 4], "warmup_requests": 1, "repeats": 2},
+        budget={"max_trials": 2, "converge": False},
+        confirmation={"top": 1},
+        seed=11,
+    )
+    assert api.post("/v1/studies", "user", spec).status_code == 201
+    inventory = INVENTORY | {"models": ["split-load", "split-load-eagle3"]}
+    for _ in range(60):  # bounded: two trials, their baselines, two confirmations
+        if api.get(f"/v1/studies/{name}", "user").json()["state"] != "running":
+            return
+        for w in ("w1", "w2"):
+            got = lease(api, w, inventory)
+            if got is None:
+                continue
+            levels = got["workload"]["concurrency"]
+            if got["server"].get("adaptive"):
+                body = OOM if adaptive_ooms else ok(_adaptive_levels(got["server"], got["config"], levels))
+            else:
+                body = ok(sim_levels("split-load", got["config"] if got["kind"] != "baseline" else None, levels))
+            assert api.post(f"/v1/leases/{got['lease_id']}/complete", "worker", body).status_code == 200
+
+
+def test_a_failed_adaptive_launch_leaves_the_static_answer_as_best_and_says_so(api: Api) -> None:
+    """The adaptive server ran out of memory: `best` is the static answer (no `best_static`), the
+    verdict says the adaptive deployment did not start, and its failed launch is in the export."""
+    name = "adaptive-oom"
+    _split_load_study(api, name, adaptive_ooms=True)
+    shown = api.get(f"/v1/studies/{name}", "user").json()
+    assert shown["state"] == "finished", shown["finish_reason"]
+    assert shown["deployment"]["mode"] != "adaptive" and shown["verdict"].startswith(
+        "the adaptive deployment did not start"
+    ), shown["verdict"]
+    (proof,) = [c for c in shown["confirmation"] if c["adaptive"]]
+    assert proof["state"] == "failed" and proof["speedup"] is None
+    assert shown["best"] == shown["winner"] and not shown["best"]["adaptive"] and shown["best_static"] is None
+    document = StudyDocument.model_validate(shown)
+    assert "the best static configuration" not in study_summary(document)
+    rows = list(csv.DictReader(io.StringIO(to_csv(name, [], document.confirmation))))
+    assert [r["state"] for r in rows if r["source"] == "adaptive confirmation"] == ["confirmation failed"]
