@@ -69,7 +69,7 @@ from optimizer.sglang import ServerSettings
 from optimizer.space import SearchSpace, SpecConfig, max_draft_tokens
 from optimizer.spec import StudySpec
 from optimizer.study_state import Ending, FinishReason, Phase, StudyState
-from spectune_protocol import LevelMetrics, Resolve
+from spectune_protocol import LevelMetrics
 from spectune_sim.landscapes import LANDSCAPES, Landscape
 from spectune_sim.model import (
     InfeasibleConfigError,
@@ -415,6 +415,10 @@ class SimLease:
             finished_at=self.finished_at,
             avoid_worker=self.avoid_worker,
             measurement=self.measurement,
+            config=self.config if self.kind == "confirm" else None,
+            tier=self.tier if self.kind == "confirm" else None,
+            server=None if self.envelope is None else self.envelope.settings,
+            failure=self.failure,
         )
 
 
@@ -625,7 +629,7 @@ def drive(hosts: list[Host], spec: StudySpec) -> MemoryStudy:
             else:
                 busy[i] = _start_trial(store, h, now, *asked)
         elif isinstance(action, conductor.Confirm):
-            started = _start_confirm(store, h, now, store.lease(action.lease_id), action.resolve)
+            started = _start_confirm(store, h, now, store.lease(action.lease_id), action)
             if started is not None:
                 busy[i] = started
         elif isinstance(action, conductor.Wait):
@@ -676,13 +680,14 @@ def _start_trial(
 
 
 def _start_confirm(
-    store: MemoryStudy, h: Host, now: datetime, lease: SimLease, order: Resolve | None
+    store: MemoryStudy, h: Host, now: datetime, lease: SimLease, action: conductor.Confirm
 ) -> tuple[float, Callable[[datetime], None]] | None:
-    """api.services.leasing.confirm: claim (the deployment as what the study's failures leave),
-    launch as deployed, the conductor's extra passes, complete (a failed start: the next envelope)."""
+    """api.services.leasing.confirm: claim (the deployment the conductor names, or what the study's
+    failures leave), launch as deployed, the conductor's extra passes, complete (a failed start:
+    the next envelope)."""
     assert lease.config is not None
-    cfg = lease.config
-    due = conductor.next_deployment(
+    cfg, order = lease.config, action.resolve
+    due = action.deployment or conductor.next_deployment(
         store.spec, cfg, store.deploy_failures(), lease.tier - 1, store.study().get_trials(deepcopy=False)
     )
     if due is None:  # every envelope left is known to run out of memory: out, without a launch

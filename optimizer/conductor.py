@@ -32,7 +32,9 @@ from optimizer import confirmation as confirm
 from optimizer.analysis import Interval, LaunchNoise
 from optimizer.budget import budget_used
 from optimizer.infeasible import known_to_fail, oom_points
+from optimizer.memory_boundary import PROBABLE_FAILURE, MemoryBoundary, Terms, capture_list, tuning_launches
 from optimizer.model_sampler import space_configs
+from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 from optimizer.study import is_feasible
@@ -73,6 +75,13 @@ class LeaseView:
     avoid_worker: str | None = None  # confirm leases: confirm elsewhere than where it was found
     # A completed confirmation: (levels, paired baseline levels), for the launch-noise estimate.
     measurement: tuple[Sequence[Mapping[str, Any]], Sequence[Mapping[str, Any]]] | None = None
+    # Confirm leases: the configuration, the deployment tier it is queued or launched in (None for
+    # the adaptive proof, which has no smaller envelope), the server it launches, and why it did
+    # not start ("oom"), for the envelope it is handed out in (`deployment_for`).
+    config: SpecConfig | None = None
+    tier: int | None = None
+    server: ServerSettings | None = None
+    failure: str | None = None
 
     @property
     def live(self) -> bool:
@@ -207,6 +216,9 @@ class Confirm:
     fresh_baseline: bool
     # More passes on the warm server while the answer straddles a decision (`resolve_order`).
     resolve: Resolve | None = field(default=None, compare=False)
+    # The deployment it launches (`deployment_for`); None: as queued (the adaptive proof), or none
+    # is left to try (the claim then drops the candidate without a launch).
+    deployment: tuple[int, deploy.Envelope] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -581,6 +593,95 @@ def launch_noise(snap: Snapshot) -> LaunchNoise:
     )
 
 
+EnvelopeKey = tuple[int, tuple[int, ...]]
+
+
+def envelope_key(settings: ServerSettings) -> EnvelopeKey:
+    """What makes two deployments one envelope for starting: the load served and the graphs captured."""
+    return settings.max_running_requests, capture_list(settings)
+
+
+def _deploy_failures(snap: Snapshot) -> list[tuple[SpecConfig, int]]:
+    """(configuration, tier) of the study's confirmations that ran out of memory at start-up."""
+    return [
+        (le.config, le.tier)
+        for le in snap.leases
+        if le.kind == "confirm" and le.state == "failed" and le.failure == "oom" and le.config and le.tier is not None
+    ]
+
+
+def _started_envelopes(snap: Snapshot) -> set[EnvelopeKey]:
+    """Envelopes a confirmation of this study started in (it completed: its server came up)."""
+    return {
+        envelope_key(le.server) for le in snap.leases if le.kind == "confirm" and le.state == "completed" and le.server
+    }
+
+
+def deployment_for(snap: Snapshot, lease: LeaseView) -> tuple[int, deploy.Envelope] | None:
+    """The deployment a queued confirmation launches now: `next_deployment` from its tier, and
+    past an envelope that no confirmation of this study started in yet but one ran out of memory
+    in, where the memory model (optimizer.memory_boundary, learnt from the search and those
+    failures) says this candidate more likely than not fails there too (PROBABLE_FAILURE, the bar
+    a search launch must pass): until something started in it, the printed envelope is
+    unproven, and a second out-of-memory start there would be a launch spent on a likely failure.
+    A candidate the model gives an even chance or better is tried there (it may prove the printed
+    command); the last envelope left is always tried.  None: no envelope is left."""
+    assert lease.config is not None and lease.tier is not None
+    spec, cfg = snap.spec, lease.config
+    failed = _deploy_failures(snap)
+    options = [(t, e) for t, e in deploy.envelopes_to_try(spec, cfg, failed, snap.trials) if t >= lease.tier]
+    started = _started_envelopes(snap)
+    failed_in = {envelope_key(le.server) for le in snap.leases if le.failure == "oom" and le.server is not None}
+    boundary: MemoryBoundary | None = None
+    skipped: list[str] = []
+    while len(options) > 1:
+        tier, env = options[0]
+        key = envelope_key(env.settings)
+        if key in started or key not in failed_in:
+            break
+        if boundary is None:
+            boundary = MemoryBoundary.fit(
+                [*tuning_launches(spec, snap.trials), *deploy.deployment_launches(spec, failed)]
+            )
+        if boundary is None:
+            break
+        terms = Terms.of(env.settings, cfg)
+        j = boundary.judge(terms)
+        if j.p_fail < PROBABLE_FAILURE:
+            break
+        what = env.note.split(":")[0] if env.note else f"the printed envelope ({terms.describe()})"
+        skipped.append(
+            f"{what} was not launched (no deployment of this study started there; {j.p_fail:.0%} likely "
+            f"to run out of memory: {j.reason})"
+        )
+        options.pop(0)
+    if not options:
+        return None
+    tier, env = options[0]
+    if skipped:
+        env = deploy.Envelope(env.settings, "; ".join([env.note, *skipped]))
+    return tier, env
+
+
+def _launch_envelope(
+    snap: Snapshot, lease: LeaseView, ran: Sequence[Terms]
+) -> tuple[tuple[int, deploy.Envelope] | None, EnvelopeKey | None]:
+    """A queued confirmation's deployment (`deployment_for`), and the envelope it starts in when
+    that still needs proof: None when the memory model (optimizer.memory_boundary) says it needs
+    no more graph memory than a launch of the search that started (`ran`), as where the printed
+    envelope is the tuning one."""
+    if lease.config is None or lease.tier is None:
+        due, settings = None, lease.server
+    else:
+        due = deployment_for(snap, lease)
+        settings = None if due is None else due[1].settings
+    cfg = lease.config or (None if settings is None else settings.speculative)
+    if settings is None or cfg is None:
+        return due, None
+    terms = Terms.of(settings, cfg)
+    return due, None if any(r.covers(terms) for r in ran) else envelope_key(settings)
+
+
 def _confirmation_for(snap: Snapshot, worker_id: str) -> Action:
     queued = sorted(
         (le for le in snap.leases if le.kind == "confirm" and le.state == "queued"),
@@ -590,13 +691,54 @@ def _confirmation_for(snap: Snapshot, worker_id: str) -> Action:
     if not queued:
         moved = settle(snap)
         return Wait("this study's confirmations are running elsewhere") if isinstance(moved, Ask) else moved
-    mine = [le for le in queued if _may_take(snap, worker_id, le)]
+    # An envelope no confirmation of this study started in yet takes one launch at a time: if it
+    # runs out of memory, the others learn from it (`deployment_for`) instead of dying beside it.
+    # Once one started there, the rest go in parallel; other hosts meanwhile take confirmations
+    # in envelopes already proven, or wait.
+    started = _started_envelopes(snap)
+    trying = {
+        envelope_key(le.server)
+        for le in snap.leases
+        if le.kind == "confirm" and le.state == "active" and le.server is not None
+    } - started
+    ran = [x.terms for x in tuning_launches(snap.spec, snap.trials) if x.started]
+    due: dict[str, tuple[int, deploy.Envelope] | None] = {}
+    untested: dict[str, EnvelopeKey] = {}
+    ready = []
+    for le in queued:
+        due[le.id], key = _launch_envelope(snap, le, ran)
+        if key is not None and key not in started:
+            if key in trying:
+                continue
+            untested[le.id] = key
+        ready.append(le)
+    if not ready:
+        return Wait(
+            "the queued confirmations wait for the first launch in their deployment envelope: none of this "
+            "study's has started there yet, and one out-of-memory start there teaches the others"
+        )
+    mine = [le for le in ready if _may_take(snap, worker_id, le)]
     if not mine:
         return Wait("the queued confirmations are for other hosts than the one that found them")
+    # Only one of those queued in one untested envelope is launched now (this host's, where it
+    # may take one): no baseline is measured for the others.
+    first: dict[EnvelopeKey, LeaseView] = {}
+    takes = {le.id for le in mine}
+    for le in sorted(ready, key=lambda le: le.id not in takes):
+        if le.id in untested:
+            first.setdefault(untested[le.id], le)
+    queued = [le for le in ready if le.id not in untested or first[untested[le.id]] is le]
     if _holds_fresh_baseline(snap, worker_id):
         base = snap.latest_baseline(worker_id)
         assert base is not None
-        return Confirm(mine[0].id, worker_id, base.id, fresh_baseline=True, resolve=resolve_order(snap, mine[0], base))
+        return Confirm(
+            mine[0].id,
+            worker_id,
+            base.id,
+            fresh_baseline=True,
+            resolve=resolve_order(snap, mine[0], base),
+            deployment=due[mine[0].id],
+        )
     # A fresh baseline costs a launch: measure one only for a confirmation that the hosts already
     # holding (or measuring, or confirming next to) a fresh one leave over, so an idle fleet of four
     # does not measure four baselines for two confirmations.

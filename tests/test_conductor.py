@@ -19,7 +19,7 @@ from optuna.trial import FrozenTrial, TrialState
 from api.models import FINISH_RULES, STUDY_PHASES, STUDY_STATES
 from optimizer import attrs as A
 from optimizer import conductor as c
-from optimizer import convergence
+from optimizer import convergence, deploy
 from optimizer import stop_rules as R
 from optimizer.analysis import Interval
 from optimizer.space import SpecConfig
@@ -573,3 +573,39 @@ def test_candidates_name_the_deployment_their_confirmation_launches() -> None:
         tiers.append(due[0])
         due = c.next_deployment(spec, cfg, [(cfg, due[0])], due[0])
     assert tiers == [0, 1, 2]
+
+
+def test_an_envelope_nothing_started_in_takes_one_confirmation_at_a_time() -> None:
+    """Two hosts, two confirmations queued in the printed envelope no launch of the study started
+    in: one goes, the other host waits; once it starts both may go; once it runs out of memory the
+    next candidate goes to the smaller envelope the memory model sends it to."""
+    spec = spec_of("cond-envelope", **NO_CONVERGE, confirmation={"top": 2}, serving={"max_running_requests": 48})
+
+    def queued(lease_id: str, number: int) -> c.LeaseView:
+        cfg = CONFIGS[number]
+        printed = deploy.deployment_envelopes(spec, cfg)[0].settings
+        found_on = "w1" if number % 2 == 0 else "w2"
+        return c.LeaseView(
+            lease_id, "confirm", "queued", number, created_at=BEGAN, avoid_worker=found_on,
+            config=cfg, tier=0, server=printed,
+        )  # fmt: skip
+
+    fresh = (base("w1", T0 - timedelta(minutes=1), id_=7), base("w2", T0 - timedelta(minutes=1), id_=8))
+    first, second = queued("c1", 1), queued("c0", 0)
+    s = replace(confirming(leases=(first, second), baselines=(*BASES, *fresh)), spec=spec)
+    go = c.next_action(s, "w1")
+    assert isinstance(go, c.Confirm) and go.lease_id == "c1" and go.deployment is not None
+    assert go.deployment[0] == 0  # the printed envelope: nothing ran out of memory yet
+    trying = replace(first, state="active", worker_id="w1", leased_at=T0)
+    held = c.next_action(replace(s, leases=(trying, second)), "w2")
+    assert isinstance(held, c.Wait) and "first launch in their deployment envelope" in held.reason
+    started = replace(trying, state="completed", finished_at=T0)
+    go = c.next_action(replace(s, leases=(started, second)), "w2")
+    assert isinstance(go, c.Confirm) and go.lease_id == "c0" and go.deployment is not None
+    assert go.deployment[0] == 0
+    died = replace(trying, state="failed", finished_at=T0, failure="oom")
+    go = c.next_action(replace(s, leases=(died, second)), "w2")
+    assert isinstance(go, c.Confirm) and go.lease_id == "c0" and go.deployment is not None
+    # 1/1/2 needs less than the 2/1/3 that failed, so the old rule launched it in the printed
+    # envelope; the model gives it more than an even chance to fail there: the next one.
+    assert go.deployment[0] == 1 and "no deployment of this study started there" in go.deployment[1].note

@@ -32,6 +32,8 @@ from api.settings import Settings
 from optimizer import conductor as c
 from optimizer import deploy
 from optimizer.errors import StudyNotFoundError
+from optimizer.sglang import ServerSettings
+from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 from optimizer.study_state import Ending, FinishReason, Phase, StudyState
 
@@ -104,6 +106,7 @@ def snapshot(
             finished_at=r.finished_at,
             avoid_worker=(r.payload.get("confirm") or {}).get("avoid_worker") if r.kind == LeaseKind.CONFIRM else None,
             measurement=_measurement(r),
+            **_deployment(r),
         )
         for r in s.scalars(
             select(LeaseRow).where(
@@ -154,6 +157,20 @@ def snapshot(
         confirmation_began_at=row.confirmation_began_at,
         ending=ending_of(row),
     )
+
+
+def _deployment(r: LeaseRow) -> dict[str, Any]:
+    """A confirm lease's deployment as the conductor weighs it: configuration, tier, server, failure."""
+    if r.kind != LeaseKind.CONFIRM:
+        return {}
+    info = r.payload.get("confirm") or {}
+    config, server = r.payload.get("config"), r.payload.get("server")
+    return {
+        "config": None if config is None else SpecConfig.model_validate(config),
+        "tier": None if info.get("adaptive") or "tier" not in info else int(info["tier"]),
+        "server": None if server is None else ServerSettings.model_validate(server),
+        "failure": ((r.result or {}).get("failure") or {}).get("kind") if r.state == "failed" else None,
+    }
 
 
 def _measurement(r: LeaseRow) -> tuple[list[Any], list[Any]] | None:

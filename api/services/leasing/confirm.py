@@ -61,7 +61,9 @@ class ConfirmLeases:
         # What the study's deployments taught since it was queued: skip an envelope known to fail.
         lease_config = payload.get("config")
         if lease_config is not None and "tier" in info:
-            due = next_deployment(
+            # The conductor's deployment (one launch at a time in an envelope nothing started in);
+            # without one, what the study's failures leave.
+            due = action.deployment or next_deployment(
                 spec,
                 SpecConfig.model_validate(lease_config),
                 deploy_failures(s, spec.name),
