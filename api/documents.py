@@ -122,6 +122,9 @@ class Winner(BestTrial):
     saturated: dict[str, str] = Field(description="levels whose measurement saturated the host, with why")
     ties: list[Tie] = Field(default_factory=list, description="confirmed candidates tied with the winner")
     tie_note: str | None = None
+    confirmation_launches: int = Field(
+        default=1, description="confirmation launches its speedup and interval pool (each against its own baseline)"
+    )
     adaptive: bool = Field(
         default=False,
         description="the answer is SGLang's adaptive server its own launch proved: every number here is that "
@@ -167,6 +170,11 @@ class Confirmation(_Document):
     extra_passes: int
     saturated: dict[str, str] = Field(description="levels whose measurement saturated the host, with why")
     adaptive: bool = Field(default=False, description="the launch of the adaptive answer exactly as printed")
+    launches: int = Field(
+        default=1,
+        description="completed confirmation launches pooled in its speedup and interval (the conductor orders "
+        "another when the answer straddles its decision on launch noise); the lease and levels are the latest's",
+    )
 
 
 class LevelAnswer(_Document):

@@ -463,8 +463,9 @@ class MemoryStudy:
 
     def persist(self, action: conductor.Action, now: datetime) -> None:
         """What api.services.study_life.persist does with a study-level action."""
-        if isinstance(action, conductor.StartConfirmation):
-            self.phase, self.ending, self.confirmation_began_at = Phase.CONFIRMATION, action.ending, now
+        if isinstance(action, conductor.StartConfirmation | conductor.Reconfirm):
+            if isinstance(action, conductor.StartConfirmation):
+                self.phase, self.ending, self.confirmation_began_at = Phase.CONFIRMATION, action.ending, now
             for c in action.candidates:
                 if c.adaptive:
                     continue  # the simulated hosts model static servers only: no adaptive proof launch
@@ -489,16 +490,24 @@ class MemoryStudy:
         paired baseline, with the study's launch noise as it stands (`snap`'s)."""
         extra_var = conductor.launch_noise(snap).variance
         searched = {t.number: t.value for t in snap.trials}
-        out = []
+        # A configuration confirmed more than once (conductor.relaunches) is one entry: its
+        # confirmation launches pooled, the latest one's envelope and host.
+        by_trial: dict[int | None, list[SimLease]] = {}
         for le in self.leases:
             if le.kind == "confirm" and le.state == "completed" and le.measurement is not None and le.config:
-                got = confirmation.confirm_result(self.spec, le.measurement[0], le.measurement[1], extra_var)
-                out.append(
-                    got.as_json()
-                    | {"config": le.config.model_dump(mode="json"), "trial_number": le.trial_number}
-                    | {"search_speedup": searched.get(le.trial_number or -1)}
-                    | {"worker_id": le.worker_id, "envelope": le.envelope, "extra_passes": le.extra_passes}
-                )
+                by_trial.setdefault(le.trial_number, []).append(le)
+        out = []
+        for number, les in by_trial.items():
+            le = les[-1]
+            assert le.config is not None
+            got = confirmation.pooled_result(self.spec, [m for x in les if (m := x.measurement)], extra_var)
+            out.append(
+                got.as_json()
+                | {"config": le.config.model_dump(mode="json"), "trial_number": number}
+                | {"search_speedup": searched.get(number or -1)}
+                | {"worker_id": le.worker_id, "envelope": le.envelope}
+                | {"extra_passes": sum(x.extra_passes for x in les)}
+            )
         return out
 
     def deploy_failures(self) -> list[tuple[SpecConfig, int]]:
@@ -618,7 +627,7 @@ def drive(hosts: list[Host], spec: StudySpec) -> MemoryStudy:
         action = conductor.next_action(store.snapshot(now, workers), h.host_id)
         if TRACE:
             print("   ", h.host_id, type(action).__name__, getattr(action, "reason", ""), file=sys.stderr)
-        if isinstance(action, conductor.StartConfirmation | conductor.Finish):
+        if isinstance(action, conductor.StartConfirmation | conductor.Reconfirm | conductor.Finish):
             store.persist(action, now)
         elif isinstance(action, conductor.MeasureBaseline):
             busy[i] = _start_baseline(store, h, now, action.for_confirmation)

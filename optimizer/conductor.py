@@ -206,6 +206,15 @@ class StartConfirmation:
 
 
 @dataclass(frozen=True)
+class Reconfirm:
+    """The confirmations are done but the answer straddles its decision on launch noise alone:
+    queue one more confirmation launch of these candidates (`relaunches`), then settle again."""
+
+    candidates: tuple[Candidate, ...]
+    why: str
+
+
+@dataclass(frozen=True)
 class Confirm:
     """This worker confirms a queued candidate, paired with its baseline `baseline_id`."""
 
@@ -242,7 +251,7 @@ class Wait:
     warning: str | None = None
 
 
-Action = MeasureBaseline | RetryLease | Ask | StartConfirmation | Confirm | Finish | Wait
+Action = MeasureBaseline | RetryLease | Ask | StartConfirmation | Reconfirm | Confirm | Finish | Wait
 
 # ----------------------------------------------------------------------------------- the stop rule
 
@@ -381,6 +390,9 @@ def settle(snap: Snapshot) -> Action:
     if _unleased_running(snap):
         return Wait("a trial asked from the sampler has no lease yet")
     if snap.phase == Phase.CONFIRMATION:
+        more = relaunches(snap)
+        if more is not None:
+            return more
         done = sum(1 for le in snap.leases if le.kind == "confirm" and le.state == "completed")
         why = snap.ending or Ending(FinishReason.MAX_TRIALS, "budget used")
         return Finish(Ending(why.reason, confirmed_detail(why.detail, done)))
@@ -682,6 +694,131 @@ def _launch_envelope(
     return due, None if any(r.covers(terms) for r in ran) else envelope_key(settings)
 
 
+# Confirmation launches a study may add when its answer straddles the decision on launch noise
+# (`relaunches`): the cost cap of resolving the answer by re-launching, stated in the verdict.
+MAX_EXTRA_LAUNCHES = 2
+
+
+def _completed_confirms(snap: Snapshot) -> list[LeaseView]:
+    done = [
+        le
+        for le in snap.leases
+        if le.kind == "confirm"
+        and le.state == "completed"
+        and le.measurement is not None
+        and le.trial_number is not None
+    ]
+    return sorted(done, key=lambda le: (le.finished_at or snap.now, le.id))
+
+
+def extra_launches(snap: Snapshot) -> int:
+    """Confirmation launches ordered by `relaunches`: those of a configuration that an earlier
+    confirmation had already measured (a retry after a failed start is not one)."""
+    seen: set[int] = set()
+    n = 0
+    for le in sorted(
+        (le for le in snap.leases if le.kind == "confirm" and le.trial_number is not None),
+        key=lambda le: (le.created_at or snap.now, le.id),
+    ):
+        assert le.trial_number is not None
+        if le.trial_number in seen:
+            n += 1
+        if le.state == "completed":
+            seen.add(le.trial_number)
+    return n
+
+
+def confirmed_docs(snap: Snapshot) -> list[dict[str, Any]]:
+    """Each confirmed candidate as the study document has it: its confirmation launches pooled
+    (optimizer.confirmation.pooled_result) with the study's launch noise."""
+    extra = launch_noise(snap).variance
+    by_trial: dict[int, list[LeaseView]] = {}
+    for le in _completed_confirms(snap):
+        assert le.trial_number is not None
+        by_trial.setdefault(le.trial_number, []).append(le)
+    trials = {t.number: t for t in snap.trials}
+    out = []
+    for number, les in by_trial.items():
+        t = trials.get(number)
+        if t is None:
+            continue
+        got = confirm.pooled_result(snap.spec, [m for le in les if (m := le.measurement) is not None], extra)
+        out.append(
+            got.as_json()
+            | {"config": A.TrialRecord(t).config.model_dump(mode="json"), "trial_number": number}
+            | {"search_speedup": t.value, "worker_id": les[-1].worker_id}
+        )
+    return out
+
+
+def relaunches(snap: Snapshot) -> Reconfirm | None:
+    """One more confirmation launch where the answer straddles its decision and only another
+    launch can move it (issue 17 item 4), else None.
+
+    Straddles: the winner's interval holds 1.0 (pays or not), or a tied runner-up may beat it by
+    more than min_gain (`confirmation.beat_chance` >= RUNNER_UP_CHANCE).  Only another launch:
+    the launch-to-launch part of its interval is at least half of it (extra passes on the warm
+    server narrow only the rest, and `Resolve` has taken those).  Each is launched on another host
+    than its last confirmation (or, on one host, after a fresh baseline: `_confirmation_for`), and
+    pooled with its earlier confirmations, never the search launch.  At most MAX_EXTRA_LAUNCHES
+    per study; when they are spent the verdict says what the data holds.
+    """
+    if snap.spec.confirmation.top <= 0 or any(le.live and le.kind != "baseline" for le in snap.leases):
+        return None
+    left = MAX_EXTRA_LAUNCHES - extra_launches(snap)
+    docs = [d for d in confirmed_docs(snap) if (d["violation"] or 0.0) <= 0]
+    if left <= 0 or not docs:
+        return None
+    spec, noise = snap.spec, launch_noise(snap).variance
+    rank = ranking.of(spec, snap.trials)
+    choice = confirm.choose(docs, spec.budget.min_gain, rank)
+
+    def noisy(d: Mapping[str, Any]) -> Interval | None:
+        iv = d.get("speedup_interval")
+        if iv is None:
+            return None
+        out = Interval(float(d["speedup"]), float(iv["low"]), float(iv["high"]))
+        # Launch noise dominates: each pooled launch carries `noise`; the passes the rest.
+        return out if noise / int(d.get("launches") or 1) >= 0.5 * confirm.log_sd(out) ** 2 else None
+
+    w = choice.winner
+    w_iv = noisy(w)
+    pick: list[tuple[Mapping[str, Any], str]] = []
+    if w_iv is not None and w_iv.low <= 1.0 < w_iv.value:
+        pick.append((w, f"its {w_iv.value:.3f}x ({w_iv.low:.3f}-{w_iv.high:.3f}) straddles 1.0"))
+    # Which candidate is best is the confirmations' call only without a trusted model of every
+    # launch (optimizer.ranking): with one, another confirmation launch would not change it.
+    rivals = [
+        (confirm.beat_chance(w_iv, iv, spec.budget.min_gain), c)
+        for c in choice.ties
+        if rank is None and w_iv is not None and (iv := noisy(c)) is not None
+    ]
+    rivals = [(p, c) for p, c in rivals if p >= confirm.RUNNER_UP_CHANCE]
+    if rivals:
+        p, c = max(rivals, key=lambda pc: pc[0])
+        why = f"{confirm.label(c)} may beat it by min_gain ({100 * p:.0f}%)"
+        if not pick:
+            pick.append((w, why))
+        pick.append((c, why))
+    if not pick:
+        return None
+    last_on = {le.trial_number: le.worker_id for le in _completed_confirms(snap)}
+    trials = {t.number: t for t in snap.trials}
+    out = []
+    for d, _ in pick[:left]:
+        number = int(d["trial_number"])
+        cfg = A.TrialRecord(trials[number]).config
+        first = next_deployment(spec, cfg, trials=snap.trials)
+        if first is None:
+            continue
+        host = last_on.get(number)
+        avoid = host if host is not None and _another_host_can_confirm(snap, host) else None
+        out.append(Candidate(number, cfg, trials[number].value, avoid, *first))
+    if not out:
+        return None
+    return Reconfirm(tuple(out), f"{confirm.label(w)}: {'; '.join(why for _, why in pick[: len(out)])}")
+
+
 def _confirmation_for(snap: Snapshot, worker_id: str) -> Action:
     queued = sorted(
         (le for le in snap.leases if le.kind == "confirm" and le.state == "queued"),
@@ -728,7 +865,7 @@ def _confirmation_for(snap: Snapshot, worker_id: str) -> Action:
         if le.id in untested:
             first.setdefault(untested[le.id], le)
     queued = [le for le in ready if le.id not in untested or first[untested[le.id]] is le]
-    if _holds_fresh_baseline(snap, worker_id):
+    if _holds_fresh_baseline(snap, worker_id) and not _pairs_again(snap, worker_id, mine[0]):
         base = snap.latest_baseline(worker_id)
         assert base is not None
         return Confirm(
@@ -750,6 +887,19 @@ def _confirmation_for(snap: Snapshot, worker_id: str) -> Action:
     if len(others) >= CONFIRM_HOSTS:
         return Wait(f"{len(others)} other hosts confirm this study's candidates, each next to its fresh baseline")
     return MeasureBaseline(worker_id, for_confirmation=True)
+
+
+def _pairs_again(snap: Snapshot, worker_id: str, lease: LeaseView) -> bool:
+    """Would this re-launch pair with a baseline an earlier confirmation of the same candidate on
+    this host already used?  Then it is not an independent launch: a fresh baseline comes first."""
+    base = snap.latest_baseline(worker_id)
+    return base is not None and any(
+        le.trial_number == lease.trial_number
+        and le.worker_id == worker_id
+        and le.finished_at is not None
+        and le.finished_at >= base.measured_at
+        for le in _completed_confirms(snap)
+    )
 
 
 def _confirming_hosts(snap: Snapshot) -> set[str]:

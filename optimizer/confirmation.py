@@ -113,7 +113,7 @@ RUNNER_UP_CHANCE = 0.1
 def beat_chance(leader: Interval, other: Interval, min_gain: float) -> float:
     """The chance that `other` truly beats `leader` by more than `min_gain`, from their values and
     95% intervals (normal on the log scale)."""
-    sd = math.hypot(_log_sd(leader), _log_sd(other))
+    sd = math.hypot(log_sd(leader), log_sd(other))
     d = math.log(other.value / leader.value) - math.log1p(min_gain)
     if sd <= 0:
         return 1.0 if d > 0 else 0.0
@@ -212,9 +212,12 @@ class Confirmed:
     speedup_by_level: dict[int, float]
     intervals_by_level: dict[int, Interval]
     violation: float
+    # Confirmation launches pooled into it (`pooled_result`), each against its own paired baseline.
+    launches: int = 1
 
     def as_json(self) -> dict[str, Any]:
         return {
+            "launches": self.launches,
             "speedup": self.value,
             "speedup_interval": None if self.interval is None else _iv(self.interval),
             "speedup_by_level": {str(k): v for k, v in self.speedup_by_level.items()},
@@ -245,6 +248,49 @@ def confirm_result(
     sc = score(spec.objective, [r for r in results if r.concurrency in base], base)
     ivs = level_intervals(levels, baseline_levels, extra_var)
     return Confirmed(sc.value, objective_interval(spec, sc.value, ivs, extra_var), sc.speedups, ivs, sc.violation)
+
+
+def pooled_result(
+    spec: StudySpec,
+    measurements: Sequence[tuple[Sequence[Mapping[str, Any]], Sequence[Mapping[str, Any]]]],
+    extra_var: float = 0.0,
+) -> Confirmed:
+    """One configuration's confirmation launches pooled: each (levels, paired baseline levels) is
+    read as `confirm_result`, and their log speedups are averaged with inverse-variance weights
+    (each interval holds its own launch's noise, `extra_var`, so they are independent).
+
+    Only confirmations are pooled, never the search launch: a leader's search launch is its
+    luckiest by selection (pooling it dropped coverage, benchmarks/README.md).  Without an interval
+    on every launch the latest launch stands alone.
+    """
+    got = [confirm_result(spec, lv, base, extra_var) for lv, base in measurements]
+    if not got:
+        raise ValueError("no confirmation to pool")
+    if len(got) == 1 or any(g.interval is None for g in got):
+        return got[-1]
+    value, interval = _pool([(g.value, g.interval) for g in got])
+    levels = set.intersection(*(set(g.speedup_by_level) & set(g.intervals_by_level) for g in got))
+    by_level = {c: _pool([(g.speedup_by_level[c], g.intervals_by_level[c]) for g in got]) for c in sorted(levels)}
+    return Confirmed(
+        value,
+        interval,
+        {c: v for c, (v, _) in by_level.items()},
+        {c: iv for c, (_, iv) in by_level.items() if iv is not None},
+        max(g.violation for g in got),
+        len(got),
+    )
+
+
+def _pool(parts: Sequence[tuple[float, Interval | None]]) -> tuple[float, Interval | None]:
+    """Inverse-variance mean of log values with 95% intervals (the latest alone if one has no spread)."""
+    sds = [log_sd(iv) if iv is not None and v > 0 else 0.0 for v, iv in parts]
+    if any(sd <= 0 for sd in sds):
+        return parts[-1]
+    w = [1.0 / sd**2 for sd in sds]
+    mean = sum(wi * math.log(v) for wi, (v, _) in zip(w, parts, strict=True)) / sum(w)
+    half = Z95 / math.sqrt(sum(w))
+    value = math.exp(mean)
+    return value, Interval(value, math.exp(mean - half), math.exp(mean + half))
 
 
 def objective_interval(
@@ -354,18 +400,18 @@ class Choice:
     def note(self) -> str | None:
         if not self.ties:
             return None
-        others = ", ".join(_label(c) for c in self.ties)
+        others = ", ".join(label(c) for c in self.ties)
         if self.winner is self.best:
             cheaper = [c for c in self.ties if cost_key(c["config"]) < cost_key(self.best["config"])]
             if cheaper:
                 if self.ranked:
                     return (
                         f"ties with {others} (overlapping 95% intervals); the study's model of every launch "
-                        f"ranks it first and cannot show that the cheaper {_label(cheaper[0])} gives up less than "
+                        f"ranks it first and cannot show that the cheaper {label(cheaper[0])} gives up less than "
                         "min_gain, so it is the answer"
                     )
                 return (
-                    f"ties with {others} (overlapping 95% intervals); the cheaper {_label(cheaper[0])} "
+                    f"ties with {others} (overlapping 95% intervals); the cheaper {label(cheaper[0])} "
                     f"may be more than min_gain behind (a {100 * TIE_RISK:.0f}% chance or more), so the best "
                     "measured is the answer"
                 )
@@ -373,7 +419,8 @@ class Choice:
         return f"ties with {others} (overlapping 95% intervals): the cheapest of the tied configurations is the answer"
 
 
-def _label(c: Mapping[str, Any]) -> str:
+def label(c: Mapping[str, Any]) -> str:
+    """A confirmed candidate in words: steps/topk/draft tokens at its speedup."""
     cfg = c["config"]
     return f"{cfg['num_steps']}/{cfg['topk']}/{cfg['num_draft_tokens']} at {float(c['speedup']):.3f}x"
 
@@ -389,7 +436,8 @@ def _interval_of(c: Mapping[str, Any]) -> Interval | None:
 TIE_RISK = 0.1
 
 
-def _log_sd(iv: Interval) -> float:
+def log_sd(iv: Interval) -> float:
+    """The sd on the log scale a 95% interval stands for (0 without a spread)."""
     return math.log(iv.high / iv.low) / (2 * Z95) if iv.low > 0 and iv.high > iv.low else 0.0
 
 
@@ -399,7 +447,7 @@ def behind_risk(best: Mapping[str, Any], other: Mapping[str, Any], min_gain: flo
     a, b = _interval_of(best), _interval_of(other)
     if a is None or b is None:
         return 1.0
-    sd = math.hypot(_log_sd(a), _log_sd(b))
+    sd = math.hypot(log_sd(a), log_sd(b))
     d = math.log(float(best["speedup"]) / float(other["speedup"])) - math.log1p(min_gain)
     if sd <= 0:
         return 1.0 if d > 0 else 0.0

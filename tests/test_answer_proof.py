@@ -147,6 +147,7 @@ def test_export_has_the_confirmation_rows() -> None:
             "extra_passes": 0,
             "saturated": {},
             "adaptive": False,
+            "launches": 1,
             "config": {"num_steps": 2, "topk": 1, "num_draft_tokens": 3},
             "speedup": 1.2,
             "worker_id": "w2",

@@ -441,6 +441,7 @@ class StudyService:
                     D.Tie(trial_number=c["trial_number"], config=c["config"], speedup=c["speedup"]) for c in choice.ties
                 ],
                 tie_note=choice.note,
+                confirmation_launches=top.launches,
             )
         if best is None or best_doc is None:
             return None
@@ -545,7 +546,12 @@ def _confirmations(spec: StudySpec, rows: Sequence[LeaseRow], extra_var: float =
     """
     latest: dict[int, LeaseRow] = {}
     proof: LeaseRow | None = None
+    # Every completed launch of a candidate (optimizer.conductor.relaunches may order more than one).
+    launches: dict[int, list[tuple[list[Any], list[Any]]]] = {}
     for r in rows:
+        m = launch_noise.confirm_measurement(r) if r.state == "completed" and r.trial_number is not None else None
+        if m is not None and r.trial_number is not None and not adaptive_answer.is_adaptive_proof(r):
+            launches.setdefault(r.trial_number, []).append((m[1], m[2]))
         if adaptive_answer.is_adaptive_proof(r):
             # The adaptive answer's launch (no trial number): its last completed attempt, else its last.
             if proof is None or r.state == "completed" or proof.state != "completed":
@@ -554,7 +560,7 @@ def _confirmations(spec: StudySpec, rows: Sequence[LeaseRow], extra_var: float =
         if r.trial_number is None:
             continue
         prev = latest.get(r.trial_number)
-        if prev is None or prev.state != "completed":
+        if prev is None or prev.state != "completed" or r.state == "completed":
             latest[r.trial_number] = r
     out = []
     # The candidates by trial number, then the adaptive launch (it comes last, as it is launched).
@@ -562,8 +568,9 @@ def _confirmations(spec: StudySpec, rows: Sequence[LeaseRow], extra_var: float =
     for number, r in entries:
         info = dict((r.result or {}).get("confirmation") or {})
         measured = launch_noise.confirm_measurement(r) if r.state == "completed" else None
+        pooled = launches.get(number, []) if number is not None else []
         if measured is not None:
-            info |= confirm.confirm_result(spec, measured[1], measured[2], extra_var).as_json()
+            info |= confirm.pooled_result(spec, pooled or [(measured[1], measured[2])], extra_var).as_json()
         config = r.payload.get("config")
         saturated = confirm.saturated_levels(
             ((r.result or {}).get("metrics") or {}).get("levels"), info.get("baseline_levels")
@@ -576,7 +583,7 @@ def _confirmations(spec: StudySpec, rows: Sequence[LeaseRow], extra_var: float =
                 attempt=r.attempt,
                 worker_id=r.worker_id,
                 search_speedup=(r.payload.get("confirm") or {}).get("search_speedup"),
-                speedup=r.speedup,
+                speedup=info.get("speedup", r.speedup),
                 speedup_interval=info.get("speedup_interval"),
                 speedup_by_level=info.get("speedup_by_level"),
                 speedup_interval_by_level=info.get("speedup_interval_by_level"),
@@ -591,6 +598,7 @@ def _confirmations(spec: StudySpec, rows: Sequence[LeaseRow], extra_var: float =
                 extra_passes=((r.result or {}).get("metrics") or {}).get("extra_passes") or 0,
                 saturated={str(k): v for k, v in saturated.items()},
                 adaptive=number is None,
+                launches=max(1, len(pooled)),
             )
         )
     return out
@@ -628,7 +636,16 @@ def _answer_of(winner: D.Winner | None, fresh_by_trial: dict[int, bool]) -> cond
     if winner is None or winner.speedup is None:
         return None
     c = winner.config
-    label = f"steps {c.num_steps} / topk {c.topk} / draft tokens {c.num_draft_tokens} (trial {winner.trial_number})"
+    # A winner the conductor re-launched (one launch straddled the decision: conductor.relaunches)
+    # says its figure pools those launches.
+    pooled = (
+        f"; pooled over {winner.confirmation_launches} confirmation launches"
+        if winner.confirmation_launches > 1
+        else ""
+    )
+    label = (
+        f"steps {c.num_steps} / topk {c.topk} / draft tokens {c.num_draft_tokens} (trial {winner.trial_number}{pooled})"
+    )
     iv = winner.speedup_interval
     value = winner.speedup
     return cond.Answer(

@@ -203,7 +203,7 @@ def next_for(
             return c.Wait("the study is gone")
         action = c.next_action(snap, worker_id)
         persist(s, spec, action, now)
-        if not isinstance(action, c.StartConfirmation):
+        if not isinstance(action, c.StartConfirmation | c.Reconfirm):
             return action
     return action
 
@@ -270,7 +270,7 @@ def resume(s: Session, name: str, admit: Callable[[StudyRow], None]) -> StudyRow
 
 def persist(s: Session, spec: StudySpec, action: c.Action, now: datetime) -> None:
     """Write a study-level decision (`StartConfirmation`, `Finish`); others change nothing here."""
-    if not isinstance(action, c.StartConfirmation | c.Finish):
+    if not isinstance(action, c.StartConfirmation | c.Reconfirm | c.Finish):
         return
     row = s.get(StudyRow, spec.name, with_for_update=True)
     if row is None or row.state != StudyState.RUNNING:
@@ -282,7 +282,23 @@ def persist(s: Session, spec: StudySpec, action: c.Action, now: datetime) -> Non
         row.finish_reason = action.detail[:256]
         log.info("study %s finished (%s): %s", spec.name, action.reason.value, action.detail)
         return
-    for cand in action.candidates:
+    _queue_confirmations(s, spec, action.candidates, now)
+    if isinstance(action, c.Reconfirm):
+        # More launches of candidates already confirmed: the phase and the search's ending stay.
+        s.flush()
+        log.info("study %s: one more confirmation launch (%s)", spec.name, action.why)
+        return
+    row.phase = Phase.CONFIRMATION.value
+    row.confirmation_began_at = now
+    row.finish_rule = action.ending.reason.value
+    row.finish_reason = action.ending.detail[:256]
+    s.flush()
+    log.info("study %s: %s; confirming %d candidate(s)", spec.name, action.ending.detail, len(action.candidates))
+
+
+def _queue_confirmations(s: Session, spec: StudySpec, candidates: Sequence[c.Candidate], now: datetime) -> None:
+    """One queued confirm lease per candidate, each to launch its deployment as printed."""
+    for cand in candidates:
         # Each candidate is confirmed as it would be deployed: the winner's confirmation is then
         # the launch that proves the printed command (issue 17 item 1), no launch added.
         tier, env = cand.tier, cand.envelope or deploy.deployment_envelopes(spec, cand.config)[0]
@@ -314,9 +330,3 @@ def persist(s: Session, spec: StudySpec, action: c.Action, now: datetime) -> Non
             # Its own key: it is not a re-launch of its initial chain (the launch-noise groups).
             row_.config_key = deploy.ADAPTIVE_KEY
         s.add(row_)
-    row.phase = Phase.CONFIRMATION.value
-    row.confirmation_began_at = now
-    row.finish_rule = action.ending.reason.value
-    row.finish_reason = action.ending.detail[:256]
-    s.flush()
-    log.info("study %s: %s; confirming %d candidate(s)", spec.name, action.ending.detail, len(action.candidates))
