@@ -60,7 +60,10 @@ def test_sixteen_threads_two_processes_never_share_a_trial(two_servers: Any) -> 
     urls, tokens = two_servers
     user = {"Authorization": f"Bearer {tokens['user']}"}
     worker = {"Authorization": f"Bearer {tokens['worker']}"}
-    spec = small_spec("race", budget={"max_trials": 40})
+    # No convergence stop: with it the conductor keeps only the launches its rule still needs in
+    # flight (four starting points here) and the other twelve workers rightly wait; this test is
+    # about the lease machine handing sixteen trials out at once, as it does to a capped study.
+    spec = small_spec("race", budget={"max_trials": 40, "converge": False})
     assert httpx.post(f"{urls[0]}/v1/studies", json=spec, headers=user, timeout=30).status_code == 201
 
     def lease(i: int) -> dict[str, Any] | None:
