@@ -471,13 +471,24 @@ def _ranking_value(c: Mapping[str, Any]) -> float:
     return math.sqrt(v * float(s)) if isinstance(s, int | float) and s > 0 and v > 0 else v
 
 
+def _measured_better(a: Mapping[str, Any], b: Mapping[str, Any], min_gain: float) -> bool:
+    """`a` measured more than `min_gain` above `b` on two launches each: its confirmation and its
+    search launch.  Smaller gaps are the launch noise the model's ranking is there to see through."""
+    sa, sb = a.get("search_speedup"), b.get("search_speedup")
+    if not isinstance(sa, int | float) or not isinstance(sb, int | float):
+        return False
+    bar = 1.0 + min_gain
+    return float(a["speedup"]) > float(b["speedup"]) * bar and float(sa) > float(sb) * bar
+
+
 def choose(confirmed: Sequence[Mapping[str, Any]], min_gain: float = 0.01, ranking: Ranking | None = None) -> Choice:
     """The best confirmed candidate, or the cheapest one tied with it.
 
     Best: by `ranking` where there is one, else by the confirmed value and, where the documents
     carry it (`search_speedup`), the search's measurement of the same server too
     (`_ranking_value`): a runner-up's one lucky confirmation does not displace a leader measured
-    well twice.
+    well twice.  Either way, never one that another candidate measured more than `min_gain`
+    better on both its launches (search and confirmation).
     Tied: the intervals overlap (the data cannot order them); the verdict says so.  Entries are
     confirmation documents (`speedup`, `speedup_interval`, `config`, `trial_number`).  Without
     intervals nothing is tied.
@@ -499,7 +510,11 @@ def choose(confirmed: Sequence[Mapping[str, Any]], min_gain: float = 0.01, ranki
     def rank(c: Mapping[str, Any]) -> float:
         return _ranking_value(c) if ranking is None else ranking.estimate(config(c))
 
-    best = max(confirmed, key=lambda c: (rank(c), -int(c["trial_number"])))
+    # The model orders near-equal candidates, but does not overrule two launches: a candidate
+    # that another beat by more than min_gain in both its search launch and its confirmation is
+    # not the best (a model that fits one regime of an engine can rate the other one level with it).
+    open_ = [c for c in confirmed if not any(_measured_better(o, c, min_gain) for o in confirmed if o is not c)]
+    best = max(open_ or confirmed, key=lambda c: (rank(c), -int(c["trial_number"])))
     best_iv = _interval_of(best)
     tied = [
         c

@@ -79,6 +79,25 @@ def test_the_ranking_names_the_best_and_a_cheaper_tie_must_be_surely_within_min_
     assert choose([behind, best], 0.01, sure).winner is best
 
 
+def test_the_model_does_not_rank_a_candidate_above_one_measured_min_gain_better_on_both_launches() -> None:
+    # two-peaks seed 12 (benchmarks/search_efficiency.py): a model that fits one regime rated the
+    # narrow chain level with the wide tree that beat it in the search and in confirmation.
+    tree = _c(9, 6, 4, 19, 2.240, 2.198, 2.284) | {"search_speedup": 2.236}
+    chain = _c(8, 6, 2, 7, 2.180, 2.139, 2.222) | {"search_speedup": 2.209}
+    rank = FakeRanking({_key(tree): 2.207, _key(chain): 2.208}, sure=False)
+    choice = choose([tree, chain], 0.01, rank)
+    assert choice.best is tree and choice.winner is tree
+    # Better on both, but by less than min_gain on one (launch noise): the model's order stands.
+    near = tree | {"search_speedup": 2.220}
+    assert choose([near, chain], 0.01, rank).best is chain
+    # Better on one launch only: the model's order stands.
+    split = chain | {"search_speedup": 2.250}
+    assert choose([tree, split], 0.01, rank).best is split
+    # Without the search measurement there is no second launch to go by.
+    bare = {k: v for k, v in chain.items() if k != "search_speedup"}
+    assert choose([{k: v for k, v in tree.items() if k != "search_speedup"}, bare], 0.01, rank).best is bare
+
+
 # ------------------------------------------------------------------ the real model, side by side
 
 LS = small_gain()
