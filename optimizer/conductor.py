@@ -17,8 +17,6 @@ A study's life:
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -32,6 +30,7 @@ from optimizer import confirmation as confirm
 from optimizer.analysis import Interval, LaunchNoise
 from optimizer.budget import budget_used
 from optimizer.infeasible import known_to_fail, oom_points
+from optimizer.memo import PerStudyMemo
 from optimizer.memory_boundary import PROBABLE_FAILURE, MemoryBoundary, Terms, capture_list, tuning_launches
 from optimizer.model_sampler import space_configs
 from optimizer.sglang import ServerSettings
@@ -257,9 +256,7 @@ Action = MeasureBaseline | RetryLease | Ask | StartConfirmation | Reconfirm | Co
 
 # The last assessment per study, with the spec and finished trials it saw: the model is refit only
 # after a new result, not at every lease.  A memo of a pure function (any process recomputes it), bounded.
-_ASSESSED: OrderedDict[str, tuple[tuple[object, ...], convergence.Assessment]] = OrderedDict()
-_ASSESSED_MAX = 256
-_ASSESSED_LOCK = threading.Lock()
+_ASSESSED: PerStudyMemo[convergence.Assessment] = PerStudyMemo(256)
 
 
 def converges(spec: StudySpec) -> bool:
@@ -274,17 +271,7 @@ def stop_rule(spec: StudySpec, trials: Sequence[FrozenTrial]) -> convergence.Ass
         return None
     # The spec too: two studies of one name (a benchmark's seeds and variants) never share an answer.
     seen = (spec.model_dump_json(), *((t.number, t.state, t.value) for t in trials if t.state.is_finished()))
-    with _ASSESSED_LOCK:
-        hit = _ASSESSED.get(spec.name)
-    if hit is not None and hit[0] == seen:
-        return hit[1]
-    a = convergence.assess(spec, list(trials))
-    with _ASSESSED_LOCK:
-        _ASSESSED[spec.name] = (seen, a)
-        _ASSESSED.move_to_end(spec.name)
-        while len(_ASSESSED) > _ASSESSED_MAX:
-            _ASSESSED.popitem(last=False)
-    return a
+    return _ASSESSED.get(spec.name, seen, lambda: convergence.assess(spec, list(trials)))
 
 
 # ----------------------------------------------------------------------------------- decisions

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,6 +26,7 @@ from optuna.trial import FrozenTrial
 from scipy.stats import norm
 
 from optimizer import stop_rules as R
+from optimizer.memo import PerStudyMemo
 from optimizer.model_sampler import gain_over, objective_levels, observations_of
 from optimizer.perf_model import MODEL_FLOOR, Candidates, FittedModel, fit
 from optimizer.space import SpecConfig
@@ -69,9 +68,7 @@ class Ranking:
         return float(norm.cdf((float(diff[0]) - math.log1p(min_gain)) / max(float(sd[0]), 1e-9)))
 
 
-_MEMO: OrderedDict[str, tuple[str, Ranking | None]] = OrderedDict()
-_MEMO_MAX = 128
-_LOCK = threading.Lock()
+_MEMO: PerStudyMemo[Ranking | None] = PerStudyMemo(128)
 
 
 def of(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Ranking | None:
@@ -81,17 +78,7 @@ def of(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Ranking | None:
     seen = json.dumps(
         [spec.model_dump_json(), *((t.number, t.state.name, t.value) for t in trials if t.state.is_finished())]
     )
-    with _LOCK:
-        hit = _MEMO.get(spec.name)
-    if hit is not None and hit[0] == seen:
-        return hit[1]
-    ranking = _fit(spec, trials)
-    with _LOCK:
-        _MEMO[spec.name] = (seen, ranking)
-        _MEMO.move_to_end(spec.name)
-        while len(_MEMO) > _MEMO_MAX:
-            _MEMO.popitem(last=False)
-    return ranking
+    return _MEMO.get(spec.name, seen, lambda: _fit(spec, trials))
 
 
 def _fit(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Ranking | None:
