@@ -208,20 +208,7 @@ def test_the_sampler_does_not_propose_what_surely_fails_to_deploy() -> None:
     """Four starts and one out-of-memory launch in the tuning envelope (graphs for batch 16): the
     best guess where a smaller deployment is allowed is, with graphs up to 48, surely out of
     memory; with the envelope fixed it is not proposed."""
-    starts = [
-        SpecConfig(num_steps=3, topk=1, num_draft_tokens=4),
-        SpecConfig(num_steps=4, topk=1, num_draft_tokens=5),
-        SpecConfig(num_steps=2, topk=1, num_draft_tokens=3),
-        SpecConfig(num_steps=5, topk=2, num_draft_tokens=10),
-    ]
-    failed = SpecConfig(num_steps=6, topk=4, num_draft_tokens=16)
-
-    def trials(sp: StudySpec) -> list[FrozenTrial]:
-        out = [_trial(i, sp, c) for i, c in enumerate(starts)]
-        oom = {"config": failed.model_dump(mode="json"), "config_key": failed.key, "failure_kind": "oom"}
-        tr = create_trial(state=TrialState.COMPLETE, value=0.0, params={}, distributions={}, user_attrs=oom)
-        tr.number = len(out)
-        return [*out, tr]
+    trials = _oom_scenario  # four starts, then one out-of-memory launch (below)
 
     fixed = spec({"max_running_requests": 48, "max_batch": 48})
     loose = spec({"max_running_requests": 48})
