@@ -10,7 +10,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from optuna.trial import FrozenTrial, TrialState
+from optuna.trial import FrozenTrial
 
 from api.documents import Confirmation, StudyDocument, TrialRow
 from api.models import LeaseRow
@@ -26,7 +26,7 @@ from optimizer.study_state import Ending, FinishReason
 from tests.conftest import INVENTORY, Api, small_spec
 from tests.search_support import OOM, lease, ok, sim_levels
 from tests.test_answer_proof import _printed
-from tests.test_conductor import BASES, T0, _settled, snap, spec_of
+from tests.test_conductor import BASES, T0, _settled, finished, snap, spec_of
 
 CHAIN = SpecConfig(num_steps=2, topk=1, num_draft_tokens=3)
 OTHER = SpecConfig(num_steps=1, topk=1, num_draft_tokens=2)
@@ -41,15 +41,10 @@ def _levels(by_level: dict[int, float]) -> list[dict[str, Any]]:
 
 def split(number: int, config: SpecConfig, by_level: dict[int, float]) -> FrozenTrial:
     """A chain that pays alone and loses at 4 (geometric mean below 1)."""
-    return FrozenTrial(
-        number=number,
-        state=TrialState.COMPLETE,
-        value=(by_level[1] * by_level[4]) ** 0.5,
-        datetime_start=T0,
-        datetime_complete=T0,
-        params={},
-        distributions={},
-        user_attrs={
+    return finished(
+        number,
+        (by_level[1] * by_level[4]) ** 0.5,
+        {
             A.CONFIG: config.model_dump(mode="json"),
             A.CONFIG_KEY: config.key,
             A.WORKER_ID: "w1",
@@ -57,9 +52,6 @@ def split(number: int, config: SpecConfig, by_level: dict[int, float]) -> Frozen
             A.LEVELS: _levels(by_level),
             A.BASELINE_LEVELS: _levels({1: 1.0, 4: 1.0}),
         },
-        system_attrs={},
-        intermediate_values={},
-        trial_id=number,
     )
 
 

@@ -44,8 +44,8 @@ def spec_of(name: str = "cond", **overrides: Any) -> StudySpec:
     return StudySpec.model_validate(small_spec(name, **overrides))
 
 
-def measured(number: int, value: float, config: SpecConfig, worker: str = "w1") -> FrozenTrial:
-    runs = [value * 100 * f for f in (0.97, 1.0, 1.03)]  # wide enough for the top two to overlap
+def finished(number: int, value: float, user_attrs: dict[str, Any]) -> FrozenTrial:
+    """A completed trial as Optuna hands it to the conductor, started and finished at T0."""
     return FrozenTrial(
         number=number,
         state=TrialState.COMPLETE,
@@ -54,16 +54,25 @@ def measured(number: int, value: float, config: SpecConfig, worker: str = "w1") 
         datetime_complete=T0,
         params={},
         distributions={},
-        user_attrs={
+        user_attrs=user_attrs,
+        system_attrs={},
+        intermediate_values={},
+        trial_id=number,
+    )
+
+
+def measured(number: int, value: float, config: SpecConfig, worker: str = "w1") -> FrozenTrial:
+    runs = [value * 100 * f for f in (0.97, 1.0, 1.03)]  # wide enough for the top two to overlap
+    return finished(
+        number,
+        value,
+        {
             A.CONFIG: config.model_dump(mode="json"),
             A.CONFIG_KEY: config.key,
             A.WORKER_ID: worker,
             A.LEVELS: [{"concurrency": 1, "output_tok_s": value * 100, "output_tok_s_runs": runs}],
             A.BASELINE_LEVELS: [{"concurrency": 1, "output_tok_s": 100.0, "output_tok_s_runs": [99.9, 100, 100.1]}],
         },
-        system_attrs={},
-        intermediate_values={},
-        trial_id=number,
     )
 
 
