@@ -344,10 +344,12 @@ def test_cancel_during_startup_stops_the_server(tmp_path: Path, launchers: list[
     launchers.append(launcher)
     cancel = threading.Event()
     started: set[int] = set()
+    # This process's children from before (another test's pool, in the same pytest process) are not the launch's.
+    before = descendants([os.getpid()])
 
     def on_phase(phase: str) -> None:
         if phase == "waiting_for_port":  # the server process exists now
-            started.update(descendants([os.getpid()]))
+            started.update(descendants([os.getpid()]) - before)
             threading.Timer(0.5, cancel.set).start()
 
     t0 = time.monotonic()
@@ -437,10 +439,11 @@ def test_stop_from_another_thread_cancels_the_launch(tmp_path: Path, launchers: 
     launcher = Launcher(sim_engine(tmp_path, SPECTUNE_SIM_FAULT="hang_startup"))
     launchers.append(launcher)
     started: set[int] = set()
+    before = descendants([os.getpid()])  # not the launch's (see above)
 
     def on_phase(phase: str) -> None:
         if phase == "waiting_for_port":
-            started.update(descendants([os.getpid()]))
+            started.update(descendants([os.getpid()]) - before)
             threading.Timer(0.5, launcher.stop).start()
 
     with pytest.raises(LaunchCancelled):
