@@ -163,9 +163,12 @@ class StudyService:
 
     def list_studies(self) -> list[D.StudySummary]:
         """Every study with its trial counts: two queries, however many studies there are."""
+        # The model's name is read by the database (->> on Postgres, json_extract on SQLite): decoding
+        # every study's whole spec here was a tenth of the API's CPU under 300 studies and 13 readers.
+        target = StudyRow.spec["model"]["target"].as_string()
         with self.ctx.sessions() as s:
             rows = s.execute(
-                select(StudyRow.name, StudyRow.state, StudyRow.created_at, StudyRow.spec).order_by(
+                select(StudyRow.name, StudyRow.state, StudyRow.created_at, target).order_by(
                     StudyRow.created_at, StudyRow.name
                 )
             ).all()
@@ -175,10 +178,10 @@ class StudyService:
                 name=name,
                 state=state,
                 created_at=created_at,
-                model=((spec or {}).get("model") or {}).get("target"),
+                model=model,
                 trials=D.TrialCounts(**(counts.get(name) or empty_counts())),
             )
-            for name, state, created_at, spec in rows
+            for name, state, created_at, model in rows
         ]
 
     def _trial_counts(self, name: str) -> tuple[dict[str, int], list[FrozenTrial]]:
