@@ -93,6 +93,15 @@ class HealthzFirst:
         await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else self._BODY})
 
 
+def create_app_in_worker() -> FastAPI:
+    """The app of one of `spectune server --workers N`'s processes: its settings from the
+    environment (the supervisor put the database URL there); it stops when the supervisor is gone."""
+    from workers.lifeline import exit_with_parent
+
+    exit_with_parent()
+    return create_app()
+
+
 def create_app(settings: Settings | None = None, *, check_schema: bool = True) -> FastAPI:
     settings = settings or get_settings()
     # The collector reads the context the lifespan opens (`app` is bound below, before any scrape).

@@ -113,13 +113,16 @@ class ApiProc:
     env: dict[str, str]
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
+    workers: int = 1  # `spectune server --workers`
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 60.0) -> None:
-        self.proc = spawn_api(self.db_url, log_path=self.log, env=self.env, port=self.port, timeout=timeout_s)
+        self.proc = spawn_api(
+            self.db_url, log_path=self.log, env=self.env, port=self.port, timeout=timeout_s, workers=self.workers
+        )
 
     def signal(self, sig: signal.Signals, wait_s: float = 20.0) -> None:
         if self.proc is None or self.proc.poll() is not None:

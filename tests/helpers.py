@@ -123,12 +123,19 @@ def stop_process_group(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> 
 
 
 def spawn_api(
-    db_url: str, *, log_path: Path, port: int, env: Mapping[str, str] | None = None, timeout: float = 60.0
+    db_url: str,
+    *,
+    log_path: Path,
+    port: int,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 60.0,
+    workers: int = 1,
 ) -> subprocess.Popen[bytes]:
-    """Start `spectune server` on 127.0.0.1:`port` and wait until /healthz answers (the caller stops it)."""
+    """Start `spectune server` (`--workers` processes) on 127.0.0.1:`port` and wait until /healthz
+    answers (the caller stops it)."""
     artifacts = str(log_path.parent / "artifacts")
     argv = [sys.executable, "-m", "api.cli", "server", "--database-url", db_url]
-    argv += ["--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--workers", str(workers)]
     proc = spawn(argv, log_path, {"SPECTUNE_ARTIFACT_DIR": artifacts, **(env or {})})
     try:
         wait_serving(f"http://127.0.0.1:{port}/healthz", proc, log_path, timeout)
