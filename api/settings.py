@@ -46,6 +46,11 @@ class Settings(BaseSettings):
     # naming this limit.  Each running study is offered to every fitting worker, so one user's
     # hundred studies would crowd out everyone else's.
     max_running_studies_per_user: int = Field(default=20, ge=1)
+    # Request threads per API process: for the lease protocol's calls (which may wait on a study's
+    # lock) and for everything else.  Each runnable one competes with the event loop, where
+    # /healthz is answered, for the GIL (benchmarks/README.md, "Many studies").
+    protocol_threads: int = Field(default=12, ge=1, le=256)
+    request_threads: int = Field(default=12, ge=1, le=256)
     # Folder for trial artifacts (server logs, benchmark JSON); optuna-dashboard reads the same.
     artifact_dir: str = "./spectune-artifacts"
     # The key of the dashboard's session cookies (api.sessions).  Never stored in the database, so

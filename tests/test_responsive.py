@@ -196,10 +196,13 @@ def test_twelve_leases_at_once_for_one_worker_get_one_lease_and_no_503(db_url: s
 def test_healthz_answers_while_every_request_thread_waits_on_the_database(pg_db_url: str, tmp_path: Path) -> None:
     """Every thread of the server's pool blocked on a table lock: the probe still answers.
 
-    The pool of database connections (30) fills first; the requests beyond it wait for a
-    connection in their threads, so 50 requests hold all 40 threads.  A sync /healthz would
-    queue behind them until the lock is released (after this test's 20 s client time-out).
+    50 requests hold every request thread (`request_threads`, fewer than the 30 database
+    connections), each waiting on the lock, and the rest queue for a thread.  A sync /healthz
+    would queue behind them until the lock is released (after this test's 20 s client time-out).
     """
+    from api.settings import Settings
+
+    pool = Settings().request_threads
     tokens = make_tokens(pg_db_url)
     user = {"Authorization": f"Bearer {tokens['user']}"}
     dbname = pg_db_url.rsplit("/", 1)[1]
@@ -220,16 +223,16 @@ def test_healthz_answers_while_every_request_thread_waits_on_the_database(pg_db_
                 t.start()
             with _pg_admin() as admin:
                 waiting = 0
-                for _ in range(600):  # bounded: up to ~60 s for 30 backends to queue on the lock
+                for _ in range(600):  # bounded: up to ~60 s for every thread's backend to queue on the lock
                     row = admin.execute(
                         "SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND wait_event_type = 'Lock'",
                         (dbname,),
                     ).fetchone()
                     waiting = int(row[0]) if row else 0
-                    if waiting >= 30:
+                    if waiting >= pool:
                         break
                     time.sleep(0.1)
-            assert waiting >= 30, f"only {waiting} requests queued on the lock"
+            assert waiting >= pool, f"only {waiting} of {pool} request threads queued on the lock"
             r = httpx.get(f"{url}/healthz", timeout=20)
             assert r.status_code == 200 and r.json() == {"status": "ok"}
         finally:

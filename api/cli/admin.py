@@ -36,7 +36,7 @@ def server(
     """Run the API (uvicorn).  Refuses to start on an old schema."""
     import uvicorn
 
-    from api.app import create_app
+    from api.app import create_app, freeze_startup_heap
     from api.db import make_engine
     from api.errors import SchemaOutdatedError
     from api.schema import check_current
@@ -56,7 +56,7 @@ def server(
         fail(f"--workers {workers} needs Postgres: a SQLite file takes one writer at a time; run one process")
     exit_with_parent()
     if workers == 1:
-        uvicorn.run(create_app(config), host=host, port=port, log_level="info")
+        uvicorn.run(freeze_startup_heap(create_app(config)), host=host, port=port, log_level="info")
         return
     # One Python process spends most of its time holding the GIL under load (40 clients, 300
     # studies: 98% of a core), and /healthz waits behind its request threads for each turn of

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from functools import partial
+from typing import Annotated, TypeVar
 
-from fastapi import APIRouter, Path, Response, status
+import anyio.to_thread
+from fastapi import APIRouter, Path, Request, Response, status
 
 from api.deps import LeasesDep, PrincipalDep
 from api.services import grants
@@ -16,33 +18,50 @@ router = APIRouter(prefix="/v1", tags=["leases"])
 WorkerId = Annotated[str, Path(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
 LeaseId = Annotated[str, Path(pattern=r"^[0-9a-f-]{36}$")]
 
+T = TypeVar("T")
+
+
+async def _protocol_thread(request: Request, fn: partial[T]) -> T:
+    """Runs a protocol call in the protocol's own threads (api.app: a report may wait for its
+    study's lock, and reads must not queue behind such waits)."""
+    return await anyio.to_thread.run_sync(fn, limiter=request.app.state.protocol_threads)
+
 
 @router.post(
     "/workers/{worker_id}/lease",
     response_model=LeaseOut,
     responses={204: {"description": "no work for this worker now; ask again later"}},
 )
-def lease(worker_id: WorkerId, inventory: Inventory, principal: PrincipalDep, leases: LeasesDep) -> LeaseOut | Response:
-    out = leases.lease(principal, worker_id, inventory)
-    if out is None:
-        return Response(status_code=status.HTTP_204_NO_CONTENT)
-    # Only the token a lease was handed to may act on it (api.services.grants).
-    grants.record_grant(leases.ctx.write_sessions, principal, out.lease_id)
-    return out
+async def lease(
+    request: Request, worker_id: WorkerId, inventory: Inventory, principal: PrincipalDep, leases: LeasesDep
+) -> LeaseOut | Response:
+    def run() -> LeaseOut | None:
+        out = leases.lease(principal, worker_id, inventory)
+        if out is not None:
+            # Only the token a lease was handed to may act on it (api.services.grants).
+            grants.record_grant(leases.ctx.write_sessions, principal, out.lease_id)
+        return out
+
+    out = await _protocol_thread(request, partial(run))
+    return Response(status_code=status.HTTP_204_NO_CONTENT) if out is None else out
 
 
 @router.post("/leases/{lease_id}/heartbeat")
-def heartbeat(lease_id: LeaseId, principal: PrincipalDep, leases: LeasesDep) -> HeartbeatOut:
+async def heartbeat(request: Request, lease_id: LeaseId, principal: PrincipalDep, leases: LeasesDep) -> HeartbeatOut:
     """Extends the deadline; 410 when the lease expired and was reclaimed, 409 when it ended."""
-    return leases.heartbeat(principal, lease_id)
+    return await _protocol_thread(request, partial(leases.heartbeat, principal, lease_id))
 
 
 @router.post("/leases/{lease_id}/progress")
-def progress(lease_id: LeaseId, body: ProgressIn, principal: PrincipalDep, leases: LeasesDep) -> ProgressOut:
-    return leases.progress(principal, lease_id, body)
+async def progress(
+    request: Request, lease_id: LeaseId, body: ProgressIn, principal: PrincipalDep, leases: LeasesDep
+) -> ProgressOut:
+    return await _protocol_thread(request, partial(leases.progress, principal, lease_id, body))
 
 
 @router.post("/leases/{lease_id}/complete")
-def complete(lease_id: LeaseId, body: CompleteIn, principal: PrincipalDep, leases: LeasesDep) -> CompleteOut:
+async def complete(
+    request: Request, lease_id: LeaseId, body: CompleteIn, principal: PrincipalDep, leases: LeasesDep
+) -> CompleteOut:
     """Idempotent: repeating a report returns the stored outcome and changes nothing."""
-    return leases.complete(principal, lease_id, body)
+    return await _protocol_thread(request, partial(leases.complete, principal, lease_id, body))
