@@ -98,3 +98,20 @@ def test_the_shared_port_is_a_tcp_socket_so_asyncio_turns_nagle_off() -> None:
             client.close()
     finally:
         sock.close()
+
+
+def test_a_server_freezes_its_startup_heap_out_of_the_collectors_scans(tmp_path: Path) -> None:
+    # Full collections under load held the GIL 260-1080 ms with the startup heap in them.
+    import gc
+
+    from api.app import create_app, freeze_startup_heap
+    from tests.conftest import make_settings
+
+    gc.unfreeze()
+    try:
+        app = create_app(make_settings(f"sqlite:///{tmp_path / 'x.db'}"), check_schema=False)
+        assert freeze_startup_heap(app) is app
+        frozen = gc.get_freeze_count()
+        assert frozen > 10_000, frozen  # the modules, Optuna, SQLAlchemy, pydantic: not a handful
+    finally:
+        gc.unfreeze()

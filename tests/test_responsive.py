@@ -83,6 +83,55 @@ def test_listing_studies_costs_the_same_queries_for_2_or_10_studies(api: Api) ->
     assert sum(d["trials"]["RUNNING"] for d in doc) == 1
 
 
+def test_reads_are_answered_while_every_protocol_thread_waits_on_a_lock(pg_db_url: str, tmp_path: Path) -> None:
+    """The lease protocol's calls have request threads of their own (api/routes/leases.py): with
+    each of them waiting on a lock, a listing is still answered.  In one shared pool the waiting
+    leases held every thread and the listing queued behind them."""
+    tokens = make_tokens(pg_db_url)
+    user, worker = ({"Authorization": f"Bearer {tokens[r]}"} for r in ("user", "worker"))
+    dbname = pg_db_url.rsplit("/", 1)[1]
+    env = {"SPECTUNE_PROTOCOL_THREADS": "2", "SPECTUNE_REQUEST_THREADS": "4"}
+    with api_server(pg_db_url, log_path=tmp_path / "api.log", env=env) as url:
+        assert httpx.post(f"{url}/v1/studies", json=small_spec("s"), headers=user, timeout=30).status_code == 201
+        holder = psycopg.connect(f"host=127.0.0.1 port=5432 user=postgres dbname={dbname}")
+        answers: list[int] = []
+        try:
+            holder.execute("LOCK TABLE spectune_leases IN ACCESS EXCLUSIVE MODE")
+
+            def lease(i: int) -> None:
+                try:
+                    r = httpx.post(f"{url}/v1/workers/w{i}/lease", json=INVENTORY, headers=worker, timeout=120)
+                    answers.append(r.status_code)
+                except httpx.HTTPError:
+                    answers.append(-1)
+
+            # More leases than the protocol threads and the other pool together.
+            threads = [threading.Thread(target=lease, args=(i,)) for i in range(6)]
+            for t in threads:
+                t.start()
+            with _pg_admin() as admin:
+                waiting = 0
+                for _ in range(600):  # bounded: up to ~60 s for both protocol threads to queue on the lock
+                    row = admin.execute(
+                        "SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND wait_event_type = 'Lock'",
+                        (dbname,),
+                    ).fetchone()
+                    waiting = int(row[0]) if row else 0
+                    if waiting >= 2:
+                        break
+                    time.sleep(0.1)
+            assert waiting >= 2, f"only {waiting} leases queued on the lock"
+            r = httpx.get(f"{url}/v1/studies", headers=user, timeout=20)
+            assert r.status_code == 200 and [d["name"] for d in r.json()] == ["s"], r.text
+        finally:
+            holder.rollback()
+            holder.close()
+        for t in threads:
+            t.join(timeout=120)
+    # Once the lock is gone every lease is answered (a baseline each, or "busy, retry").
+    assert len(answers) == 6 and set(answers) <= {200, 204, 503}, answers
+
+
 # ---------------------------------------------------------------------------- per-user limits
 
 
