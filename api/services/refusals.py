@@ -34,7 +34,7 @@ def active_refusals(s: Session, *, study: str | None = None, worker_id: str | No
     clears = select(EventRow.worker_id, func.max(EventRow.id)).where(EventRow.kind == REFUSALS_CLEARED)
     if worker_id is not None:
         clears = clears.where(EventRow.worker_id == worker_id)
-    cleared_at: dict[str | None, int] = {w: i for w, i in s.execute(clears.group_by(EventRow.worker_id)).tuples()}
+    cleared_at: dict[str | None, int] = {w: i for w, i in s.execute(clears.group_by(EventRow.worker_id))}
     q = select(EventRow).where(EventRow.kind == LEASE_REFUSED)
     if study is not None:
         q = q.where(EventRow.study_name == study)
