@@ -198,6 +198,22 @@ def small_spec(name: str = "s1", **overrides: Any) -> dict[str, Any]:
     return spec
 
 
+def split_load_spec(name: str, *, output_len: int) -> dict[str, Any]:
+    """A study on split-load (speculation pays alone and loses from 4 requests on, so the answer
+    is SGLang's adaptive mode) over two chains: the search is over in two launches."""
+    return small_spec(
+        name,
+        model={"target": "split-load", "draft": "split-load-eagle3"},
+        search_space={"num_steps": {"low": 1, "high": 2}, "topk": [1]},
+        workload={
+            "output_len": output_len, "num_prompts": 4, "concurrency": [1, 4], "warmup_requests": 1, "repeats": 2,
+        },
+        budget={"max_trials": 2, "converge": False},
+        confirmation={"top": 1},
+        seed=11,
+    )  # fmt: skip
+
+
 def set_path(doc: dict[str, Any], path: str, value: Any, sep: str = ".") -> dict[str, Any]:
     """`doc` with `value` at the nested key `path` ("budget.max_trials"), tables made as needed."""
     node = doc

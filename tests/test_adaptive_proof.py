@@ -23,7 +23,7 @@ from optimizer import conductor as c
 from optimizer import deploy
 from optimizer.space import SpecConfig
 from optimizer.study_state import Ending, FinishReason
-from tests.conftest import INVENTORY, Api, small_spec
+from tests.conftest import INVENTORY, Api, split_load_spec
 from tests.search_support import OOM, lease, ok, sim_levels
 from tests.test_answer_proof import _printed
 from tests.test_conductor import BASES, T0, _settled, finished, snap, spec_of
@@ -213,15 +213,7 @@ def test_the_proven_adaptive_launch_is_best_on_every_surface(api: Api, capsys: p
 def _split_load_study(api: Api, name: str, *, adaptive_ooms: bool = False) -> None:
     """A study on split-load driven to its end through the REST API; the adaptive server's launch
     is measured as the simulated engine would run it, or runs out of memory at start-up."""
-    spec = small_spec(
-        name,
-        model={"target": "split-load", "draft": "split-load-eagle3"},
-        search_space={"num_steps": {"low": 1, "high": 2}, "topk": [1]},
-        workload={"output_len": 32, "num_prompts": 4, "concurrency": [1, 4], "warmup_requests": 1, "repeats": 2},
-        budget={"max_trials": 2, "converge": False},
-        confirmation={"top": 1},
-        seed=11,
-    )
+    spec = split_load_spec(name, output_len=32)
     assert api.post("/v1/studies", "user", spec).status_code == 201
     inventory = INVENTORY | {"models": ["split-load", "split-load-eagle3"]}
     for _ in range(60):  # bounded: two trials, their baselines, two confirmations

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from optimizer.answers import ADAPTIVE_FILE
-from tests.conftest import small_spec
+from tests.conftest import split_load_spec
 from tests.e2e_support import Cluster, cluster
 from tests.helpers import wait_for
 
@@ -34,16 +34,7 @@ MODELS = {"split-load": "split-load", "split-load-eagle3": "split-load-eagle3"}
 
 
 def spec(name: str) -> dict[str, Any]:
-    return small_spec(
-        name,
-        model={"target": "split-load", "draft": "split-load-eagle3"},
-        # Two chains: the search is over in two launches.
-        search_space={"num_steps": {"low": 1, "high": 2}, "topk": [1]},
-        workload={"output_len": 96, "num_prompts": 4, "concurrency": [1, 4], "warmup_requests": 1, "repeats": 2},
-        budget={"max_trials": 2, "converge": False},
-        confirmation={"top": 1},
-        seed=11,
-    )
+    return split_load_spec(name, output_len=96)
 
 
 def finished(c: Cluster, name: str) -> dict[str, Any] | None:
