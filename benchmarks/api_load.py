@@ -339,8 +339,8 @@ def make_users(db_url: str, n: int) -> list[str]:
 def main_many(args: argparse.Namespace) -> int:
     db_url, drop = create_database(args.pg_admin_dsn)
     log = Path(f"/tmp/spectune-api-load-{os.getpid()}.log")
-    api = ApiProc("load", db_url, log, {"SPECTUNE_LEASE_TTL_S": "600", "SPECTUNE_HEARTBEAT_INTERVAL_S": "30"})
-    api.workers = args.api_workers
+    env = {"SPECTUNE_LEASE_TTL_S": "600", "SPECTUNE_HEARTBEAT_INTERVAL_S": "30"}
+    api = ApiProc("load", db_url, log, env, workers=args.api_workers)
     try:
         _, tokens = make_tokens(db_url, args.clients)
         users = make_users(db_url, -(-args.many_studies // STUDIES_PER_USER))

@@ -37,7 +37,7 @@ def server(
     import uvicorn
 
     from api.app import create_app, freeze_startup_heap
-    from api.db import make_engine
+    from api.db import is_sqlite, make_engine
     from api.errors import SchemaOutdatedError
     from api.schema import check_current
 
@@ -52,7 +52,7 @@ def server(
         fail(f"cannot open the database {engine.url.render_as_string(hide_password=True)}: {e}")
     finally:
         engine.dispose()
-    if workers > 1 and not config.database_url.startswith("postgresql"):
+    if workers > 1 and is_sqlite(config.database_url):
         fail(f"--workers {workers} needs Postgres: a SQLite file takes one writer at a time; run one process")
     exit_with_parent()
     if workers == 1:
