@@ -286,20 +286,26 @@ class Envelope:
 
 
 def deployment_envelopes(spec: StudySpec, config: SpecConfig) -> list[Envelope]:
-    """The deployments to try for `config`, the printed one first, then smaller graph envelopes.
+    """The deployments to try for `config`, the printed one first, then smaller graph envelopes
+    (`graph_envelopes`; none when the configuration pins its own graph sizes)."""
+    printed, _ = deployment_settings(spec, config)
+    return graph_envelopes(spec, printed, pinned=config.cuda_graph_max_bs is not None)
+
+
+def graph_envelopes(spec: StudySpec, printed: ServerSettings, *, pinned: bool = False) -> list[Envelope]:
+    """`printed`, then the smaller graph envelopes a deployment of it may fall back to.
 
     A smaller graph envelope only where the serving envelope leaves it to us: with
-    `serving.max_batch` set the user pinned the captured sizes, so there is nothing to lower.
-    Smaller means graphs up to the largest measured level (the sizes the study measured), then
-    only the measured levels themselves (the tuning envelope, which started in the search).
-    Max running requests never changes: it is the load the user asked to serve.
+    `serving.max_batch` set (or `pinned`) the captured sizes are the user's, so there is nothing
+    to lower.  Smaller means graphs up to the largest measured level (the sizes the study
+    measured), then only the measured levels themselves (the tuning envelope, which started in
+    the search).  Max running requests never changes: it is the load the user asked to serve.
     """
-    printed, _ = deployment_settings(spec, config)
     out = [Envelope(printed, "")]
-    if spec.serving is not None and spec.serving.max_batch is not None:
+    if pinned or (spec.serving is not None and spec.serving.max_batch is not None):
         return out
     top = max(spec.workload.concurrency)
-    if printed.cuda_graph_max_bs is not None and printed.cuda_graph_max_bs > top and config.cuda_graph_max_bs is None:
+    if printed.cuda_graph_max_bs is not None and printed.cuda_graph_max_bs > top:
         out.append(
             Envelope(
                 printed.model_copy(update={"cuda_graph_max_bs": top}),
@@ -307,16 +313,22 @@ def deployment_envelopes(spec: StudySpec, config: SpecConfig) -> list[Envelope]:
                 f"{printed.cuda_graph_max_bs}: larger batches run without graphs",
             )
         )
-    if config.cuda_graph_max_bs is None:
-        levels = tuple(spec.workload.concurrency)
-        out.append(
-            Envelope(
-                printed.model_copy(update={"cuda_graph_max_bs": top, "cuda_graph_bs": levels}),
-                f"CUDA graphs only for the measured batch sizes {', '.join(map(str, levels))}: other batches are "
-                "padded up to the next of them, or run without graphs above",
-            )
+    levels = tuple(spec.workload.concurrency)
+    out.append(
+        Envelope(
+            printed.model_copy(update={"cuda_graph_max_bs": top, "cuda_graph_bs": levels}),
+            f"CUDA graphs only for the measured batch sizes {', '.join(map(str, levels))}: other batches are "
+            "padded up to the next of them, or run without graphs above",
         )
+    )
     return out
+
+
+def smaller_envelope(spec: StudySpec, settings: ServerSettings) -> Envelope | None:
+    """The next smaller graph envelope after a deployment in `settings` did not start (the
+    adaptive answer's retry; a static candidate's go by tier, `envelopes_to_try`), or None when
+    the serving envelope leaves none smaller."""
+    return next((e for e in graph_envelopes(spec, settings)[1:] if e.settings != settings), None)
 
 
 def envelopes_to_try(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -210,32 +211,42 @@ def test_the_proven_adaptive_launch_is_best_on_every_surface(api: Api, capsys: p
     assert json.loads(to_json(document, trials))["study"]["best"] == best
 
 
-def _split_load_study(api: Api, name: str, *, adaptive_ooms: bool = False) -> None:
+def _split_load_study(
+    api: Api, name: str, *, adaptive_starts: Callable[[dict[str, Any]], bool] = lambda server: True
+) -> list[Any]:
     """A study on split-load driven to its end through the REST API; the adaptive server's launch
-    is measured as the simulated engine would run it, or runs out of memory at start-up."""
+    is measured as the simulated engine would run it, or runs out of memory at start-up where
+    `adaptive_starts` (given the leased server) says it does not.  Returns the adaptive leases."""
     spec = split_load_spec(name, output_len=32)
     assert api.post("/v1/studies", "user", spec).status_code == 201
     inventory = INVENTORY | {"models": ["split-load", "split-load-eagle3"]}
+    handed: list[Any] = []
     for _ in range(60):  # bounded: two trials, their baselines, two confirmations
         if api.get(f"/v1/studies/{name}", "user").json()["state"] != "running":
-            return
+            return handed
         for w in ("w1", "w2"):
             got = lease(api, w, inventory)
             if got is None:
                 continue
             levels = got["workload"]["concurrency"]
             if got["server"].get("adaptive"):
-                body = OOM if adaptive_ooms else ok(_adaptive_levels(got["server"], got["config"], levels))
+                handed.append(got)
+                starts = adaptive_starts(got["server"])
+                body = ok(_adaptive_levels(got["server"], got["config"], levels)) if starts else OOM
             else:
                 body = ok(sim_levels("split-load", got["config"] if got["kind"] != "baseline" else None, levels))
             assert api.post(f"/v1/leases/{got['lease_id']}/complete", "worker", body).status_code == 200
+    raise AssertionError("the study did not finish")
 
 
 def test_a_failed_adaptive_launch_leaves_the_static_answer_as_best_and_says_so(api: Api) -> None:
     """The adaptive server ran out of memory: `best` is the static answer (no `best_static`), the
     verdict says the adaptive deployment did not start, and its failed launch is in the export."""
     name = "adaptive-oom"
-    _split_load_study(api, name, adaptive_ooms=True)
+    handed = _split_load_study(api, name, adaptive_starts=lambda server: False)
+    # The printed server, then the same server with graphs only for the measured batch sizes:
+    # every graph envelope the serving section leaves was tried before the answer fell back.
+    assert [h["server"]["cuda_graph_bs"] for h in handed] == [None, [1, 4]]
     shown = api.get(f"/v1/studies/{name}", "user").json()
     assert shown["state"] == "finished", shown["finish_reason"]
     assert shown["deployment"]["mode"] != "adaptive" and shown["verdict"].startswith(
@@ -248,3 +259,25 @@ def test_a_failed_adaptive_launch_leaves_the_static_answer_as_best_and_says_so(a
     assert "the best static configuration" not in study_summary(document)
     rows = list(csv.DictReader(io.StringIO(to_csv(name, [], document.confirmation))))
     assert [r["state"] for r in rows if r["source"] == "adaptive confirmation"] == ["confirmation failed"]
+
+
+def test_an_adaptive_server_that_runs_out_of_memory_is_proven_with_smaller_graphs(api: Api) -> None:
+    """Issue 17 item 2 for the adaptive answer: its printed server runs out of memory capturing
+    CUDA graphs up to batch 4; the same server with graphs only for the measured batch sizes
+    starts, and that launch is the answer, printed as it started and saying why."""
+    name = "adaptive-smaller"
+    handed = _split_load_study(api, name, adaptive_starts=lambda server: server["cuda_graph_bs"] is not None)
+    first, second = handed
+    assert first["server"]["cuda_graph_bs"] is None and second["server"]["cuda_graph_bs"] == [1, 4]
+    # Only the graphs changed: the load it serves and the adaptive steps are the printed ones.
+    assert {k: v for k, v in second["server"].items() if k != "cuda_graph_bs"} == {
+        k: v for k, v in first["server"].items() if k != "cuda_graph_bs"
+    }
+    shown = api.get(f"/v1/studies/{name}", "user").json()
+    assert shown["state"] == "finished", shown["finish_reason"]
+    dep = shown["deployment"]
+    assert dep["mode"] == "adaptive" and dep["proven_by"] == second["lease_id"], shown["verdict"]
+    assert dep["server"] == second["server"] and "--cuda-graph-bs-decode 1 4" in dep["launch_command"]
+    assert "did not start" in dep["reason"] and "measured batch sizes 1, 4" in dep["reason"]
+    assert shown["best"]["lease_id"] == second["lease_id"] and shown["best"]["adaptive"] is True
+    assert not shown["verdict"].startswith("the adaptive deployment did not start"), shown["verdict"]

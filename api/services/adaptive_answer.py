@@ -77,6 +77,9 @@ def _proven(
         else "SGLang's adaptive mode: the steps measured best at each concurrency level, 0 where speculation "
         "does not pay"
     )
+    if record.envelope_note:
+        # Proven in a smaller graph envelope after the printed one did not start: said with it.
+        reason = f"{reason}; the planned envelope did not start, started with {record.envelope_note}"
     dep = deploy.Deployment(
         "adaptive",
         settings,

@@ -302,10 +302,11 @@ def _queue_confirmations(s: Session, spec: StudySpec, candidates: Sequence[c.Can
         # Each candidate is confirmed as it would be deployed: the winner's confirmation is then
         # the launch that proves the printed command (issue 17 item 1), no launch added.
         tier, env = cand.tier, cand.envelope or deploy.deployment_envelopes(spec, cand.config)[0]
-        # The adaptive proof has no smaller envelope to fall back to: if it does not start, the
-        # answer falls back to what the other confirmations proved (api.services.studies).
+        # The adaptive proof has no tier: if it does not start, the next smaller graph envelope of
+        # its own server is tried (api.services.leasing.confirm), and when none is left the answer
+        # falls back to what the other confirmations proved (api.services.studies).
         info: dict[str, Any] = (
-            {"adaptive": True, "avoid_worker": None, "search_speedup": None}
+            {"adaptive": True, "avoid_worker": None, "search_speedup": None, "envelope_note": ""}
             if cand.adaptive
             else {
                 "avoid_worker": cand.avoid_worker,

@@ -28,6 +28,7 @@ from api.services.study_specs import baseline_key_of, study_trials
 from optimizer import confirmation as confirm
 from optimizer import deploy
 from optimizer.conductor import Confirm, next_deployment
+from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 from spectune_protocol import CompleteIn, CompleteOut
@@ -156,14 +157,7 @@ class ConfirmLeases:
                 elif failure is not None and failure.kind in ("oom", "launch_timeout") and "tier" in info:
                     self.next_envelope(s, spec, lease, now, failure.kind, failure.message, trials)
                 elif failure is not None and info.get("adaptive"):
-                    # No smaller envelope: the answer falls back to what was proven (studies.py).
-                    why = deploy.deployment_failure(failure.kind, failure.message)
-                    event(
-                        s,
-                        deploy.ADAPTIVE_FAILED,
-                        lease,
-                        f"the adaptive deployment did not start ({why}: {failure.message[:300]})",
-                    )
+                    self.next_adaptive_envelope(s, spec, lease, now, failure.kind, failure.message)
                 else:
                     event(s, "confirm_failed", lease, reason)
             study_life.settle(s, spec, now, trials, self.settings)
@@ -201,6 +195,32 @@ class ConfirmLeases:
         info |= {"tier": tier, "envelope_note": env.note}
         _requeue(s, lease, {**lease.payload, "confirm": info, "server": env.settings.model_dump(mode="json")}, now)
         event(s, DEPLOY_RETRY, lease, f"{label} did not start as it would be deployed ({why}); trying {env.note}")
+
+    def next_adaptive_envelope(
+        self, s: Session, spec: StudySpec, lease: LeaseRow, now: datetime, kind: str, message: str
+    ) -> None:
+        """The adaptive server did not start: out of memory or a time-out (graph capture), the
+        same server with smaller CUDA graphs where the serving envelope allows; anything else, or
+        nothing smaller left, and the answer falls back to what was proven (api.services.studies)."""
+        why = deploy.deployment_failure(kind, message)
+        server = lease.payload.get("server")
+        smaller = (
+            deploy.smaller_envelope(spec, ServerSettings.model_validate(server))
+            if kind in ("oom", "launch_timeout") and server is not None
+            else None
+        )
+        if smaller is None:
+            event(s, deploy.ADAPTIVE_FAILED, lease, f"the adaptive deployment did not start ({why}: {message[:300]})")
+            return
+        info = {
+            k: v for k, v in (lease.payload.get("confirm") or {}).items() if k not in ("baseline_id", "baseline_fresh")
+        }
+        info["envelope_note"] = smaller.note
+        payload = {**lease.payload, "confirm": info, "server": smaller.settings.model_dump(mode="json")}
+        _requeue(s, lease, payload, now)
+        event(
+            s, DEPLOY_RETRY, lease, f"the adaptive deployment did not start as printed ({why}); trying {smaller.note}"
+        )
 
     def retry(self, s: Session, lease: LeaseRow, now: datetime, reason: str) -> None:
         """Queue a confirmation again (its baseline pairing is redone), up to max_attempts."""
