@@ -93,6 +93,21 @@ def test_the_model_does_not_rank_a_candidate_above_one_measured_min_gain_better_
     # Better on one launch only: the model's order stands.
     split = chain | {"search_speedup": 2.250}
     assert choose([tree, split], 0.01, rank).best is split
+    # Ahead on both launches by more than min_gain, but by less than their noise makes sure
+    # (benchmarks/answer_quality.py small-gain seed 3: the lucky cheaper chain, 1.3% worse in
+    # truth, against the model's right order): the model's order stands.
+    lucky = _c(5, 1, 2, 2, 1.0484, 1.0164, 1.0814) | {"search_speedup": 1.0499}
+    right = _c(6, 2, 2, 3, 1.0272, 0.9958, 1.0596) | {"search_speedup": 1.0262}
+    wide = _c(7, 2, 8, 3, 1.0630, 1.0303, 1.0966) | {"search_speedup": 1.0215}
+    model = FakeRanking({_key(lucky): 1.0334, _key(right): 1.041, _key(wide): 1.0286}, sure=False)
+    assert choose([lucky, right, wide], 0.01, model).winner is right
+
+    # The same gaps measured twice as tightly are beyond the noise: they overrule the model.
+    def tight(c: dict[str, Any]) -> dict[str, Any]:
+        v = c["speedup"]
+        return c | {"speedup_interval": {"low": v * 0.992, "high": v / 0.992}}
+
+    assert choose([tight(lucky), tight(right)], 0.01, model).best["trial_number"] == 5
     # Without the search measurement there is no second launch to go by.
     bare = {k: v for k, v in chain.items() if k != "search_speedup"}
     assert choose([{k: v for k, v in tree.items() if k != "search_speedup"}, bare], 0.01, rank).best is bare
