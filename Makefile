@@ -15,14 +15,16 @@ $(BIN)/spectune: pyproject.toml
 	$(BIN)/pip install -q -e '.[server,gp,sim,dev]'
 	touch $@
 
-# Two pytest processes (pytest-xdist): most tests wait on subprocesses, servers and the database,
-# so a second process fills those waits; each test stays whole in one process (worksteal moves
-# whole tests), and every fixture it needs is its own (fresh databases, free ports, marked processes).
+# Three pytest processes (pytest-xdist) on the two-core machines CI runs on: most tests wait on
+# subprocesses, servers and the database, so more processes than cores fill those waits (the
+# whole suite 809 s with two, 675 s with three while a benchmark took one core for half of it);
+# each test stays whole in one process (worksteal moves whole tests), and every fixture it needs
+# is its own (fresh databases, free ports, marked processes).
 test: setup
-	TZ=UTC $(BIN)/python -m pytest -q -n 2 --dist worksteal
+	TZ=UTC $(BIN)/python -m pytest -q -n 3 --dist worksteal
 
 test-fast: setup
-	TZ=UTC $(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not slow"
+	TZ=UTC $(BIN)/python -m pytest -q -n 3 --dist worksteal -m "not slow"
 
 lint: setup
 	$(BIN)/ruff check .
