@@ -17,7 +17,7 @@ $(BIN)/spectune: pyproject.toml
 
 # Three pytest processes (pytest-xdist) on the two-core machines CI runs on: most tests wait on
 # subprocesses, servers and the database, so more processes than cores fill those waits (the
-# whole suite 809 s with two, 675 s with three while a benchmark took one core for half of it);
+# whole suite, idle, one run after the other on one clone: 842 s with two, 798 s with three);
 # each test stays whole in one process (worksteal moves whole tests), and every fixture it needs
 # is its own (fresh databases, free ports, marked processes).
 test: setup
