@@ -45,7 +45,7 @@ from optimizer.perf_model import MODEL_FLOOR, Candidates, FittedModel, fit
 from optimizer.spec import StudySpec
 from optimizer.stop_rules import StopRule
 
-P_MATTERS = 0.1
+P_MATTERS = R.P_MATTERS
 MIN_MEASURED = 4
 TIGHT = 0.03
 # Floor on the incumbent's log-sd when it has no spread of its own (one pass).
@@ -157,6 +157,16 @@ def assess(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Assessment:
         return Assessment(False, why, n, len(op.configs), top, top_key, misfit, None, None, check)
 
     trusted = model is not None and (check is None or check.trusted)
+    probe = None
+    if trusted and pays_now and top < P_MATTERS:
+        by_number = {t.number: t for t in trials}
+        launched = [A.TrialRecord(by_number[x.number]).config for x in history]
+        probe = R.depth_probe(best_r.config, launched, op.configs, spec.search_space.num_steps.high)
+    if probe is not None:
+        return waiting(
+            f"the model sees nothing left to beat {incumbent}, but {label} is the deepest launch: "
+            f"one launch one draft step deeper ({probe.key}) first"
+        )
     if trusted and top < P_MATTERS and lead.since >= MODEL_HOLD:
         beat = f"beat {label} ({best_value:.3f}x)" if pays_now else "beat the baseline"
         return settle(

@@ -315,6 +315,19 @@ def propose(
         ref = A.TrialRecord(best).config
         diff, sd = gain_over(spec, model, pool, ref)
         z = (diff - math.log1p(spec.budget.min_gain)) / sd
+        if float(norm.cdf(z).max()) < stop_rules.P_MATTERS and stop_rules.prediction_check(trials).trusted:
+            # The model sees nothing left to beat the incumbent: where the incumbent is the
+            # deepest launch, the stop rule first wants one launch past it (stop_rules.depth_probe).
+            by_number = {t.number: t for t in trials}
+            launched = [A.TrialRecord(by_number[x.number]).config for x in stop_rules.launches(trials)]
+            probe = stop_rules.depth_probe(ref, launched, pool, spec.search_space.num_steps.high)
+            if probe is not None and op.pending == []:
+                i = pool.index(probe)
+                return Proposal(
+                    config=probe, predicted_speedup=float(math.exp(mean[i])), predicted_sd=float(sd_value[i]),
+                    expected_improvement=0.0, observations=model.n_observations, p_fail=float(p_fail[i]),
+                    move="probe",
+                )  # fmt: skip
     else:
         # Nothing pays yet: improvement over the baseline (or the best so far, if above it).
         incumbent = max(math.log(float(best.value or 1.0)) if best is not None else float(mean.max()), 0.0)

@@ -20,6 +20,11 @@ was measured, in the order it was measured:
 * **improvement-rate rule**: whatever the model says, stop once no launch has beaten the
   incumbent by more than `min_gain` for `stall_needed` launches (twice the quiet spell above):
   a backstop so a model that keeps widening its uncertainty cannot run a study to its cap.
+* **depth probe**: the model rule does not settle while the incumbent is the deepest launch
+  (`depth_probe`): what the model says of the draft positions past it is its form's
+  extrapolation, and on an engine whose acceptance is not smooth in the position (two-peaks:
+  a hard token at position 3, good positions after it) that is where its answer is wrong.  The
+  sampler then launches one step deeper; the rule settles once a deeper launch is in.
 
 All functions are pure: they take the trials (Optuna's FrozenTrial records) and return values.
 """
@@ -37,6 +42,7 @@ from scipy.stats import chi2
 
 from optimizer import attrs as A
 from optimizer.analysis import level_intervals
+from optimizer.space import SpecConfig
 
 # Results the prediction check looks back over, and the fewest it judges from.
 CHECK_WINDOW = 6
@@ -59,6 +65,9 @@ HOLD_MIN = 3
 # The improvement-rate backstop: at least this many launches, and at least as many as it took to
 # find the incumbent.
 STALL_MIN = 8
+# A chance to beat the incumbent by min_gain below this does not matter (the model rule's bar,
+# optimizer.convergence; the sampler's depth probe reads it too).
+P_MATTERS = 0.1
 
 
 class StopRule(enum.StrEnum):
@@ -205,3 +214,21 @@ def hold_needed(found_at: int) -> int:
 
 def stall_needed(found_at: int) -> int:
     return max(STALL_MIN, found_at)
+
+
+def depth_probe(
+    incumbent: SpecConfig, launched: Sequence[SpecConfig], pool: Sequence[SpecConfig], max_steps: int
+) -> SpecConfig | None:
+    """The launch one draft step past the incumbent, when the incumbent is the deepest launch.
+
+    The model's acceptance past the deepest position it measured is its form's extrapolation,
+    not evidence: on an engine whose acceptance is not smooth in the position, the positions
+    after the deepest launch are exactly what it cannot say.  None when a deeper configuration
+    was launched (any result), the incumbent is at the space's depth, or no such launch is open.
+    """
+    if incumbent.num_steps >= max_steps or any(c.num_steps > incumbent.num_steps for c in launched):
+        return None
+    steps = incumbent.num_steps + 1
+    want = incumbent.num_draft_tokens * steps / incumbent.num_steps
+    deeper = [c for c in pool if c.num_steps == steps and c.topk == incumbent.topk]
+    return min(deeper, key=lambda c: (abs(c.num_draft_tokens - want), c.num_draft_tokens), default=None)

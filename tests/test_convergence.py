@@ -417,3 +417,41 @@ def test_a_distrusted_model_walks_the_incumbents_neighbours_instead_of_its_argma
     # A model that predicts within its uncertainty proposes its own best, wherever it lies.
     trusted = propose(spec(), _run_with_predictions(ZIGZAG_RUN, miss=1.0), random.Random(0))
     assert trusted is not None and trusted.move == "model"
+
+
+def _c(steps: int, topk: int, tokens: int) -> SpecConfig:
+    return SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=tokens)
+
+
+def test_the_depth_probe_is_one_draft_step_past_an_incumbent_that_is_the_deepest_launch() -> None:
+    pool = list(space_configs(SearchSpace()))
+    inc = _c(5, 4, 16)
+    launched = [_c(3, 1, 4), _c(5, 4, 8), _c(4, 4, 13), inc]
+    probe = stop_rules.depth_probe(inc, launched, pool, 8)
+    # Same tree width, one more step, draft tokens in proportion.
+    assert probe is not None and probe.key == _c(6, 4, 19).key
+    # A deeper launch of any shape, or an incumbent at the space's depth: nothing to probe.
+    assert stop_rules.depth_probe(inc, [*launched, _c(6, 2, 7)], pool, 8) is None
+    assert stop_rules.depth_probe(_c(8, 4, 25), launched, pool, 8) is None
+    assert stop_rules.depth_probe(inc, launched, [c for c in pool if c.num_steps != 6], 8) is None
+
+
+def test_the_model_rule_waits_for_a_launch_past_the_deepest_incumbent() -> None:
+    """two-peaks seed 7 (benchmarks/search_efficiency.py): nine launches no deeper than 5 steps,
+    a model that sees nothing left to beat s5-k4-n16 (2.6% below the optimum, s8-k4-n25).  The
+    rule waits, the sampler launches one step deeper, and the walk goes on while deeper wins."""
+    configs = [_c(3, 1, 4), _c(5, 4, 8), _c(5, 8, 64), _c(4, 4, 32), _c(4, 8, 13), _c(5, 4, 16), _c(5, 2, 6),
+               _c(4, 2, 6), _c(4, 4, 13)]  # fmt: skip
+    sp = spec()
+    trials = measured("two-peaks", configs)
+    a = convergence.assess(sp, trials)
+    assert not a.settled and a.best_chance < convergence.P_MATTERS, a.reason
+    assert "deepest launch" in a.reason and "s6-k4-n19" in a.reason
+    p = propose(sp, trials, random.Random(0))
+    assert p is not None and p.move == "probe" and p.config.key == _c(6, 4, 19).key
+    # Deeper won (2.224x against 2.186x): the next probe is one step further.
+    deeper = convergence.assess(sp, measured("two-peaks", [*configs, p.config]))
+    assert not deeper.settled and "s7-k4-n22" in deeper.reason
+    # A deeper launch that loses brackets the incumbent: the model rule may settle again.
+    lost = measured("two-peaks", [*configs, _c(6, 2, 7)])
+    assert "deepest launch" not in convergence.assess(sp, lost).reason
