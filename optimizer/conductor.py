@@ -751,7 +751,7 @@ def relaunches(snap: Snapshot) -> Reconfirm | None:
 
     A runner-up tied with the winner is not re-launched: the verdict calls them a tie and prefers
     the cheaper one only where that is safe (optimizer.confirmation.choose).  Measured side by
-    side (benchmarks/README.md, "Re-launching a tied runner-up"), re-launching both where the
+    side (benchmarks/README.md, "No re-launch of a tied runner-up"), re-launching both where the
     model was not trusted cost 1.5 launches in the median on zigzag-tiles and moved no answer
     across 2% of the optimum.
     """

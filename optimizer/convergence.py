@@ -157,11 +157,11 @@ def assess(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Assessment:
         return Assessment(False, why, n, len(op.configs), top, top_key, misfit, None, None, check)
 
     trusted = model is not None and (check is None or check.trusted)
-    probe = None
-    if trusted and pays_now and top < P_MATTERS:
-        by_number = {t.number: t for t in trials}
-        launched = [A.TrialRecord(by_number[x.number]).config for x in history]
-        probe = R.depth_probe(best_r.config, launched, op.configs, spec.search_space.num_steps.high)
+    probe = (
+        R.depth_probe(trials, best_r.config, op.configs, spec.search_space.num_steps.high)
+        if trusted and pays_now and top < P_MATTERS
+        else None
+    )
     if probe is not None:
         return waiting(
             f"the model sees nothing left to beat {incumbent}, but {label} is the deepest launch: "

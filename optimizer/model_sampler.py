@@ -315,13 +315,15 @@ def propose(
         ref = A.TrialRecord(best).config
         diff, sd = gain_over(spec, model, pool, ref)
         z = (diff - math.log1p(spec.budget.min_gain)) / sd
-        if float(norm.cdf(z).max()) < stop_rules.P_MATTERS and stop_rules.prediction_check(trials).trusted:
+        if (
+            not op.pending
+            and float(norm.cdf(z).max()) < stop_rules.P_MATTERS
+            and stop_rules.prediction_check(trials).trusted
+        ):
             # The model sees nothing left to beat the incumbent: where the incumbent is the
             # deepest launch, the stop rule first wants one launch past it (stop_rules.depth_probe).
-            by_number = {t.number: t for t in trials}
-            launched = [A.TrialRecord(by_number[x.number]).config for x in stop_rules.launches(trials)]
-            probe = stop_rules.depth_probe(ref, launched, pool, spec.search_space.num_steps.high)
-            if probe is not None and op.pending == []:
+            probe = stop_rules.depth_probe(trials, ref, pool, spec.search_space.num_steps.high)
+            if probe is not None:
                 i = pool.index(probe)
                 return Proposal(
                     config=probe, predicted_speedup=float(math.exp(mean[i])), predicted_sd=float(sd_value[i]),
@@ -380,8 +382,7 @@ def _local_moves(
         return None
     if stop_rules.prediction_check(trials).trusted:
         return None
-    by_number = {t.number: t for t in trials}
-    measured = [A.TrialRecord(by_number[x.number]).config for x in stop_rules.launches(trials)]
+    measured = stop_rules.launched_configs(trials)
     moves = local_moves(A.TrialRecord(best).config, pool, spec.search_space, measured)
     return moves if moves.index.size else None
 

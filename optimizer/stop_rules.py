@@ -216,17 +216,25 @@ def stall_needed(found_at: int) -> int:
     return max(STALL_MIN, found_at)
 
 
+def launched_configs(trials: Sequence[FrozenTrial]) -> list[SpecConfig]:
+    """The configurations of `launches(trials)`, in the order their results arrived."""
+    by_number = {t.number: t for t in trials}
+    return [A.TrialRecord(by_number[x.number]).config for x in launches(trials)]
+
+
 def depth_probe(
-    incumbent: SpecConfig, launched: Sequence[SpecConfig], pool: Sequence[SpecConfig], max_steps: int
+    trials: Sequence[FrozenTrial], incumbent: SpecConfig, pool: Sequence[SpecConfig], max_steps: int
 ) -> SpecConfig | None:
     """The launch one draft step past the incumbent, when the incumbent is the deepest launch.
 
     The model's acceptance past the deepest position it measured is its form's extrapolation,
     not evidence: on an engine whose acceptance is not smooth in the position, the positions
     after the deepest launch are exactly what it cannot say.  None when a deeper configuration
-    was launched (any result), the incumbent is at the space's depth, or no such launch is open.
+    was launched (any result), the incumbent is at the space's depth, or no such launch is open
+    in `pool`.
     """
-    if incumbent.num_steps >= max_steps or any(c.num_steps > incumbent.num_steps for c in launched):
+    deepest = max((c.num_steps for c in launched_configs(trials)), default=0)
+    if incumbent.num_steps >= max_steps or deepest > incumbent.num_steps:
         return None
     steps = incumbent.num_steps + 1
     want = incumbent.num_draft_tokens * steps / incumbent.num_steps

@@ -426,14 +426,15 @@ def _c(steps: int, topk: int, tokens: int) -> SpecConfig:
 def test_the_depth_probe_is_one_draft_step_past_an_incumbent_that_is_the_deepest_launch() -> None:
     pool = list(space_configs(SearchSpace()))
     inc = _c(5, 4, 16)
-    launched = [_c(3, 1, 4), _c(5, 4, 8), _c(4, 4, 13), inc]
-    probe = stop_rules.depth_probe(inc, launched, pool, 8)
+    launched = measured("two-peaks", [_c(3, 1, 4), _c(5, 4, 8), _c(4, 4, 13), inc])
+    probe = stop_rules.depth_probe(launched, inc, pool, 8)
     # Same tree width, one more step, draft tokens in proportion.
     assert probe is not None and probe.key == _c(6, 4, 19).key
     # A deeper launch of any shape, or an incumbent at the space's depth: nothing to probe.
-    assert stop_rules.depth_probe(inc, [*launched, _c(6, 2, 7)], pool, 8) is None
-    assert stop_rules.depth_probe(_c(8, 4, 25), launched, pool, 8) is None
-    assert stop_rules.depth_probe(inc, launched, [c for c in pool if c.num_steps != 6], 8) is None
+    deeper = measured("two-peaks", [_c(3, 1, 4), _c(5, 4, 8), _c(4, 4, 13), inc, _c(6, 2, 7)])
+    assert stop_rules.depth_probe(deeper, inc, pool, 8) is None
+    assert stop_rules.depth_probe(launched, _c(8, 4, 25), pool, 8) is None
+    assert stop_rules.depth_probe(launched, inc, [c for c in pool if c.num_steps != 6], 8) is None
 
 
 def test_the_model_rule_waits_for_a_launch_past_the_deepest_incumbent() -> None:

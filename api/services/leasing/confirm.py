@@ -191,7 +191,7 @@ class ConfirmLeases:
             )
             return
         tier, env = due
-        info = {k: v for k, v in info.items() if k not in ("baseline_id", "baseline_fresh")}
+        info = _unpaired(info)
         info |= {"tier": tier, "envelope_note": env.note}
         _requeue(s, lease, {**lease.payload, "confirm": info, "server": env.settings.model_dump(mode="json")}, now)
         event(s, DEPLOY_RETRY, lease, f"{label} did not start as it would be deployed ({why}); trying {env.note}")
@@ -212,10 +212,7 @@ class ConfirmLeases:
         if smaller is None:
             event(s, deploy.ADAPTIVE_FAILED, lease, f"the adaptive deployment did not start ({why}: {message[:300]})")
             return
-        info = {
-            k: v for k, v in (lease.payload.get("confirm") or {}).items() if k not in ("baseline_id", "baseline_fresh")
-        }
-        info["envelope_note"] = smaller.note
+        info = _unpaired(lease.payload.get("confirm") or {}) | {"envelope_note": smaller.note}
         payload = {**lease.payload, "confirm": info, "server": smaller.settings.model_dump(mode="json")}
         _requeue(s, lease, payload, now)
         event(
@@ -234,11 +231,13 @@ class ConfirmLeases:
                     f"the adaptive deployment was not measured: {reason}; gave up after {lease.attempt} attempts",
                 )
             return
-        info = {
-            k: v for k, v in (lease.payload.get("confirm") or {}).items() if k not in ("baseline_id", "baseline_fresh")
-        }
-        _requeue(s, lease, {**lease.payload, "confirm": info}, now)
+        _requeue(s, lease, {**lease.payload, "confirm": _unpaired(lease.payload.get("confirm") or {})}, now)
         event(s, "confirm_requeued", lease, f"{reason}; attempt {lease.attempt + 1} queued")
+
+
+def _unpaired(info: dict[str, Any]) -> dict[str, Any]:
+    """A confirmation's info without its baseline pairing: the next attempt is paired again."""
+    return {k: v for k, v in info.items() if k not in ("baseline_id", "baseline_fresh")}
 
 
 def _requeue(s: Session, lease: LeaseRow, payload: dict[str, Any], now: datetime) -> None:
