@@ -340,14 +340,20 @@ def test_moe_pcie_stream_reproduces_the_calibration(launch):
             "sampling_params": {"max_new_tokens": 300, "ignore_eos": True},
             "stream": True,
         }
-        with httpx.stream("POST", sim.url + "/generate", json=body, timeout=60) as r:
-            events = [(t, d) for t, d in sse_events(r) if d != "[DONE]"]
-        (t0, first), (t1, last) = events[0], events[-1]
-        assert isinstance(first, dict) and isinstance(last, dict)
-        assert last["meta_info"]["completion_tokens"] == 300
-        # Decode rate between the first and the last chunk, divided back by the speed factor.
-        tokens = last["meta_info"]["completion_tokens"] - first["meta_info"]["completion_tokens"]
-        measured[steps] = tokens / (t1 - t0) / speed
+        rates = []
+        # A busy machine only ever slows a stream (a late chunk, a stall the engine does not
+        # replay): the fastest of three is the least disturbed one, and a pacing bug (too fast or
+        # too slow) shows in all three.
+        for _ in range(3):
+            with httpx.stream("POST", sim.url + "/generate", json=body, timeout=60) as r:
+                events = [(t, d) for t, d in sse_events(r) if d != "[DONE]"]
+            (t0, first), (t1, last) = events[0], events[-1]
+            assert isinstance(first, dict) and isinstance(last, dict)
+            assert last["meta_info"]["completion_tokens"] == 300
+            # Decode rate between the first and the last chunk, divided back by the speed factor.
+            tokens = last["meta_info"]["completion_tokens"] - first["meta_info"]["completion_tokens"]
+            rates.append(tokens / (t1 - t0) / speed)
+        measured[steps] = max(rates)
         config = None if steps is None else SpecConfig(num_steps=steps, topk=1, num_draft_tokens=steps + 1)
         model = predict(get_landscape("moe-pcie"), config, 1).output_tok_s
         assert measured[steps] == pytest.approx(model, rel=0.05), (steps, measured[steps], model)
