@@ -334,7 +334,7 @@ def launches_needed(spec: StudySpec, trials: Sequence[FrozenTrial], a: convergen
     if trusted and a.best_chance < convergence.P_MATTERS:
         needs.append(convergence.MODEL_HOLD - lead.since)
     elif not trusted:
-        needs.append(stop_rules.hold_needed(lead.found_at) - lead.since)
+        needs.append(stop_rules.hold_needed(lead.found_at) - a.quiet)
     return max(1, min(needs))
 
 

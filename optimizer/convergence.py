@@ -40,7 +40,7 @@ from optimizer import attrs as A
 from optimizer import stop_rules as R
 from optimizer.analysis import level_intervals
 from optimizer.confirmation import objective_interval
-from optimizer.model_sampler import OpenPool, gain_over, objective_levels, observations_of, open_pool
+from optimizer.model_sampler import OpenPool, gain_over, local_moves, objective_levels, observations_of, open_pool
 from optimizer.perf_model import MODEL_FLOOR, Candidates, FittedModel, fit
 from optimizer.spec import StudySpec
 from optimizer.stop_rules import StopRule
@@ -67,6 +67,8 @@ class Assessment:
     pays: bool | None  # None while unsettled
     rule: StopRule | None = None  # which rule settled it; None while unsettled
     check: R.PredictionCheck | None = None  # the model's prediction check, once there is a model
+    # The launches the empirical rule counts towards its quiet spell (`quiet_spell`).
+    quiet: int = 0
 
     @property
     def model_trusted(self) -> bool:
@@ -146,15 +148,17 @@ def assess(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Assessment:
     left = f"none of the {len(op.configs)} configurations left" if op.configs else "no configuration is left that"
     incumbent = f"{label} ({best_value:.3f}x)" if pays_now else f"the baseline (best launched: {best_value:.3f}x)"
 
+    quiet_n, walk = quiet_spell(spec, trials, history, lead, best_r, op) if pays_now else (lead.since, False)
+
     def settle(rule: StopRule, why: str) -> Assessment:
         if pays_now:
             reason = f"converged after {n} configurations ({rule.label}): {why}"
         else:
             reason = f"speculation does not pay ({rule.label}): after {n} configurations the best is {best_value:.3f}x; {why}"
-        return Assessment(True, reason, n, len(op.configs), top, top_key, misfit, pays_now, rule, check)
+        return Assessment(True, reason, n, len(op.configs), top, top_key, misfit, pays_now, rule, check, quiet_n)
 
     def waiting(why: str) -> Assessment:
-        return Assessment(False, why, n, len(op.configs), top, top_key, misfit, None, None, check)
+        return Assessment(False, why, n, len(op.configs), top, top_key, misfit, None, None, check, quiet_n)
 
     trusted = model is not None and (check is None or check.trusted)
     probe = (
@@ -176,26 +180,42 @@ def assess(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Assessment:
     quiet = f"none of the last {lead.since} launches beat {incumbent} by more than {100 * gain:.0f}%" + (
         f" (best of them {lead.best_since:.3f}x)" if lead.since else ""
     )
-    if not trusted and lead.since >= R.hold_needed(lead.found_at):
+    walked = f", {quiet_n} of them its neighbours" if walk else ""
+    if not trusted and quiet_n >= R.hold_needed(lead.found_at):
         distrust = (
             check.describe() if check is not None else "the engine reports no accept length, so there is no model"
         )
-        return settle(StopRule.EMPIRICAL, f"{distrust}, not trusted; {quiet}")
+        return settle(StopRule.EMPIRICAL, f"{distrust}, not trusted; {quiet}{walked}")
     if lead.since >= R.stall_needed(lead.found_at):
         return settle(StopRule.IMPROVEMENT_RATE, f"{quiet}; the incumbent was found at launch {lead.found_at}")
     if not trusted:
         need = R.hold_needed(lead.found_at)
         distrust = check.describe() if check is not None else "the engine reports no accept length"
-        return waiting(
-            f"{distrust}; the empirical rule waits for {need} launches without a gain over {incumbent} "
-            f"({lead.since} so far)"
-        )
+        what = "launches around" if walk else "launches without a gain over"
+        return waiting(f"{distrust}; the empirical rule waits for {need} {what} {incumbent} ({quiet_n} so far)")
     if top >= P_MATTERS:
         return waiting(
             f"{top_key} may still beat {bar_value:.3f}x by more than {100 * gain:.0f}% "
             f"(chance {100 * top:.0f}%, model misfit x{misfit:.1f})"
         )
     return waiting(f"the model sees nothing left to beat {incumbent}; waiting for one launch after it")
+
+
+def quiet_spell(
+    spec: StudySpec,
+    trials: Sequence[FrozenTrial],
+    history: Sequence[R.Launch],
+    lead: R.Lead,
+    best: A.TrialRecord,
+    op: OpenPool,
+) -> tuple[int, bool]:
+    """The launches the empirical rule counts since the incumbent that beats the baseline, and
+    whether they are the walk around it: the sampler's local moves (optimizer.stop_rules.walked_since)
+    while a neighbour is left to walk to, else every launch since."""
+    moves = local_moves(best.config, op.configs, spec.search_space, R.launched_configs(trials))
+    if not moves.index.size:
+        return lead.since, False
+    return R.walked_since(trials, history, lead), True
 
 
 def _model_chance(

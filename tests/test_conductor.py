@@ -187,9 +187,9 @@ def flying(n: int) -> list[c.LeaseView]:
     return [c.LeaseView(f"t{i}", "trial", "active", 10 + i, worker_id=f"w{i + 1}") for i in range(n)]
 
 
-def unsettled(chance: float, *, trusted: bool = True) -> convergence.Assessment:
+def unsettled(chance: float, *, trusted: bool = True, quiet: int = 0) -> convergence.Assessment:
     check = R.PredictionCheck(6, 1.0 if trusted else 3.0, trusted, None, 0.0, 0.0)
-    return convergence.Assessment(False, "not yet", 5, 100, chance, "k", 1.0, None, check=check)
+    return convergence.Assessment(False, "not yet", 5, 100, chance, "k", 1.0, None, check=check, quiet=quiet)
 
 
 # The incumbent (1.10x) is the last result: the model rule wants MODEL_HOLD launch(es) after it.
@@ -220,14 +220,21 @@ def test_a_fleet_waits_when_the_launches_in_flight_are_what_the_model_rule_still
 
 
 def test_a_distrusted_model_waits_for_its_quiet_spell_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The empirical rule wants `hold_needed` launches without a gain after the incumbent; when the
-    launches in flight complete that spell, the fleet waits."""
+    """The empirical rule wants `hold_needed` launches without a gain after the incumbent (the
+    assessment's `quiet` says how many it has); when the launches in flight complete that spell,
+    the fleet waits."""
     spec = spec_of("cond-quiet")
-    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials: unsettled(0.5, trusted=False))
+
+    def assess(spec: StudySpec, trials: list[FrozenTrial]) -> convergence.Assessment:
+        return unsettled(0.5, trusted=False, quiet=R.lead(R.launches(trials), 0.01).since)
+
+    monkeypatch.setattr(c.convergence, "assess", assess)
     extra = [SpecConfig(num_steps=4, topk=1, num_draft_tokens=5), SpecConfig(num_steps=1, topk=2, num_draft_tokens=3)]
     quiet = [*HOLD_PENDING, measured(4, 1.00, extra[0], "w1")]  # one launch without a gain so far
     need = R.hold_needed(4) - 1
-    assert need == 2 and c.launches_needed(spec, quiet, unsettled(0.5, trusted=False)) == need
+    assert need == 2 and c.launches_needed(spec, quiet, unsettled(0.5, trusted=False, quiet=1)) == need
+    # The assessment's count is what the fleet waits on, not every launch since the incumbent.
+    assert c.launches_needed(spec, quiet, unsettled(0.5, trusted=False)) == need + 1
     s = snap(spec, quiet, baselines=FLEET_BASES, hosts=FLEET)
     assert c.in_flight_settles(replace(s, leases=flying(1))) is None
     # One more quiet result: the one launch in flight completes the spell.

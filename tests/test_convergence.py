@@ -11,11 +11,21 @@ import optuna
 import pytest
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
+from optimizer import attrs as A
 from optimizer import convergence, costs, launch_cost, stop_rules
 from optimizer import study as opt
 from optimizer.infeasible import needs_at_least
 from optimizer.memory_boundary import PROBABLE_FAILURE, MemoryBoundary, terms_for, tuning_launches
-from optimizer.model_sampler import NEAR_COPY, coords, lattice_distance, local_moves, open_pool, propose, space_configs
+from optimizer.model_sampler import (
+    NEAR_COPY,
+    OpenPool,
+    coords,
+    lattice_distance,
+    local_moves,
+    open_pool,
+    propose,
+    space_configs,
+)
 from optimizer.plan import server_settings
 from optimizer.space import SearchSpace, SpecConfig
 from optimizer.spec import parse_spec
@@ -266,15 +276,18 @@ ZIGZAG_RUN = [
 ]
 
 
-def _run_with_predictions(configs: list[SpecConfig], miss: float, hosts: int = 2) -> list[FrozenTrial]:
+def _run_with_predictions(
+    configs: list[SpecConfig], miss: float, hosts: int = 2, move: str = "local"
+) -> list[FrozenTrial]:
     """zigzag-tiles results in launch order; each after the first carries the prediction the
-    sampler made before launching it: the measured value x `miss`, claiming a 2% log-sd."""
+    sampler made before launching it: the measured value x `miss`, claiming a 2% log-sd, and the
+    sampler's move (its local walk around the incumbent, unless told otherwise)."""
     trials = []
     for i, c in enumerate(configs):
         value, a = attrs_for("zigzag-tiles", c)
         a["worker_id"] = f"w{i % hosts}"
         if i > 0:
-            a["model_prediction"] = {"speedup": value * miss, "log_sd": 0.02}
+            a["model_prediction"] = {"speedup": value * miss, "log_sd": 0.02, "move": move}
         trials.append(_frozen(i, value, a))
     return trials
 
@@ -303,6 +316,39 @@ def test_the_empirical_rule_waits_while_the_incumbent_is_new() -> None:
     # One more quiet launch than that, and it stops.
     more = _run_with_predictions([*order, SpecConfig(num_steps=1, topk=1, num_draft_tokens=2)], miss=1.25)
     assert convergence.assess(spec(), more).rule is StopRule.EMPIRICAL
+
+
+def test_a_distrusted_models_own_proposals_are_not_the_empirical_rules_evidence() -> None:
+    # The same results, but proposed by the model (wrong here), not walked around the incumbent.
+    trials = _run_with_predictions(ZIGZAG_RUN, miss=1.25, move="model")
+    a = convergence.assess(spec(), trials)
+    assert not a.model_trusted and not a.settled and a.quiet == 0, a.reason
+    assert "empirical rule waits for 3 launches around s6-k4-n16" in a.reason and "(0 so far)" in a.reason, a.reason
+    # Two of its neighbours launched without a gain, then a third: the walk stops it.
+    around = [
+        SpecConfig(num_steps=5, topk=4, num_draft_tokens=16),
+        SpecConfig(num_steps=7, topk=4, num_draft_tokens=16),
+    ]
+    walked = trials + [_run_with_predictions([*ZIGZAG_RUN, c], miss=1.25)[-1] for c in around]
+    for i, t in enumerate(walked):
+        t.number = i
+    b = convergence.assess(spec(), walked)
+    assert not b.settled and b.quiet == 2, b.reason
+    third = _run_with_predictions([*ZIGZAG_RUN, SpecConfig(num_steps=6, topk=4, num_draft_tokens=15)], miss=1.25)[-1]
+    third.number = len(walked)
+    c = convergence.assess(spec(), [*walked, third])
+    assert c.settled and c.rule is StopRule.EMPIRICAL and c.quiet == 3, c.reason
+    assert "none of the last 7 launches beat s6-k4-n16" in c.reason and "3 of them its neighbours" in c.reason, c.reason
+
+
+def test_with_no_neighbour_left_every_launch_is_part_of_the_quiet_spell() -> None:
+    trials = _run_with_predictions(ZIGZAG_RUN, miss=1.25, move="model")
+    history = stop_rules.launches(trials)
+    lead = stop_rules.lead(history, 0.01)
+    best = A.TrialRecord(trials[0])
+    nothing = OpenPool([], np.zeros(0), [])
+    assert convergence.quiet_spell(spec(), trials, history, lead, best, nothing) == (lead.since, False)
+    assert convergence.quiet_spell(spec(), trials, history, lead, best, open_pool(spec(), trials)) == (0, True)
 
 
 def test_a_model_that_predicts_within_its_uncertainty_is_not_overruled() -> None:
