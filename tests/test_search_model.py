@@ -55,6 +55,32 @@ def test_auto_reaches_the_optimum_in_a_few_trials(landscape: str) -> None:
     assert best >= 0.98 * optimum, (best, optimum)
 
 
+def test_a_fleet_asking_before_any_result_launches_published_configurations_not_random_ones() -> None:
+    """Four workers ask at once: SGLang's two defaults, then the published chain of 7 and 4-wide
+    tree of 16 (optimizer.space.PUBLISHED_STARTS); once they are taken, TPE's random start.  A
+    result in, the model proposes."""
+    sp = spec()
+    storage = optuna.storages.InMemoryStorage()
+    opt.create_study(storage, sp)
+    study = opt.load_study(storage, sp)
+    blind = [opt.ask(study, sp) for _ in range(5)]
+    keys = [a.config.key for a in blind]
+    assert keys[:4] == ["s3-k1-n4-bsauto", "s5-k4-n8-bsauto", "s7-k1-n8-bsauto", "s4-k4-n16-bsauto"], keys
+    assert len(set(keys)) == 5
+    # Graph sizes tuned: the published starts take the largest, as the defaults do.
+    tuned = spec(name="m-graph", search_space={"cuda_graph_max_bs": [8, 32]})
+    opt.create_study(storage, tuned)
+    study = opt.load_study(storage, tuned)
+    assert [opt.ask(study, tuned).config.key for _ in range(4)][2:] == ["s7-k1-n8-bs32", "s4-k4-n16-bs32"]
+    # One result in: the model's proposal, which carries its prediction.
+    a = attrs_for("dense-8b-h100", blind[0].config, [1])
+    study = opt.load_study(storage, sp)
+    opt.tell_value(study, blind[0].number, value_of(a), 0.0, a)
+    nxt = opt.ask(study, sp)
+    assert nxt.config.key not in keys
+    assert "model_prediction" in opt.get_trial(study, nxt.number).user_attrs
+
+
 def test_the_fit_recovers_accept_length_and_cost_from_a_few_trials() -> None:
     configs = [
         SpecConfig(num_steps=3, topk=1, num_draft_tokens=4),
