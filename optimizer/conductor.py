@@ -358,6 +358,13 @@ def in_flight_settles(snap: Snapshot) -> str | None:
         # last one back until the first results are in changed which points were launched, and on
         # zigzag-tiles cost answers (2 workers: 15/20 within 2% -> 7/20).
         needed = max(needed, MODEL_PARALLEL)
+    if a.walking:
+        # The empirical rule's spell counts only the walk around the incumbent, so only a walk in
+        # flight answers it (where the improvement-rate backstop would settle first, counting
+        # every launch, this asks for one launch more than it needs: never a wait for nothing).
+        history = stop_rules.launches(snap.trials)
+        lead = stop_rules.lead(history, snap.spec.budget.min_gain)
+        flying = stop_rules.walks_in_flight(snap.trials, history, lead)
     if flying < needed:
         return None
     return (

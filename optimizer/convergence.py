@@ -67,8 +67,10 @@ class Assessment:
     pays: bool | None  # None while unsettled
     rule: StopRule | None = None  # which rule settled it; None while unsettled
     check: R.PredictionCheck | None = None  # the model's prediction check, once there is a model
-    # The launches the empirical rule counts towards its quiet spell (`quiet_spell`).
+    # The launches the empirical rule counts towards its quiet spell (`quiet_spell`), and whether
+    # those are the sampler's walk around the incumbent (then only a walk in flight adds to them).
     quiet: int = 0
+    walking: bool = False
 
     @property
     def model_trusted(self) -> bool:
@@ -148,17 +150,19 @@ def assess(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Assessment:
     left = f"none of the {len(op.configs)} configurations left" if op.configs else "no configuration is left that"
     incumbent = f"{label} ({best_value:.3f}x)" if pays_now else f"the baseline (best launched: {best_value:.3f}x)"
 
-    quiet_n, walk = quiet_spell(spec, trials, history, lead, best_r, op) if pays_now else (lead.since, False)
+    # The sampler walks only where it has a model that failed its check (model_sampler._local_moves).
+    walks = pays_now and model is not None and check is not None and not check.trusted
+    quiet_n, walk = quiet_spell(spec, trials, history, lead, best_r, op) if walks else (lead.since, False)
 
     def settle(rule: StopRule, why: str) -> Assessment:
         if pays_now:
             reason = f"converged after {n} configurations ({rule.label}): {why}"
         else:
             reason = f"speculation does not pay ({rule.label}): after {n} configurations the best is {best_value:.3f}x; {why}"
-        return Assessment(True, reason, n, len(op.configs), top, top_key, misfit, pays_now, rule, check, quiet_n)
+        return Assessment(True, reason, n, len(op.configs), top, top_key, misfit, pays_now, rule, check, quiet_n, walk)
 
     def waiting(why: str) -> Assessment:
-        return Assessment(False, why, n, len(op.configs), top, top_key, misfit, None, None, check, quiet_n)
+        return Assessment(False, why, n, len(op.configs), top, top_key, misfit, None, None, check, quiet_n, walk)
 
     trusted = model is not None and (check is None or check.trusted)
     probe = (

@@ -10,9 +10,11 @@ uncertainty (Laplace) makes it try informative configurations while the fit is l
 straight for the predicted optimum once it is tight.
 
 Before any trial carries an accept length (warm starts still running, or an engine that does
-not report one) it falls back to TPE, and enqueued warm starts always win (Optuna's fixed
-params).  Configurations in flight are excluded, their near-copies too, and the value of their
-neighbours is discounted, so parallel workers get different, informative proposals.
+not report one) it falls back to published configurations while nothing has finished
+(`blind_start`: a fleet's workers asking before any result), then to TPE; enqueued warm starts
+always win (Optuna's fixed params).  Configurations in flight are excluded, their near-copies
+too, and the value of their neighbours is discounted, so parallel workers get different,
+informative proposals.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class Proposal:
     # "model": the model's best value; "local": a neighbour of the incumbent, chosen because the
     # model failed its prediction check (optimizer.stop_rules) and its argmax is not to be trusted.
     move: str = "model"
+    around: str | None = None  # "local": the incumbent walked around (its configuration key)
 
 
 def objective_levels(spec: StudySpec) -> tuple[list[int], list[float]]:
@@ -299,7 +302,13 @@ def propose(
     if not pool:
         return None
     if len(pool) > MAX_SCORED:
-        idx = sorted(rng.sample(range(len(pool)), MAX_SCORED))
+        # A random subset, plus the best measured configuration's neighbours (the local moves).
+        keep = set(rng.sample(range(len(pool)), MAX_SCORED))
+        top = best_measured_trial(trials)
+        if top is not None:
+            near = lattice_distance(A.TrialRecord(top).config, pool, spec.search_space) <= max(LOCAL_RADII) + 1e-9
+            keep.update(int(i) for i in np.flatnonzero(near))
+        idx = sorted(keep)
         pool, p_fail = [pool[i] for i in idx], p_fail[idx]
     cand = Candidates.of(pool)
     levels, weights = objective_levels(spec)
@@ -341,6 +350,7 @@ def propose(
     cost = launch_cost.fit(spec, trials).seconds(pool, np.exp(mean), p_fail)
     value = ei * (1.0 - p_fail) * penalty / (cost / float(np.median(cost)))
     local = _local_moves(spec, trials, pool, best)
+    around: str | None = None
     if local is not None:
         # The model failed its prediction check: its argmax is where a wrong model points, and the
         # incumbent's neighbours it rates low are what it never tries.  Walk them (pattern search
@@ -349,6 +359,8 @@ def propose(
         # neighbour of a launch in flight is not excluded (the model's "it will teach us about its
         # neighbours" is what failed); a near-copy of one goes last.
         move = "local"
+        assert best is not None  # local moves walk around a measured incumbent
+        around = A.TrialRecord(best).config_key
         v = (ei * (1.0 - p_fail))[local.index]
         clear = penalty[local.index] > 0
         first = np.lexsort((-mean[local.index], -np.round(v, 12), ~clear, -local.onward))
@@ -370,6 +382,7 @@ def propose(
         p_fail=float(p_fail[i]),
         cost_s=float(cost[i]),
         move=move,
+        around=around,
     )
 
 
@@ -390,12 +403,13 @@ def _local_moves(
 def blind_start(spec: StudySpec, trials: Sequence[FrozenTrial]) -> SpecConfig | None:
     """A starting point for a worker that asks before any result is in (a fleet of more hosts than
     the warm starts): the first of `PUBLISHED_STARTS` that fits the space and was not asked yet,
-    or None (TPE's random start) once they are taken or a result is in.
+    or None (TPE's random start) once they are taken or any trial has finished (with a result, a
+    failure or an out-of-memory start: what is known to fail is then the memory model's).
 
     Measured (benchmarks/README.md, "Where a fleet of four spends its extra launches"): with 4
     workers, random starting points cost a search launch over 2 workers on four of nine cases.
     """
-    if observations_of(trials):
+    if any(t.state.is_finished() for t in trials):
         return None
     tried = _tried_keys(trials)
     graph = spec.search_space.cuda_graph_max_bs
@@ -443,6 +457,7 @@ class ModelSampler(BaseSampler):
                         "p_oom": proposal.p_fail,
                         "predicted_cost_s": proposal.cost_s,
                         "move": proposal.move,
+                        "around": proposal.around,
                     }
                 )
             ),

@@ -218,13 +218,27 @@ def walked_since(trials: Sequence[FrozenTrial], history: Sequence[Launch], lead:
     4.4% below the optimum (s4-k4-n16) whose neighbour one draft step deeper (0.4% below) was
     never launched: the model, wrong about the tiles, had proposed elsewhere.
     """
+    around = history[lead.found_at - 1].config_key if lead.found_at > 0 else None
     by_number = {t.number: t for t in trials}
-    walked = 0
-    for launch in history[lead.found_at :]:
-        t = by_number.get(launch.number)
-        pred = A.TrialRecord(t).model_prediction if t is not None else None
-        walked += int(pred is not None and pred.get("move") == "local")
-    return walked
+    return sum(1 for x in history[lead.found_at :] if is_walk(by_number.get(x.number), around))
+
+
+def walks_in_flight(trials: Sequence[FrozenTrial], history: Sequence[Launch], lead: Lead) -> int:
+    """Launches in flight that are the sampler's walk around the incumbent: all that a fleet's
+    launches in flight add to the empirical rule's quiet spell (`walked_since`)."""
+    around = history[lead.found_at - 1].config_key if lead.found_at > 0 else None
+    return sum(1 for t in trials if t.state == TrialState.RUNNING and is_walk(t, around))
+
+
+def is_walk(trial: FrozenTrial | None, around: str | None) -> bool:
+    """Was `trial` proposed as a step of the sampler's walk around `around` (a configuration key)?
+    A walk around an earlier incumbent that was still in flight when this one took the lead is
+    not; a walk stored without its centre (before the sampler recorded it) counts."""
+    pred = A.TrialRecord(trial).model_prediction if trial is not None else None
+    if pred is None or pred.get("move") != "local":
+        return False
+    centre = pred.get("around")
+    return centre is None or around is None or centre == around
 
 
 def hold_needed(found_at: int) -> int:

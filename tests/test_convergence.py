@@ -322,7 +322,7 @@ def test_a_distrusted_models_own_proposals_are_not_the_empirical_rules_evidence(
     # The same results, but proposed by the model (wrong here), not walked around the incumbent.
     trials = _run_with_predictions(ZIGZAG_RUN, miss=1.25, move="model")
     a = convergence.assess(spec(), trials)
-    assert not a.model_trusted and not a.settled and a.quiet == 0, a.reason
+    assert not a.model_trusted and not a.settled and a.quiet == 0 and a.walking, a.reason
     assert "empirical rule waits for 3 launches around s6-k4-n16" in a.reason and "(0 so far)" in a.reason, a.reason
     # Two of its neighbours launched without a gain, then a third: the walk stops it.
     around = [
@@ -339,6 +339,35 @@ def test_a_distrusted_models_own_proposals_are_not_the_empirical_rules_evidence(
     c = convergence.assess(spec(), [*walked, third])
     assert c.settled and c.rule is StopRule.EMPIRICAL and c.quiet == 3, c.reason
     assert "none of the last 7 launches beat s6-k4-n16" in c.reason and "3 of them its neighbours" in c.reason, c.reason
+
+
+def test_without_a_model_to_walk_by_the_empirical_rule_counts_every_launch() -> None:
+    # An engine that reports no accept length: no model, so no walk; the rule must not wait for one.
+    trials = _run_with_predictions(ZIGZAG_RUN, miss=1.25, move="model")
+    for t in trials:
+        for lv in t.user_attrs[A.LEVELS]:
+            lv.pop("accept_length", None)
+    a = convergence.assess(spec(), trials)
+    assert a.settled and a.rule is StopRule.EMPIRICAL and not a.walking and a.quiet == 4, a.reason
+
+
+def test_a_walk_around_an_earlier_incumbent_is_not_the_new_ones() -> None:
+    trials = _run_with_predictions(ZIGZAG_RUN, miss=1.25)  # the optimum first, then four walks
+    history = stop_rules.launches(trials)
+    lead = stop_rules.lead(history, 0.01)
+    assert stop_rules.walked_since(trials, history, lead) == 4
+    best = ZIGZAG_RUN[0].canonical().key
+    for t in trials[1:]:
+        t.user_attrs["model_prediction"]["around"] = best
+    assert stop_rules.walked_since(trials, history, lead) == 4
+    trials[-1].user_attrs["model_prediction"]["around"] = ZIGZAG_RUN[2].canonical().key
+    assert stop_rules.walked_since(trials, history, lead) == 3
+    # In flight: only a walk around the incumbent adds to the spell.
+    flying = _run_with_predictions([*ZIGZAG_RUN, _c(5, 4, 16), _c(7, 4, 16)], miss=1.25)[-2:]
+    for t, centre in zip(flying, (best, ZIGZAG_RUN[2].canonical().key), strict=True):
+        t.state = TrialState.RUNNING
+        t.user_attrs["model_prediction"]["around"] = centre
+    assert stop_rules.walks_in_flight([*trials, *flying], history, lead) == 1
 
 
 def test_with_no_neighbour_left_every_launch_is_part_of_the_quiet_spell() -> None:
@@ -456,7 +485,7 @@ def test_a_distrusted_model_walks_the_incumbents_neighbours_instead_of_its_argma
     trials = _run_with_predictions(ZIGZAG_RUN, miss=1.25)
     assert not stop_rules.prediction_check(trials).trusted
     p = propose(spec(), trials, random.Random(0))
-    assert p is not None and p.move == "local"
+    assert p is not None and p.move == "local" and p.around == ZIGZAG_RUN[0].canonical().key
     assert lattice_distance(ZIGZAG_RUN[0], [p.config], space)[0] == 1.0, p.config.key
     # The model still says what it expects there (the prediction check goes on).
     assert p.predicted_speedup > 0 and p.predicted_sd > 0

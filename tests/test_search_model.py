@@ -12,7 +12,7 @@ import pytest
 from optimizer import study as opt
 from optimizer.answers import adaptive_export, best_by_level, check_adaptive_config
 from optimizer.infeasible import needs_at_least
-from optimizer.model_sampler import propose
+from optimizer.model_sampler import blind_start, propose
 from optimizer.perf_model import fit, observations_from_attrs
 from optimizer.space import SearchSpace, SpecConfig
 from optimizer.spec import parse_spec
@@ -79,6 +79,38 @@ def test_a_fleet_asking_before_any_result_launches_published_configurations_not_
     nxt = opt.ask(study, sp)
     assert nxt.config.key not in keys
     assert "model_prediction" in opt.get_trial(study, nxt.number).user_attrs
+    # Once anything has finished (here a start that ran out of memory, with no accept length),
+    # what fails is the memory model's to say: no more published starts.
+    assert blind_start(sp, study.get_trials(deepcopy=False)) is None
+    fresh = spec(name="m-oom")
+    opt.create_study(storage, fresh)
+    study = opt.load_study(storage, fresh)
+    first = opt.ask(study, fresh)
+    opt.tell_infeasible(study, first.number, {"failure_kind": "oom"})
+    assert blind_start(fresh, study.get_trials(deepcopy=False)) is None
+
+
+def test_a_large_space_keeps_the_incumbents_neighbours_among_the_scored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above MAX_SCORED the sampler scores a random subset: the walk around the incumbent (a
+    distrusted model) must still find the incumbent's neighbours in it."""
+    import optimizer.model_sampler as ms
+
+    best = SpecConfig(num_steps=6, topk=4, num_draft_tokens=16)
+    run = [
+        best,
+        SpecConfig(num_steps=3, topk=1, num_draft_tokens=4),
+        SpecConfig(num_steps=2, topk=1, num_draft_tokens=3),
+    ]
+    run += [SpecConfig(num_steps=7, topk=8, num_draft_tokens=40), SpecConfig(num_steps=1, topk=2, num_draft_tokens=2)]
+    trials = []
+    for i, c in enumerate(run):
+        a = attrs_for("zigzag-tiles", c, [1])
+        if i > 0:  # predictions 25% off: the model fails its check
+            a["model_prediction"] = {"speedup": value_of(a) * 1.25, "log_sd": 0.02, "move": "model"}
+        trials.append(_frozen(i, value_of(a), a))
+    monkeypatch.setattr(ms, "MAX_SCORED", 3)
+    p = propose(spec(), trials, random.Random(0))
+    assert p is not None and p.move == "local" and p.around == best.canonical().key, p
 
 
 def test_the_fit_recovers_accept_length_and_cost_from_a_few_trials() -> None:
