@@ -16,6 +16,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from optimizer.deploy import Mode
+from optimizer.model_sampler import Move
 from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
@@ -351,8 +352,11 @@ class ModelPrediction(_Document):
     p_oom: float
     predicted_cost_s: float
     # "model": the model's best value; "local": a neighbour of the incumbent, proposed because the
-    # model failed its prediction check (optimizer.model_sampler).  Older trials say neither.
-    move: Literal["model", "local"] = "model"
+    # model failed its prediction check; "probe": one draft step past the deepest launch, before
+    # the model rule may settle (optimizer.model_sampler).  Older trials say none of them.
+    move: Move = "model"
+    # A "local" move: the incumbent it walked around (its configuration key).
+    around: str | None = None
 
 
 class TrialRow(_Document):

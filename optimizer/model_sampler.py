@@ -25,7 +25,7 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import optuna
@@ -65,6 +65,10 @@ NEAR_COPY = 0.75
 LOCAL_RADII = (1.0, 2.0)
 
 
+# What kind of proposal a trial was (stored in its `model_prediction`; api.documents shows it).
+Move = Literal["model", "local", "probe"]
+
+
 @dataclass(frozen=True)
 class Proposal:
     config: SpecConfig
@@ -76,7 +80,7 @@ class Proposal:
     cost_s: float = 0.0  # predicted start-up + benchmark seconds
     # "model": the model's best value; "local": a neighbour of the incumbent, chosen because the
     # model failed its prediction check (optimizer.stop_rules) and its argmax is not to be trusted.
-    move: str = "model"
+    move: Move = "model"
     around: str | None = None  # "local": the incumbent walked around (its configuration key)
 
 
@@ -351,6 +355,7 @@ def propose(
     value = ei * (1.0 - p_fail) * penalty / (cost / float(np.median(cost)))
     local = _local_moves(spec, trials, pool, best)
     around: str | None = None
+    move: Move
     if local is not None:
         # The model failed its prediction check: its argmax is where a wrong model points, and the
         # incumbent's neighbours it rates low are what it never tries.  Walk them (pattern search
@@ -400,6 +405,25 @@ def _local_moves(
     return moves if moves.index.size else None
 
 
+def prediction_attr(proposal: Proposal) -> dict[str, Any]:
+    """The trial's `model_prediction` as stored (JSON); api.documents.ModelPrediction shows it."""
+    out: dict[str, Any] = json.loads(
+        json.dumps(
+            {
+                "speedup": proposal.predicted_speedup,
+                "log_sd": proposal.predicted_sd,
+                "expected_improvement": proposal.expected_improvement,
+                "observations": proposal.observations,
+                "p_oom": proposal.p_fail,
+                "predicted_cost_s": proposal.cost_s,
+                "move": proposal.move,
+                "around": proposal.around,
+            }
+        )
+    )
+    return out
+
+
 def blind_start(spec: StudySpec, trials: Sequence[FrozenTrial]) -> SpecConfig | None:
     """A starting point for a worker that asks before any result is in (a fleet of more hosts than
     the warm starts): the first of `PUBLISHED_STARTS` that fits the space and was not asked yet,
@@ -447,20 +471,7 @@ class ModelSampler(BaseSampler):
         study._storage.set_trial_user_attr(  # noqa: SLF001 - the sampler has only the frozen trial
             trial._trial_id,  # noqa: SLF001
             PREDICTION_ATTR,
-            json.loads(
-                json.dumps(
-                    {
-                        "speedup": proposal.predicted_speedup,
-                        "log_sd": proposal.predicted_sd,
-                        "expected_improvement": proposal.expected_improvement,
-                        "observations": proposal.observations,
-                        "p_oom": proposal.p_fail,
-                        "predicted_cost_s": proposal.cost_s,
-                        "move": proposal.move,
-                        "around": proposal.around,
-                    }
-                )
-            ),
+            prediction_attr(proposal),
         )
         params: dict[str, Any] = dict(params_of(proposal.config))
         return {k: v for k, v in params.items() if k in search_space}

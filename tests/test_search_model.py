@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any
+from typing import Any, get_args
 
 import optuna
 import pytest
@@ -12,7 +12,7 @@ import pytest
 from optimizer import study as opt
 from optimizer.answers import adaptive_export, best_by_level, check_adaptive_config
 from optimizer.infeasible import needs_at_least
-from optimizer.model_sampler import blind_start, propose
+from optimizer.model_sampler import Move, Proposal, blind_start, prediction_attr, propose
 from optimizer.perf_model import fit, observations_from_attrs
 from optimizer.space import SearchSpace, SpecConfig
 from optimizer.spec import parse_spec
@@ -111,6 +111,22 @@ def test_a_large_space_keeps_the_incumbents_neighbours_among_the_scored(monkeypa
     monkeypatch.setattr(ms, "MAX_SCORED", 3)
     p = propose(spec(), trials, random.Random(0))
     assert p is not None and p.move == "local" and p.around == best.canonical().key, p
+
+
+@pytest.mark.parametrize("move", get_args(Move))
+def test_every_prediction_the_sampler_stores_is_one_the_study_document_shows(move: str) -> None:
+    """A key or move the sampler adds must reach the typed document (api.documents), or every
+    study route answers 500 for a study holding such a trial."""
+    from api.documents import ModelPrediction
+
+    p = Proposal(
+        config=SpecConfig(num_steps=6, topk=4, num_draft_tokens=16),
+        predicted_speedup=2.4, predicted_sd=0.03, expected_improvement=0.01, observations=5,
+        move=move,  # type: ignore[arg-type]
+        around="s6-k4-n15-bsauto" if move == "local" else None,
+    )  # fmt: skip
+    shown = ModelPrediction.model_validate(prediction_attr(p))
+    assert shown.move == move and shown.around == p.around
 
 
 def test_the_fit_recovers_accept_length_and_cost_from_a_few_trials() -> None:
