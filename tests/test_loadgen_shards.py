@@ -185,17 +185,20 @@ def test_sharded_measurements_match_one_process_and_the_simulator_model(tmp_path
         ).json()["meta_info"]
     want = predict(landscape, config, 4, cuda_graph_max_bs=SIM_MAX_RUNNING, max_running_requests=SIM_MAX_RUNNING)
     # The counts are exact; the rates are wall-clock measurements of a paced simulator, which a busy
-    # machine slows by a few per cent (3.6% was seen with busy loops on every core).  The tolerance
-    # still catches what sharding could break: double-counted tokens, a wrong time window.
+    # machine only ever slows (one pass 15% slow was seen with busy loops on both cores and the
+    # suite beside them).  So: no pass faster than the model (double-counted tokens would be 2x),
+    # none grossly slower (a wrong time window), and the fastest pass, the least disturbed one,
+    # within 10% of the model.
     rel = 0.10
     for m in (one, two):
         assert m.completion_tokens == 2 * 4 * 512 and m.num_requests == 8
         for run in m.output_tok_s_runs:
-            assert run / SIM_SPEED == pytest.approx(want.output_tok_s, rel=rel), m
+            assert want.output_tok_s * 0.6 <= run / SIM_SPEED <= want.output_tok_s * (1 + rel), m
+        assert max(m.output_tok_s_runs) / SIM_SPEED == pytest.approx(want.output_tok_s, rel=rel), m
         assert m.per_user_tok_s is not None
-        assert m.per_user_tok_s / SIM_SPEED == pytest.approx(want.per_user_tok_s, rel=rel), m
+        assert want.per_user_tok_s * 0.6 <= m.per_user_tok_s / SIM_SPEED <= want.per_user_tok_s * (1 + rel), m
         assert m.accept_length == pytest.approx(direct["spec_accept_length"], rel=1e-9)
     # Between themselves, within that noise.
-    assert two.output_tok_s == pytest.approx(one.output_tok_s, rel=rel)
+    assert max(two.output_tok_s_runs) == pytest.approx(max(one.output_tok_s_runs), rel=rel)
     assert two.spec_verify_ct == one.spec_verify_ct
     assert _no_generator_processes_left()
