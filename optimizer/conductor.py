@@ -362,9 +362,8 @@ def in_flight_settles(snap: Snapshot) -> str | None:
         # The empirical rule's spell counts only the walk around the incumbent, so only a walk in
         # flight answers it (where the improvement-rate backstop would settle first, counting
         # every launch, this asks for one launch more than it needs: never a wait for nothing).
-        history = stop_rules.launches(snap.trials)
-        lead = stop_rules.lead(history, snap.spec.budget.min_gain)
-        flying = stop_rules.walks_in_flight(snap.trials, history, lead)
+        lead = stop_rules.lead(stop_rules.launches(snap.trials), snap.spec.budget.min_gain)
+        flying = stop_rules.walks_in_flight(snap.trials, lead)
     if flying < needed:
         return None
     return (

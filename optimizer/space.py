@@ -273,3 +273,10 @@ PUBLISHED_STARTS: tuple[SpecConfig, ...] = (
     SpecConfig(num_steps=7, topk=1, num_draft_tokens=8),
     SpecConfig(num_steps=4, topk=4, num_draft_tokens=16),
 )
+
+
+def with_largest_graph(c: SpecConfig, space: SearchSpace) -> SpecConfig:
+    """A default or published configuration in `space`: with graph tuning on, the largest graph
+    choice (SGLang's own default is large); canonical."""
+    graph = space.cuda_graph_max_bs
+    return (c if graph is None else c.model_copy(update={"cuda_graph_max_bs": max(graph)})).canonical()

@@ -183,6 +183,7 @@ class Lead:
     found_at: int  # 1-based position of the incumbent's launch among all launches (0: the baseline)
     since: int  # launches after it, none of which beat it by more than min_gain
     best_since: float  # the best value among them (0.0 when none)
+    incumbent: str | None = None  # its configuration key (None: the baseline)
 
     def held(self, needed: int) -> bool:
         return self.since >= needed
@@ -205,7 +206,8 @@ def lead(history: Sequence[Launch], min_gain: float, noise_sd: float = HOST_SD) 
             found = i + 1
         bar = max(bar, launch.value)
     since = history[found:]
-    return Lead(found_at=found, since=len(since), best_since=max((x.value for x in since), default=0.0))
+    best_since = max((x.value for x in since), default=0.0)
+    return Lead(found, len(since), best_since, history[found - 1].config_key if found else None)
 
 
 def walked_since(trials: Sequence[FrozenTrial], history: Sequence[Launch], lead: Lead) -> int:
@@ -218,16 +220,14 @@ def walked_since(trials: Sequence[FrozenTrial], history: Sequence[Launch], lead:
     4.4% below the optimum (s4-k4-n16) whose neighbour one draft step deeper (0.4% below) was
     never launched: the model, wrong about the tiles, had proposed elsewhere.
     """
-    around = history[lead.found_at - 1].config_key if lead.found_at > 0 else None
     by_number = {t.number: t for t in trials}
-    return sum(1 for x in history[lead.found_at :] if is_walk(by_number.get(x.number), around))
+    return sum(1 for x in history[lead.found_at :] if is_walk(by_number.get(x.number), lead.incumbent))
 
 
-def walks_in_flight(trials: Sequence[FrozenTrial], history: Sequence[Launch], lead: Lead) -> int:
+def walks_in_flight(trials: Sequence[FrozenTrial], lead: Lead) -> int:
     """Launches in flight that are the sampler's walk around the incumbent: all that a fleet's
     launches in flight add to the empirical rule's quiet spell (`walked_since`)."""
-    around = history[lead.found_at - 1].config_key if lead.found_at > 0 else None
-    return sum(1 for t in trials if t.state == TrialState.RUNNING and is_walk(t, around))
+    return sum(1 for t in trials if t.state == TrialState.RUNNING and is_walk(t, lead.incumbent))
 
 
 def is_walk(trial: FrozenTrial | None, around: str | None) -> bool:

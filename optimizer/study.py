@@ -33,7 +33,7 @@ from optimizer import attrs as A
 from optimizer.errors import StudyExistsError, StudyNotFoundError, TrialStateError
 from optimizer.objective import CONSTRAINT_KEY, FAILED_LAUNCH_VIOLATION
 from optimizer.samplers import check_sampler_installed, make_sampler
-from optimizer.space import SGLANG_DEFAULTS, SpecConfig, params_of
+from optimizer.space import SGLANG_DEFAULTS, SpecConfig, params_of, with_largest_graph
 from optimizer.spec import StudySpec
 
 SPEC_ATTR = "spectune_spec"
@@ -52,13 +52,10 @@ def warm_start_configs(spec: StudySpec, prior: Sequence[SpecConfig] = ()) -> lis
     """The user's warm starts, then `prior` (best configurations of earlier studies of the same
     model and hardware), then SGLang's own defaults, each once and only where they fit the space."""
     space = spec.search_space
-    graph = space.cuda_graph_max_bs
     out: list[SpecConfig] = []
     seen: set[str] = set()
     candidates = list(spec.warm_start) + list(prior)
-    for d in SGLANG_DEFAULTS:
-        # A default with graph tuning on takes the largest choice: SGLang's own default is large.
-        candidates.append(d if graph is None else d.model_copy(update={"cuda_graph_max_bs": max(graph)}))
+    candidates += [with_largest_graph(d, space) for d in SGLANG_DEFAULTS]
     for cfg in candidates:
         c = cfg.canonical()
         if c.key not in seen and space.contains(c):

@@ -367,7 +367,7 @@ def test_a_walk_around_an_earlier_incumbent_is_not_the_new_ones() -> None:
     for t, centre in zip(flying, (best, ZIGZAG_RUN[2].canonical().key), strict=True):
         t.state = TrialState.RUNNING
         t.user_attrs["model_prediction"]["around"] = centre
-    assert stop_rules.walks_in_flight([*trials, *flying], history, lead) == 1
+    assert stop_rules.walks_in_flight([*trials, *flying], lead) == 1
 
 
 def test_with_no_neighbour_left_every_launch_is_part_of_the_quiet_spell() -> None:
