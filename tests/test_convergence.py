@@ -397,6 +397,10 @@ def test_a_later_gain_below_min_gain_does_not_restart_the_quiet_spell() -> None:
     assert (lead.found_at, lead.since, lead.best_since) == (2, 3, 1.605)
     # Nothing above the baseline: the baseline is the incumbent, found at launch 0.
     assert stop_rules.lead([launch(0, 0.9), launch(1, 1.005)], 0.01).found_at == 0
+    # A climb in steps each within the margin restarts the spell once it adds up to more (two-peaks,
+    # seed 17: 2.113 -> 2.134 -> 2.162 -> 2.208 was read as eight launches without a gain).
+    climb = [launch(0, 1.5), launch(1, 1.52), launch(2, 1.54), launch(3, 1.56), launch(4, 1.58), launch(5, 1.59)]
+    assert (stop_rules.lead(climb, 0.01).found_at, stop_rules.lead(climb, 0.01).since) == (5, 1)
     # A late find needs a longer quiet spell; the backstop is longer still.
     assert stop_rules.hold_needed(2) == stop_rules.HOLD_MIN and stop_rules.hold_needed(12) == 6
     assert stop_rules.stall_needed(12) == 12 > stop_rules.hold_needed(12)
@@ -531,3 +535,4 @@ def test_the_model_rule_waits_for_a_launch_past_the_deepest_incumbent() -> None:
     # A deeper launch that loses brackets the incumbent: the model rule may settle again.
     lost = measured("two-peaks", [*configs, _c(6, 2, 7)])
     assert "deepest launch" not in convergence.assess(sp, lost).reason
+
