@@ -254,8 +254,9 @@ Action = MeasureBaseline | RetryLease | Ask | StartConfirmation | Reconfirm | Co
 
 # ----------------------------------------------------------------------------------- the stop rule
 
-# The last assessment per study, with the spec and finished trials it saw: the model is refit only
-# after a new result, not at every lease.  A memo of a pure function (any process recomputes it), bounded.
+# The last assessment per study, with the spec, the finished trials and the launches in flight it
+# saw (a configuration in flight is not open): the model is refit after a new result or launch,
+# not at every lease.  A memo of a pure function (any process recomputes it), bounded.
 _ASSESSED: PerStudyMemo[convergence.Assessment] = PerStudyMemo(256)
 
 
@@ -266,11 +267,18 @@ def converges(spec: StudySpec) -> bool:
 
 def stop_rule(spec: StudySpec, trials: Sequence[FrozenTrial]) -> convergence.Assessment | None:
     """Is the answer known?  `optimizer.convergence.assess` (the one seam to the stop rule), or
-    None when the study does not converge.  Memoised on the finished trials it would see."""
+    None when the study does not converge.  Memoised on the trials it would see."""
     if not converges(spec):
         return None
     # The spec too: two studies of one name (a benchmark's seeds and variants) never share an answer.
-    seen = (spec.model_dump_json(), *((t.number, t.state, t.value) for t in trials if t.state.is_finished()))
+    seen = (
+        spec.model_dump_json(),
+        *(
+            (t.number, t.state, t.value, t.user_attrs.get(A.CONFIG_KEY))
+            for t in trials
+            if t.state.is_finished() or t.state == TrialState.RUNNING
+        ),
+    )
     return _ASSESSED.get(spec.name, seen, lambda: convergence.assess(spec, list(trials)))
 
 

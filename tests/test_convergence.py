@@ -536,3 +536,29 @@ def test_the_model_rule_waits_for_a_launch_past_the_deepest_incumbent() -> None:
     lost = measured("two-peaks", [*configs, _c(6, 2, 7)])
     assert "deepest launch" not in convergence.assess(sp, lost).reason
 
+
+def test_the_conductors_assessment_sees_a_launch_go_out() -> None:
+    """The conductor's memo of the assessment is keyed on the launches in flight too: one asked
+    since the last result is no longer an open configuration (the study document named it as the
+    one most likely to win, and the fleet's gating counted it as still to launch)."""
+    from optimizer import conductor
+
+    sp = spec()
+    configs = [
+        SpecConfig(num_steps=3, topk=1, num_draft_tokens=4),
+        SpecConfig(num_steps=5, topk=4, num_draft_tokens=8),
+        SpecConfig(num_steps=1, topk=1, num_draft_tokens=2),
+        SpecConfig(num_steps=2, topk=1, num_draft_tokens=3),
+    ]
+    trials = measured("zigzag-tiles", configs)
+    before = conductor.stop_rule(sp, trials)
+    assert before.best_chance_config is not None
+    top = next(c for c in space_configs(sp.search_space) if c.key == before.best_chance_config)
+    flying = create_trial(
+        state=TrialState.RUNNING,
+        user_attrs={A.CONFIG: top.model_dump(mode="json"), A.CONFIG_KEY: top.key},
+    )
+    flying.number = len(trials)
+    after = conductor.stop_rule(sp, [*trials, flying])
+    assert after.open_configs == before.open_configs - 1
+    assert after.best_chance_config != top.key
