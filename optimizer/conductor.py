@@ -43,10 +43,6 @@ from spectune_protocol import Resolve
 # A host's baseline that moved by more than this between two measurements has drifted: its
 # confirmations then each get a baseline right before them (optimizer.confirmation).
 DRIFT_MARGIN = 0.02
-# Hosts a confirmation uses at most: each measures one fresh baseline and confirms several
-# candidates next to it, as a study on two workers does; a third host would finish a launch's
-# time sooner at the cost of one more baseline.
-CONFIRM_HOSTS = 2
 # Search launches in flight at once after the model's first `MIN_MEASURED` results (before, the
 # fleet launches the starting points the model still needs, at least this many at a time).  Each proposal comes from one fit, spread away from
 # the launches in flight; a third and a fourth from the same fit mostly answer what the first two
@@ -860,11 +856,13 @@ def _confirmation_for(snap: Snapshot, worker_id: str) -> Action:
     # does not measure four baselines for two confirmations.
     if not any(_may_take(snap, worker_id, le) for le in _unclaimed(snap, worker_id, queued)):
         return Wait("the queued confirmations are taken by hosts that hold a fresh baseline")
-    # One more host costs one more baseline: the confirmations go to CONFIRM_HOSTS hosts, each
-    # confirming several next to its one fresh baseline, as a study on two workers does.
-    others = _confirming_hosts(snap) - {worker_id}
-    if len(others) >= CONFIRM_HOSTS:
-        return Wait(f"{len(others)} other hosts confirm this study's candidates, each next to its fresh baseline")
+    # One more host costs one more baseline and puts a host offset between candidates within
+    # min_gain of each other: as few hosts as can take the candidates confirm.  Each candidate
+    # avoids only the host that found it, so two hosts always can (`_unclaimed` leaves nothing to
+    # a third).  On a fleet of four, two candidates found on two hosts took two fresh baselines
+    # where a host that found neither confirms both next to one (benchmarks/README.md, 2026-12-02).
+    if not (_confirming_hosts(snap) - {worker_id}) and _another_host_takes_all(snap, worker_id, ready):
+        return Wait("another host may confirm every candidate next to one fresh baseline")
     return MeasureBaseline(worker_id, for_confirmation=True)
 
 
@@ -900,16 +898,35 @@ def _holds_fresh_baseline(snap: Snapshot, worker_id: str) -> bool:
 
 def _unclaimed(snap: Snapshot, worker_id: str, queued: Sequence[LeaseView]) -> list[LeaseView]:
     """The queued confirmations left once every other live host that holds a fresh baseline, is
-    measuring one, or is confirming (it takes the next one after) has claimed one it may take."""
+    measuring one, or is confirming has claimed those it may take: it confirms them one after
+    another next to its one fresh baseline."""
     busy = {le.worker_id for le in snap.leases if le.state == "active" and le.kind in ("baseline", "confirm")}
     left = list(queued)
     for h in snap.live_hosts():
         if h.id == worker_id or not (h.id in busy or _holds_fresh_baseline(snap, h.id)):
             continue
-        taken = next((le for le in left if _may_take(snap, h.id, le)), None)
-        if taken is not None:
-            left.remove(taken)
+        left = [le for le in left if not _may_take(snap, h.id, le)]
     return left
+
+
+def _another_host_takes_all(snap: Snapshot, worker_id: str, queued: Sequence[LeaseView]) -> bool:
+    """Could another live host with a baseline confirm every queued candidate, where this one may
+    not (it found one of them)?  Then this one leaves the confirmation to it: one fresh baseline
+    instead of two, and the candidates compared on one host, where no host offset tells them apart.
+
+    Only for as long after the confirmation began as a worker not seen is waited for
+    (`Timing.live_window_s`): the other host may be busy with another study's work, or never come
+    back to this one, and then this one measures its own fresh baseline."""
+    if all(_may_take(snap, worker_id, le) for le in queued):
+        return False
+    began = snap.confirmation_began_at
+    if began is not None and snap.now - began > timedelta(seconds=snap.timing.live_window_s):
+        return False
+    with_baseline = {b.worker_id for b in snap.baselines if b.valid}
+    return any(
+        h.id != worker_id and h.id in with_baseline and all(_may_take(snap, h.id, le) for le in queued)
+        for h in snap.live_hosts()
+    )
 
 
 def _another_host_can_confirm(snap: Snapshot, worker_id: str) -> bool:

@@ -431,53 +431,76 @@ def test_a_drifting_host_measures_a_baseline_before_each_confirmation() -> None:
     assert c.next_action(steady, "w1") == c.Confirm("c1", "w1", 7, fresh_baseline=True)
 
 
-def test_an_idle_fleet_measures_only_the_baselines_its_confirmations_need() -> None:
-    """Four idle hosts, two queued confirmations, no fresh baseline: two hosts measure one (each
-    poll sees the baselines already being measured), the other two get no work."""
-    fleet = tuple(host(f"w{i}") for i in range(1, 5))
-    old = tuple(base(h.id, BEGAN - timedelta(minutes=30), id_=i + 1) for i, h in enumerate(fleet))
-    s = confirming(hosts=fleet, baselines=old)
-    actions = {}
+def _joining(s: c.Snapshot, fleet: Sequence[c.HostView]) -> tuple[c.Snapshot, dict[str, c.Action]]:
+    """Each host of `fleet` asks once, in order; a host told to measure a baseline is measuring it
+    when the next one asks."""
+    actions: dict[str, c.Action] = {}
     for h in fleet:
         actions[h.id] = action = c.next_action(s, h.id)
         if isinstance(action, c.MeasureBaseline):
             measuring = c.LeaseView(f"b-{h.id}", "baseline", "active", worker_id=h.id, created_at=T0, leased_at=T0)
             s = replace(s, leases=(*s.leases, measuring))
-    assert [a for a in actions.values() if isinstance(a, c.MeasureBaseline)] == [
-        c.MeasureBaseline("w1", for_confirmation=True),
-        c.MeasureBaseline("w2", for_confirmation=True),
-    ]
-    assert all(isinstance(actions[w], c.Wait) for w in ("w3", "w4"))
-    # A host confirming (it takes the next one after) or holding a fresh baseline claims one too.
+    return s, actions
+
+
+def test_an_idle_fleet_measures_only_the_baselines_its_confirmations_need() -> None:
+    """Four idle hosts, two queued confirmations found on w1 and w2, no fresh baseline: the hosts
+    that found one leave both to a host that found neither, which measures one fresh baseline and
+    confirms both next to it; the others get no work."""
+    fleet = tuple(host(f"w{i}") for i in range(1, 5))
+    old = tuple(base(h.id, BEGAN - timedelta(minutes=30), id_=i + 1) for i, h in enumerate(fleet))
+    _, actions = _joining(confirming(hosts=fleet, baselines=old), fleet)
+    assert actions["w3"] == c.MeasureBaseline("w3", for_confirmation=True)
+    assert (
+        actions["w1"] == actions["w2"] == c.Wait("another host may confirm every candidate next to one fresh baseline")
+    )
+    assert actions["w4"] == c.Wait("the queued confirmations are taken by hosts that hold a fresh baseline")
+    # Two hosts, each the finder of one candidate: each confirms the other's, two baselines.
+    pair = fleet[:2]
+    _, actions = _joining(confirming(hosts=pair, baselines=old[:2]), pair)
+    assert list(actions.values()) == [c.MeasureBaseline(h.id, for_confirmation=True) for h in pair]
+    # A host confirming or holding a fresh baseline claims every candidate it may take.
     busy = c.LeaseView("c5", "confirm", "active", 3, worker_id="w1", created_at=BEGAN, leased_at=T0)
     fresh_w2 = base("w2", T0 - timedelta(minutes=1), id_=9)
     s = confirming(hosts=fleet, baselines=(*old, fresh_w2), leases=(*QUEUED, busy))
     assert c.next_action(s, "w3") == c.Wait("the queued confirmations are taken by hosts that hold a fresh baseline")
-    # One more confirmation queued than they claim: still no third baseline, the two confirming
-    # hosts take it next to the fresh baselines they hold (a study on two workers does the same).
     more = c.LeaseView("c6", "confirm", "queued", 2, created_at=BEGAN)
     s = replace(s, leases=(*s.leases, more))
-    action = c.next_action(s, "w3")
-    assert isinstance(action, c.Wait) and "2 other hosts confirm" in action.reason
-    # A confirming host that went away leaves its place to another, which measures its baseline.
+    assert c.next_action(s, "w3") == c.Wait("the queued confirmations are taken by hosts that hold a fresh baseline")
+    # A confirming host that went away leaves its candidates to another, which measures its baseline.
     gone = replace(s, hosts=(host("w1", last_seen=T0 - timedelta(hours=1)), *fleet[1:]))
     assert c.next_action(gone, "w3") == c.MeasureBaseline("w3", for_confirmation=True)
 
 
-def test_three_confirmations_on_a_fleet_of_four_use_two_hosts() -> None:
-    """Four idle hosts, three queued confirmations: two hosts measure a fresh baseline (one
-    confirms two candidates next to it), not three."""
+def test_finders_wait_only_for_a_host_that_can_take_the_confirmation_and_not_for_long() -> None:
+    """w1 and w2 found the two candidates; w3 found neither.  They leave both to w3 only while w3
+    is live, eligible, not refused or quarantined and has a baseline, and only for as long after
+    the confirmation began as a worker not seen is waited for."""
+    old = tuple(base(w, BEGAN - timedelta(minutes=30), id_=i + 1) for i, w in enumerate(("w1", "w2", "w3")))
+    wait = c.Wait("another host may confirm every candidate next to one fresh baseline")
+    measure = c.MeasureBaseline("w1", for_confirmation=True)
+    ok = confirming(hosts=(host("w1"), host("w2"), host("w3")), baselines=old)
+    assert c.next_action(ok, "w1") == wait
+    for third in (
+        host("w3", refused=True),
+        host("w3", quarantined=True),
+        host("w3", eligible=False),
+        host("w3", last_seen=T0 - timedelta(hours=1)),
+    ):
+        assert c.next_action(replace(ok, hosts=(host("w1"), host("w2"), third)), "w1") == measure, third
+    assert c.next_action(replace(ok, baselines=old[:2]), "w1") == measure  # w3 has no baseline
+    late = BEGAN + timedelta(seconds=ok.timing.live_window_s + 1)  # every host still live then
+    assert ok.now < late and c.next_action(replace(ok, now=late), "w1") == measure
+
+
+def test_three_confirmations_on_a_fleet_of_four_use_one_host_that_found_none() -> None:
+    """Four idle hosts, three queued confirmations found on w1, w2 and w3: w4 measures one fresh
+    baseline and confirms all three, not three hosts three baselines."""
     fleet = tuple(host(f"w{i}") for i in range(1, 5))
     old = tuple(base(h.id, BEGAN - timedelta(minutes=30), id_=i + 1) for i, h in enumerate(fleet))
     third = c.LeaseView("c7", "confirm", "queued", 2, created_at=BEGAN, avoid_worker="w3")
-    s = confirming(hosts=fleet, baselines=old, leases=(*QUEUED, third))
-    measuring = []
-    for h in fleet:
-        if isinstance(c.next_action(s, h.id), c.MeasureBaseline):
-            measuring.append(h.id)
-            lease = c.LeaseView(f"b-{h.id}", "baseline", "active", worker_id=h.id, created_at=T0, leased_at=T0)
-            s = replace(s, leases=(*s.leases, lease))
-    assert measuring == ["w1", "w2"][: c.CONFIRM_HOSTS]
+    _, actions = _joining(confirming(hosts=fleet, baselines=old, leases=(*QUEUED, third)), fleet)
+    assert [w for w, a in actions.items() if isinstance(a, c.MeasureBaseline)] == ["w4"]
 
 
 def test_the_study_finishes_when_every_confirmation_is_done() -> None:
