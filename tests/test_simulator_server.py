@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -341,18 +342,19 @@ def test_moe_pcie_stream_reproduces_the_calibration(launch):
             "stream": True,
         }
         rates = []
-        # A busy machine only ever slows a stream (a late chunk, a stall the engine does not
-        # replay): the fastest of three is the least disturbed one, and a pacing bug (too fast or
-        # too slow) shows in all three.
+        # A busy machine disturbs a stream: a stall slows it, and a late first chunk followed by
+        # chunks on their schedule made a rate between the first and the last chunk 5% fast (the
+        # baseline read 94.3 tok/s against 90 under busy loops).  The decode rate is the slope of
+        # tokens against arrival time over every chunk, and the fastest of three the least
+        # disturbed; a pacing bug (too fast or too slow) shows in all three.
         for _ in range(3):
             with httpx.stream("POST", sim.url + "/generate", json=body, timeout=60) as r:
                 events = [(t, d) for t, d in sse_events(r) if d != "[DONE]"]
-            (t0, first), (t1, last) = events[0], events[-1]
-            assert isinstance(first, dict) and isinstance(last, dict)
-            assert last["meta_info"]["completion_tokens"] == 300
-            # Decode rate between the first and the last chunk, divided back by the speed factor.
-            tokens = last["meta_info"]["completion_tokens"] - first["meta_info"]["completion_tokens"]
-            rates.append(tokens / (t1 - t0) / speed)
+            assert all(isinstance(d, dict) for _, d in events)
+            assert events[-1][1]["meta_info"]["completion_tokens"] == 300
+            times = [t for t, _ in events]
+            tokens = [float(d["meta_info"]["completion_tokens"]) for _, d in events]
+            rates.append(statistics.linear_regression(times, tokens).slope / speed)
         measured[steps] = max(rates)
         config = None if steps is None else SpecConfig(num_steps=steps, topk=1, num_draft_tokens=steps + 1)
         model = predict(get_landscape("moe-pcie"), config, 1).output_tok_s
