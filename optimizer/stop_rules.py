@@ -183,7 +183,9 @@ class Lead:
     found_at: int  # 1-based position of the incumbent's launch among all launches (0: the baseline)
     since: int  # launches after it, none of which beat it by more than min_gain
     best_since: float  # the best value among them (0.0 when none)
-    incumbent: str | None = None  # its configuration key (None: the baseline)
+    # The best launch's configuration key (None: the baseline): the centre the sampler walks
+    # around.  After a gain within the margin it is a later launch than the one at `found_at`.
+    incumbent: str | None = None
 
     def held(self, needed: int) -> bool:
         return self.since >= needed
@@ -210,7 +212,10 @@ def lead(history: Sequence[Launch], min_gain: float, noise_sd: float = HOST_SD) 
             found, anchor = i + 1, launch.value
     since = history[found:]
     best_since = max((x.value for x in since), default=0.0)
-    return Lead(found, len(since), best_since, history[found - 1].config_key if found else None)
+    # The sampler walks around the best measured trial (model_sampler.best_measured_trial: the
+    # lowest trial number among equal values), and only walks around it count (`walked_since`).
+    best = max(history, key=lambda x: (x.value, -x.number)) if found else None
+    return Lead(found, len(since), best_since, None if best is None else best.config_key)
 
 
 def walked_since(trials: Sequence[FrozenTrial], history: Sequence[Launch], lead: Lead) -> int:

@@ -395,6 +395,8 @@ def test_a_later_gain_below_min_gain_does_not_restart_the_quiet_spell() -> None:
     history = [launch(0, 1.5), launch(1, 1.6), launch(2, 1.605), launch(3, 0.0), launch(4, 1.2)]
     lead = stop_rules.lead(history, 0.01)
     assert (lead.found_at, lead.since, lead.best_since) == (2, 3, 1.605)
+    # The incumbent the walk goes around is the best launch, c2, not c1 where the count started.
+    assert lead.incumbent == "c2"
     # Nothing above the baseline: the baseline is the incumbent, found at launch 0.
     assert stop_rules.lead([launch(0, 0.9), launch(1, 1.005)], 0.01).found_at == 0
     # A climb in steps each within the margin restarts the spell once it adds up to more (two-peaks,
