@@ -96,8 +96,11 @@ def test_open_loop_paces_requests_and_dataset_lengths_reach_the_server(
     plan = load_requests(workload, tmp_path)
     levels = run_workload(fake.url, workload, plan.prompts, output_lens=plan.output_lens, processes=1)
     assert levels[0].num_requests == 6
-    # Request i sends record i % 2 with that record's recorded length.
-    assert [s["max_new_tokens"] for s in fake.state.sampling] == [100, 1, 100, 1, 100, 1]
+    # Request i sends record i % 2 with that record's recorded length.  On a busy machine the
+    # load generator may find its first try saturated and measure the level once more, sending
+    # the same six requests again (spectune.loadgen.runner: "again: the first try was saturated").
+    sent = [s["max_new_tokens"] for s in fake.state.sampling]
+    assert len(sent) in (6, 12) and sent == [100, 1, 100, 1, 100, 1] * (len(sent) // 6), sent
     # Open loop: the server never saw more in flight than the level's cap.
     assert 1 <= fake.state.max_in_flight <= 4
     text = describe_workload(workload)
