@@ -345,8 +345,9 @@ def test_moe_pcie_stream_reproduces_the_calibration(launch):
         # A busy machine disturbs a stream: a stall slows it, and a late first chunk followed by
         # chunks on their schedule made a rate between the first and the last chunk 5% fast (the
         # baseline read 94.3 tok/s against 90 under busy loops).  The decode rate is the slope of
-        # tokens against arrival time over every chunk, and the fastest of three the least
-        # disturbed; a pacing bug (too fast or too slow) shows in all three.
+        # tokens against arrival time over every chunk, and the median of three (a stall and the
+        # burst after it can tilt one fit either way: one read 107.7 against 94); a pacing bug
+        # (too fast or too slow) shows in all three.
         for _ in range(3):
             with httpx.stream("POST", sim.url + "/generate", json=body, timeout=60) as r:
                 events = [(t, d) for t, d in sse_events(r) if d != "[DONE]"]
@@ -355,7 +356,7 @@ def test_moe_pcie_stream_reproduces_the_calibration(launch):
             times = [t for t, _ in events]
             tokens = [float(d["meta_info"]["completion_tokens"]) for _, d in events]
             rates.append(statistics.linear_regression(times, tokens).slope / speed)
-        measured[steps] = max(rates)
+        measured[steps] = statistics.median(rates)
         config = None if steps is None else SpecConfig(num_steps=steps, topk=1, num_draft_tokens=steps + 1)
         model = predict(get_landscape("moe-pcie"), config, 1).output_tok_s
         assert measured[steps] == pytest.approx(model, rel=0.05), (steps, measured[steps], model)
