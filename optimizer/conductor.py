@@ -900,13 +900,15 @@ def _unclaimed(snap: Snapshot, worker_id: str, queued: Sequence[LeaseView]) -> l
     """The queued confirmations left once every other live host that holds a fresh baseline, is
     measuring one, or is confirming has claimed those it may take: it confirms them one after
     another next to its one fresh baseline."""
-    busy = {le.worker_id for le in snap.leases if le.state == "active" and le.kind in ("baseline", "confirm")}
     left = list(queued)
-    for h in snap.live_hosts():
-        if h.id == worker_id or not (h.id in busy or _holds_fresh_baseline(snap, h.id)):
-            continue
-        left = [le for le in left if not _may_take(snap, h.id, le)]
+    for other in _confirming_hosts(snap) - {worker_id}:
+        left = [le for le in left if not _may_take(snap, other, le)]
     return left
+
+
+def _with_baseline(snap: Snapshot) -> set[str]:
+    """Hosts with a valid baseline under the study's key."""
+    return {b.worker_id for b in snap.baselines if b.valid}
 
 
 def _another_host_takes_all(snap: Snapshot, worker_id: str, queued: Sequence[LeaseView]) -> bool:
@@ -922,7 +924,7 @@ def _another_host_takes_all(snap: Snapshot, worker_id: str, queued: Sequence[Lea
     began = snap.confirmation_began_at
     if began is not None and snap.now - began > timedelta(seconds=snap.timing.live_window_s):
         return False
-    with_baseline = {b.worker_id for b in snap.baselines if b.valid}
+    with_baseline = _with_baseline(snap)
     return any(
         h.id != worker_id and h.id in with_baseline and all(_may_take(snap, h.id, le) for le in queued)
         for h in snap.live_hosts()
@@ -931,7 +933,7 @@ def _another_host_takes_all(snap: Snapshot, worker_id: str, queued: Sequence[Lea
 
 def _another_host_can_confirm(snap: Snapshot, worker_id: str) -> bool:
     """Is another live, healthy, eligible host that has not refused the study around to confirm?"""
-    with_baseline = {b.worker_id for b in snap.baselines if b.valid}
+    with_baseline = _with_baseline(snap)
     return any(h.id != worker_id and h.id in with_baseline for h in snap.live_hosts())
 
 

@@ -12,7 +12,7 @@ import pytest
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
 from optimizer import attrs as A
-from optimizer import convergence, costs, launch_cost, stop_rules
+from optimizer import conductor, convergence, costs, launch_cost, stop_rules
 from optimizer import study as opt
 from optimizer.infeasible import needs_at_least
 from optimizer.memory_boundary import PROBABLE_FAILURE, MemoryBoundary, terms_for, tuning_launches
@@ -543,8 +543,6 @@ def test_the_conductors_assessment_sees_a_launch_go_out() -> None:
     """The conductor's memo of the assessment is keyed on the launches in flight too: one asked
     since the last result is no longer an open configuration (the study document named it as the
     one most likely to win, and the fleet's gating counted it as still to launch)."""
-    from optimizer import conductor
-
     sp = spec()
     configs = [
         SpecConfig(num_steps=3, topk=1, num_draft_tokens=4),
