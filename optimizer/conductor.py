@@ -24,7 +24,7 @@ from typing import Any
 
 from optuna.trial import FrozenTrial, TrialState
 
-from optimizer import answers, convergence, deploy, ranking, stop_rules
+from optimizer import answers, believer, convergence, deploy, ranking, stop_rules
 from optimizer import attrs as A
 from optimizer import confirmation as confirm
 from optimizer.analysis import Interval, LaunchNoise
@@ -50,6 +50,9 @@ DRIFT_MARGIN = 0.02
 # 4 workers, 6 seeds): median search launches 8.5 -> 6 on moe-pcie and 11 -> 8.5 on dense-8b-h100
 # against no cap, the wall time no longer (1.57 -> 1.43 h, 0.42 -> 0.42 h).
 MODEL_PARALLEL = 2
+# A launch is held back for the launches in flight only when, believed at the model's predictions,
+# they settle the model rule with this share of its bar to spare: a prediction is not a result.
+BELIEF_MARGIN = 0.5
 
 # ----------------------------------------------------------------------------------- the snapshot
 
@@ -254,6 +257,9 @@ Action = MeasureBaseline | RetryLease | Ask | StartConfirmation | Reconfirm | Co
 # saw (a configuration in flight is not open): the model is refit after a new result or launch,
 # not at every lease.  A memo of a pure function (any process recomputes it), bounded.
 _ASSESSED: PerStudyMemo[convergence.Assessment] = PerStudyMemo(256)
+# The stop rule with the launches in flight believed at the model's predictions (`believed_settles`;
+# None: nothing in flight to believe).
+_BELIEVED: PerStudyMemo[convergence.Assessment | None] = PerStudyMemo(256)
 
 
 def converges(spec: StudySpec) -> bool:
@@ -354,6 +360,10 @@ def in_flight_settles(snap: Snapshot) -> str | None:
     a = stop_rule(snap.spec, snap.trials)
     if a is not None and a.measured >= convergence.MIN_MEASURED and flying >= MODEL_PARALLEL:
         return f"{flying} of the model's proposals are in flight (at most {MODEL_PARALLEL} at once)"
+    if a is not None and not a.settled and a.measured >= convergence.MIN_MEASURED and a.model_trusted and not a.walking:
+        held = believed_settles(snap)
+        if held is not None:
+            return held
     needed = launches_needed(snap.spec, snap.trials, a)
     if needed is None or a is None:
         return None
@@ -373,6 +383,40 @@ def in_flight_settles(snap: Snapshot) -> str | None:
     return (
         f"the {flying} launch(es) in flight are what the stop rule still needs ({needed}); "
         "asking again if one of them beats the incumbent"
+    )
+
+
+def believed_settles(snap: Snapshot) -> str | None:
+    """Why to wait when the model, trusted, would settle the stop rule once the launches in flight
+    come in as it predicted them (optimizer.believer), with `BELIEF_MARGIN` of its bar to spare;
+    None otherwise.  Memoised on what the rule sees and which host runs each launch in flight."""
+    hosts = {
+        le.trial_number: le.worker_id
+        for le in snap.leases
+        if le.kind == "trial" and le.live and le.worker_id and le.trial_number is not None
+    }
+    seen = (
+        snap.spec.model_dump_json(),
+        tuple(sorted(hosts.items())),
+        *(
+            (t.number, t.state, t.value, t.user_attrs.get(A.CONFIG_KEY))
+            for t in snap.trials
+            if t.state.is_finished() or t.state == TrialState.RUNNING
+        ),
+    )
+
+    def assess() -> convergence.Assessment | None:
+        trials = believer.believed(snap.spec, snap.trials, snap.now, hosts)
+        return None if trials is None else convergence.assess(snap.spec, trials)
+
+    a = _BELIEVED.get(snap.spec.name, seen, assess)
+    if a is None or not a.settled or a.rule != stop_rules.StopRule.MODEL:
+        return None
+    if a.best_chance >= BELIEF_MARGIN * convergence.P_MATTERS:
+        return None
+    return (
+        "the launches in flight settle the stop rule if they come in as the model predicts; "
+        "asking again if a result leaves it open"
     )
 
 

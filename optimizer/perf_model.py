@@ -216,16 +216,30 @@ class FittedModel:
     def _objective(
         self, theta: FloatArray, cand: Candidates, levels: Sequence[int], weights: Sequence[float]
     ) -> FloatArray:
+        total = np.zeros(len(cand.configs))
+        for w, (al, r) in zip(weights, self._per_level(theta, cand, levels), strict=True):
+            total += w * (np.log(al) - np.log(r))
+        return total / float(sum(weights))
+
+    def _per_level(
+        self, theta: FloatArray, cand: Candidates, levels: Sequence[int]
+    ) -> list[tuple[FloatArray, FloatArray]]:
+        """(accept length, cycle ratio) of every candidate at each level, under parameters `theta`."""
         na = len(self.logits)
         logits, gain, cost = theta[:na], float(np.clip(theta[na], 0.0, 0.95)), np.maximum(theta[na + 1 :], 0.0)
         al = accept_lengths(cand.steps, cand.topk, cand.ndt, logits, gain)
-        total = np.zeros(len(cand.configs))
-        for level, w in zip(levels, weights, strict=True):
+        out = []
+        for level in levels:
             b = np.full(len(cand.configs), float(level))
             r = cycle_ratios(cand.steps, cand.topk, cand.ndt, b, cost, self.knee)
-            r = np.where(cand.graph_bs < level, r * EAGER_PENALTY, r)
-            total += w * (np.log(al) - np.log(r))
-        return total / float(sum(weights))
+            out.append((al, np.where(cand.graph_bs < level, r * EAGER_PENALTY, r)))
+        return out
+
+    def predict_levels(self, config: SpecConfig, levels: Sequence[int]) -> list[tuple[float, float]]:
+        """The fitted (accept length, cycle ratio to a plain decode step) of `config` at each level:
+        what a launch of it would report if the model were right."""
+        theta = np.concatenate([self.logits, [self.gain], self.cost])
+        return [(float(al[0]), float(r[0])) for al, r in self._per_level(theta, Candidates.of([config]), levels)]
 
     def accept_length(self, config: SpecConfig) -> float:
         c = Candidates.of([config])

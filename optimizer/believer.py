@@ -1,0 +1,106 @@
+"""The launches in flight as the model expects them: what the stop rule would say once they are in.
+
+A fleet asks for a launch while others are still running.  If the model, trusted by its own
+prediction check, would stop the study once those launches come in at the values it predicted
+for them, a further launch now is most likely spent on a question they answer; the conductor
+holds it back (`optimizer.conductor.in_flight_settles`) and asks again when a result beats the
+prediction.  This is the "believer" of batch Bayesian optimisation (kriging believer): each launch
+in flight is treated as measured at the model's mean.
+
+Only launches the model proposed carry its prediction (`model_prediction`); a starting point
+launched blind is not believed.  The believed trials keep their trial number and configuration,
+report the fitted accept length and cycle ratio at each level against the baseline of their host
+(so the refit sees them as the model would have measured them) and carry no prediction of their
+own, so the prediction check is not flattered by results that match it by construction.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+
+from optuna.trial import FrozenTrial, TrialState
+
+from optimizer import attrs as A
+from optimizer.model_sampler import objective_levels, observations_of
+from optimizer.perf_model import fit
+from optimizer.spec import StudySpec
+
+
+def believed(
+    spec: StudySpec, trials: Sequence[FrozenTrial], now: datetime, hosts: Mapping[int, str] | None = None
+) -> list[FrozenTrial] | None:
+    """`trials` with each running launch that carries the model's prediction completed at the fitted
+    values, its result arriving at `now` from its host (`hosts`: trial number -> the worker whose
+    lease runs it); None when no launch in flight carries one or there is no model to believe."""
+    running = {
+        t.number: t
+        for t in trials
+        if t.state == TrialState.RUNNING
+        and A.TrialRecord(t).model_prediction is not None
+        and A.TrialRecord(t).has_config
+    }
+    if not running:
+        return None
+    model = fit(observations_of(trials), spec.search_space.num_steps.high)
+    if model is None:
+        return None
+    levels, weights = objective_levels(spec)
+    out = [t for t in trials if t.number not in running]
+    for t in running.values():
+        r = A.TrialRecord(t)
+        worker = (hosts or {}).get(t.number) or r.worker_id
+        base = _baseline_levels(trials, worker)
+        if base is None or any(c not in base for c in levels):
+            return None
+        per_level = model.predict_levels(r.config, levels)
+        level_docs = []
+        for c, (al, ratio) in zip(levels, per_level, strict=True):
+            user = base[c] * al / ratio  # a verify cycle of `ratio` plain decode steps yields `al` tokens
+            level_docs.append({"concurrency": c, "output_tok_s": user * c, "per_user_tok_s": user, "accept_length": al})
+        value = math.exp(
+            sum(w * math.log(al / ratio) for w, (al, ratio) in zip(weights, per_level, strict=True)) / sum(weights)
+        )
+        attrs = {k: v for k, v in t.user_attrs.items() if k != A.MODEL_PREDICTION}
+        if worker is not None:
+            attrs[A.WORKER_ID] = worker
+        attrs[A.LEVELS] = level_docs
+        attrs[A.BASELINE_LEVELS] = [
+            {"concurrency": c, "output_tok_s": base[c] * c, "per_user_tok_s": base[c]} for c in levels
+        ]
+        out.append(
+            FrozenTrial(
+                number=t.number,
+                state=TrialState.COMPLETE,
+                value=value,
+                values=None,
+                datetime_start=t.datetime_start,
+                datetime_complete=now,
+                params=t.params,
+                distributions=t.distributions,
+                user_attrs=attrs,
+                system_attrs=dict(t.system_attrs),
+                intermediate_values={},
+                trial_id=t._trial_id,  # noqa: SLF001 - a copy of the running trial, completed
+            )
+        )
+    return out
+
+
+def _baseline_levels(trials: Sequence[FrozenTrial], worker_id: str | None) -> dict[int, float] | None:
+    """Per-user baseline rate by level of the latest measured trial of `worker_id` (any host's when
+    it has none yet): the fitted cycle ratio is relative to a plain decode step, so any host's
+    baseline gives the speedup the model predicts; the host's own keeps the record true to it."""
+    done = [t for t in trials if t.state == TrialState.COMPLETE and A.TrialRecord(t).baseline_levels]
+    own = [t for t in done if A.TrialRecord(t).worker_id == worker_id] or done
+    if not own:
+        return None
+    latest = max(own, key=lambda t: (t.datetime_complete.timestamp() if t.datetime_complete else 0.0, t.number))
+    out: dict[int, float] = {}
+    for lv in A.TrialRecord(latest).baseline_levels:
+        c = int(lv["concurrency"])
+        v = lv.get("per_user_tok_s") or (lv.get("output_tok_s") or 0.0) / max(c, 1)
+        if v and v > 0:
+            out[c] = float(v)
+    return out

@@ -1,0 +1,149 @@
+"""The launches in flight believed at the model's predictions (optimizer.believer), and the fleet
+holding a launch back when, so believed, they settle the model rule (optimizer.conductor)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from optuna.trial import FrozenTrial, TrialState
+
+from optimizer import attrs as A
+from optimizer import believer, convergence
+from optimizer import conductor as c
+from optimizer import stop_rules as R
+from optimizer.model_sampler import objective_levels, observations_of
+from optimizer.perf_model import Candidates, fit
+from optimizer.space import SpecConfig
+from optimizer.spec import StudySpec
+from tests.test_conductor import FLEET, FLEET_BASES, T0, finished, snap, spec_of
+
+BASE_TOK_S = 100.0
+
+
+def engine(cfg: SpecConfig) -> tuple[float, float]:
+    """(accept length, cycle ratio) of a made-up engine, in its own terms: each draft position is
+    accepted with 0.7 of the one before, a verify costs 0.08 of a decode step per draft step and
+    0.01 per draft token."""
+    depth = min(cfg.num_steps, cfg.num_draft_tokens - 1)
+    al = 1.0 + sum(0.7**p for p in range(1, depth + 1))
+    return al, 1.0 + 0.08 * cfg.num_steps + 0.01 * cfg.num_draft_tokens
+
+
+def launched(number: int, cfg: SpecConfig, worker: str) -> FrozenTrial:
+    al, ratio = engine(cfg)
+    user = BASE_TOK_S * al / ratio
+    return finished(
+        number,
+        al / ratio,
+        {
+            A.CONFIG: cfg.model_dump(mode="json"),
+            A.CONFIG_KEY: cfg.key,
+            A.WORKER_ID: worker,
+            A.LEVELS: [{"concurrency": 1, "output_tok_s": user, "per_user_tok_s": user, "accept_length": al}],
+            A.BASELINE_LEVELS: [{"concurrency": 1, "output_tok_s": BASE_TOK_S, "per_user_tok_s": BASE_TOK_S}],
+        },
+    )
+
+
+def in_flight(number: int, cfg: SpecConfig, worker: str, prediction: dict[str, Any] | None) -> FrozenTrial:
+    attrs: dict[str, Any] = {A.CONFIG: cfg.model_dump(mode="json"), A.CONFIG_KEY: cfg.key, A.WORKER_ID: worker}
+    if prediction is not None:
+        attrs[A.MODEL_PREDICTION] = prediction
+    return FrozenTrial(
+        number=number,
+        state=TrialState.RUNNING,
+        value=None,
+        datetime_start=T0,
+        datetime_complete=None,
+        params={},
+        distributions={},
+        user_attrs=attrs,
+        system_attrs={},
+        intermediate_values={},
+        trial_id=number,
+    )
+
+
+MEASURED = [
+    launched(i, SpecConfig(num_steps=s, topk=1, num_draft_tokens=s + 1), f"w{i % 4 + 1}")
+    for i, s in enumerate((1, 3, 5, 2, 6))
+]
+PREDICTED = {"speedup": 1.4, "log_sd": 0.05, "move": "model"}
+DEEP = SpecConfig(num_steps=4, topk=2, num_draft_tokens=8)
+
+
+def test_a_launch_in_flight_is_believed_at_the_models_fit() -> None:
+    """The believed trial reports what the model fitted to the results in would have it measure:
+    its speedup is the model's, its accept length is the model's, it carries no prediction of its
+    own (the prediction check would otherwise score a result that matches it by construction),
+    and a starting point launched blind is not believed."""
+    spec = spec_of("believe")
+    blind = in_flight(6, SpecConfig(num_steps=4, topk=1, num_draft_tokens=5), "w2", None)
+    trials = [*MEASURED, in_flight(5, DEEP, "w1", PREDICTED), blind]
+    got = believer.believed(spec, trials, T0 + timedelta(minutes=5))
+    assert got is not None
+    by_number = {t.number: t for t in got}
+    assert by_number[6].state == TrialState.RUNNING  # blind: left in flight
+    t = by_number[5]
+    assert t.state == TrialState.COMPLETE and t.datetime_complete == T0 + timedelta(minutes=5)
+    model = fit(observations_of(MEASURED), spec.search_space.num_steps.high)
+    assert model is not None
+    levels, weights = objective_levels(spec)
+    mean, _ = model.predict_log_speedup(Candidates.of([DEEP]), levels, weights)
+    assert t.value is not None and math.isclose(math.log(t.value), float(mean[0]), rel_tol=1e-9, abs_tol=1e-9)
+    r = A.TrialRecord(t)
+    assert r.model_prediction is None and r.config_key == DEEP.key and r.worker_id == "w1"
+    assert math.isclose(r.levels[0]["accept_length"], model.accept_length(DEEP), rel_tol=1e-9)
+    # The refit sees it as one more observation, and the rule counts it as one more launch.
+    assert len(observations_of(got)) == len(observations_of(MEASURED)) + 1
+    assert len(R.launches(got)) == len(MEASURED) + 1
+    # Nothing to believe: no prediction in flight, or no result to fit.
+    assert believer.believed(spec, [*MEASURED, blind], T0) is None
+    assert believer.believed(spec, [in_flight(0, DEEP, "w1", PREDICTED)], T0) is None
+
+
+def settled_once_believed(chance: float, *, trusted: bool = True) -> Any:
+    """A stop rule that settles on the model rule (with `chance` left) once trial 5 is in, and
+    is unsure (50%) before."""
+
+    def assess(spec: StudySpec, trials: list[FrozenTrial]) -> convergence.Assessment:
+        check = R.PredictionCheck(6, 1.0 if trusted else 3.0, trusted, None, 0.0, 0.0)
+        if any(t.number == 5 and t.state == TrialState.COMPLETE for t in trials):
+            return convergence.Assessment(True, "settled", 6, 100, chance, "k", 1.0, True, R.StopRule.MODEL, check)
+        return convergence.Assessment(False, "not yet", 5, 100, 0.5, "k", 1.0, None, check=check)
+
+    return assess
+
+
+@pytest.mark.parametrize(
+    ("name", "chance", "trusted", "holds"),
+    [
+        ("believe-holds", 0.01, True, True),
+        # Settled only just under the bar: a result a little below its prediction would not settle it.
+        ("believe-marginal", c.BELIEF_MARGIN * convergence.P_MATTERS, True, False),
+        # A model that failed its prediction check is not believed.
+        ("believe-distrusted", 0.01, False, False),
+    ],
+)
+def test_a_fleet_holds_a_launch_the_believed_launches_in_flight_make_needless(
+    monkeypatch: pytest.MonkeyPatch, name: str, chance: float, trusted: bool, holds: bool
+) -> None:
+    """Four hosts, one model proposal in flight: when the rule, with that launch believed at the
+    model's prediction, settles with room to spare, the next host waits for its result; otherwise
+    it asks (one more proposal, up to MODEL_PARALLEL)."""
+    monkeypatch.setattr(c.convergence, "assess", settled_once_believed(chance, trusted=trusted))
+    trials = [*MEASURED, in_flight(5, DEEP, "w1", PREDICTED)]
+    lease = c.LeaseView("t5", "trial", "active", 5, worker_id="w1")
+    s = snap(spec_of(name), trials, baselines=FLEET_BASES, hosts=FLEET, leases=[lease])
+    action = c.next_action(s, "w3")
+    if holds:
+        assert isinstance(action, c.Wait) and "as the model predicts" in action.reason
+    else:
+        assert isinstance(action, c.Ask)
+    # With nothing in flight there is nothing to believe: a host asks.
+    done = replace(s, spec=spec_of(f"{name}-idle"), trials=MEASURED, leases=[])
+    assert isinstance(c.next_action(done, "w3"), c.Ask)
