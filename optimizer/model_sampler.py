@@ -48,7 +48,7 @@ from optimizer.perf_model import (
     fit,
     observations_from_attrs,
 )
-from optimizer.space import PUBLISHED_STARTS, SearchSpace, SpecConfig, params_of, with_largest_graph
+from optimizer.space import SearchSpace, SpecConfig, params_of, published_starts, with_largest_graph
 from optimizer.spec import StudySpec
 
 # Above this many valid configurations, score a random subset each ask (plus the neighbours of
@@ -436,7 +436,7 @@ def blind_start(spec: StudySpec, trials: Sequence[FrozenTrial]) -> SpecConfig | 
     if any(t.state.is_finished() for t in trials):
         return None
     tried = _tried_keys(trials)
-    for d in PUBLISHED_STARTS:
+    for d in published_starts(max(objective_levels(spec)[0])):
         c = with_largest_graph(d, spec.search_space)  # as the defaults (optimizer.study.warm_start_configs)
         if c.key not in tried and spec.search_space.contains(c):
             return c

@@ -273,6 +273,22 @@ PUBLISHED_STARTS: tuple[SpecConfig, ...] = (
     SpecConfig(num_steps=7, topk=1, num_draft_tokens=8),
     SpecConfig(num_steps=4, topk=4, num_draft_tokens=16),
 )
+# From this many concurrent requests on (the objective's largest level), what is published runs
+# short chains (docs/calibration.md §3: SGLang's own adaptive defaults try 0 or 1 step from 32
+# requests; the speedups measured there at 32 and more are chains of 1-3): a chain of 2 and a
+# chain of 1 instead of the chain of 7 and the tree of 16.  Measured (benchmarks/README.md,
+# 2026-12-02 c): from 8 requests, the two cases at 16 got dearer with 4 workers (draft-mem-cliff
+# 15 -> 17 launches); from 32, mem-tight at 64 went 15 -> 13 and no other case changed.
+BUSY_FROM = 32
+PUBLISHED_STARTS_BUSY: tuple[SpecConfig, ...] = (
+    SpecConfig(num_steps=2, topk=1, num_draft_tokens=3),
+    SpecConfig(num_steps=1, topk=1, num_draft_tokens=2),
+)
+
+
+def published_starts(concurrency: int) -> tuple[SpecConfig, ...]:
+    """The published configurations for a workload whose objective's largest level is `concurrency`."""
+    return PUBLISHED_STARTS_BUSY if concurrency >= BUSY_FROM else PUBLISHED_STARTS
 
 
 def with_largest_graph(c: SpecConfig, space: SearchSpace) -> SpecConfig:
