@@ -972,10 +972,10 @@ def study_report(
     return lines
 
 
-def per_seed_report(label: str, answers: Sequence[Answer]) -> list[str]:
+def per_seed_report(label: str, answers: Sequence[Answer], first_seed: int = 0) -> list[str]:
     """One line per seed of the default study: where a table's counts come from."""
     out = []
-    for seed, a in enumerate(answers):
+    for seed, a in enumerate(answers, start=first_seed):
         split = "/".join(str(a.by_kind.get(k, 0)) for k in ("baseline", "search", "confirm", "failed"))
         inc = "-" if a.incumbent_share is None else f"{a.incumbent_share:.4f}"
         out.append(
@@ -1027,6 +1027,9 @@ def calibration_report(results: Sequence[tuple[Case, list[Answer]]], workers: in
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--seeds", type=int, default=20)
+    ap.add_argument(
+        "--first-seed", type=int, default=0, help="seeds first..first+seeds-1 (another sample than the one tuned on)"
+    )
     ap.add_argument("--cases", default=",".join(c.label for c in CASES), help="case labels, comma-separated")
     ap.add_argument("--workers", type=int, default=2, help="workers (hosts) of the service's studies")
     ap.add_argument("--strategies", default=",".join(STUDY_STRATEGIES))
@@ -1038,7 +1041,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     strategies = [s for s in args.strategies.split(",") if s]
     t0 = time.monotonic()
     print(
-        f"search efficiency: {args.seeds} seeds, {args.workers} workers for the studies, "
+        f"search efficiency: {args.seeds} seeds from {args.first_seed}, {args.workers} workers for the studies, "
         f"per-host offset sd {args.spec_host_sd}",
         flush=True,
     )
@@ -1049,9 +1052,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         cases.append(by_label[label])
     if args.jobs < 1:
         ap.error("--jobs must be at least 1")
-    jobs = [
-        (case, seed, args.workers, tuple(strategies), args.spec_host_sd) for case in cases for seed in range(args.seeds)
-    ]
+    if args.first_seed < 0 or args.seeds < 1:
+        ap.error("--first-seed must be at least 0 and --seeds at least 1")
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    jobs = [(case, seed, args.workers, tuple(strategies), args.spec_host_sd) for case in cases for seed in seeds]
     if args.jobs > 1:
         # Each (case, seed) is independent and seeded by itself: the same answers in any process.
         with ProcessPoolExecutor(args.jobs) as pool:
@@ -1064,7 +1068,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cells = {name: [a[name] for a in mine] for name in strategies}
         print("\n".join(study_report(case.label, case.levels, cells, args.seeds, args.workers)), flush=True)
         if args.per_seed and "default" in cells:
-            print("\n".join(per_seed_report(case.label, cells["default"])), flush=True)
+            print("\n".join(per_seed_report(case.label, cells["default"], args.first_seed)), flush=True)
         if "default" in cells:
             results.append((case, cells["default"]))
     print("\n".join(calibration_report(results, args.workers)), flush=True)
