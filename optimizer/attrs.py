@@ -52,6 +52,9 @@ RECORD_PROBLEMS: Final = "record_problems"
 # How it was proposed: warm_start | prior_study | grid (enqueued), and what the `auto` sampler predicted.
 SOURCE: Final = "source"
 MODEL_PREDICTION: Final = "model_prediction"
+# Set only on the copies optimizer.believer makes of launches in flight (never stored): the model's
+# own prediction standing in for a result.
+BELIEVED: Final = "believed"
 
 Json = Any  # a value as Optuna stored it (JSON)
 LevelDoc = Mapping[str, Any]  # spectune_protocol.LevelMetrics as JSON

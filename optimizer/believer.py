@@ -10,15 +10,18 @@ in flight is treated as measured at the model's mean.
 Only launches the model proposed carry its prediction (`model_prediction`); a starting point
 launched blind is not believed.  The believed trials keep their trial number and configuration,
 report the fitted accept length and cycle ratio at each level against the baseline of their host
-(so the refit sees them as the model would have measured them) and carry no prediction of their
-own, so the prediction check is not flattered by results that match it by construction.
+(so the refit sees them as the model would have measured them), carry no prediction of their
+own and are marked `believed`, so neither the prediction check nor the model's misfit factor
+(optimizer.convergence) is flattered by results that match the fit by construction.  A launch
+in flight whose first levels already report (`progress_speedup_by_level`) is still believed at
+the prediction: the hold lasts only until its result.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from optuna.trial import FrozenTrial, TrialState
 
@@ -32,8 +35,9 @@ def believed(
     spec: StudySpec, trials: Sequence[FrozenTrial], now: datetime, hosts: Mapping[int, str] | None = None
 ) -> list[FrozenTrial] | None:
     """`trials` with each running launch that carries the model's prediction completed at the fitted
-    values, its result arriving at `now` from its host (`hosts`: trial number -> the worker whose
-    lease runs it); None when no launch in flight carries one or there is no model to believe."""
+    values, its result arriving after every real one (at `now` when none is in), from its host
+    (`hosts`: trial number -> the worker whose lease runs it); None when no launch in flight
+    carries a prediction or there is no model to believe."""
     running = {
         t.number: t
         for t in trials
@@ -48,6 +52,10 @@ def believed(
         return None
     levels, weights = objective_levels(spec)
     out = [t for t in trials if t.number not in running]
+    # The rule reads launches in the order their results arrived: a believed one arrives after
+    # every real result, on the clock that stamped those (Optuna's, not the caller's `now`).
+    done = [t.datetime_complete for t in out if t.datetime_complete is not None]
+    arrives = max(done) + timedelta(microseconds=1) if done else now
     for t in running.values():
         r = A.TrialRecord(t)
         worker = (hosts or {}).get(t.number) or r.worker_id
@@ -63,6 +71,7 @@ def believed(
             sum(w * math.log(al / ratio) for w, (al, ratio) in zip(weights, per_level, strict=True)) / sum(weights)
         )
         attrs = {k: v for k, v in t.user_attrs.items() if k != A.MODEL_PREDICTION}
+        attrs[A.BELIEVED] = True
         if worker is not None:
             attrs[A.WORKER_ID] = worker
         attrs[A.LEVELS] = level_docs
@@ -76,7 +85,7 @@ def believed(
                 value=value,
                 values=None,
                 datetime_start=t.datetime_start,
-                datetime_complete=now,
+                datetime_complete=arrives,
                 params=t.params,
                 distributions=t.distributions,
                 user_attrs=attrs,

@@ -407,7 +407,15 @@ def believed_settles(snap: Snapshot) -> str | None:
 
     def assess() -> convergence.Assessment | None:
         trials = believer.believed(snap.spec, snap.trials, snap.now, hosts)
-        return None if trials is None else convergence.assess(snap.spec, trials)
+        if trials is None:
+            return None
+        if snap.spec.confirmation.top <= 0:
+            # Without a confirmation the rule settles only on a tight incumbent, and a believed
+            # launch has no passes to be wide: it must not become the incumbent.
+            best = max(A.measured_feasible(trials), key=lambda t: float(t.value or 0.0), default=None)
+            if best is not None and A.TrialRecord(best).has(A.BELIEVED):
+                return None
+        return convergence.assess(snap.spec, trials)
 
     a = _BELIEVED.get(snap.spec.name, seen, assess)
     if a is None or not a.settled or a.rule != stop_rules.StopRule.MODEL:

@@ -238,7 +238,12 @@ def _model_chance(
     mcfg = [r.config for r in recs]
     mean_m, sd_m = model.predict_log_speedup(Candidates.of(mcfg), levels, weights)
     got = np.log(np.maximum([float(t.value or 0.0) for t in measured], 1e-9))
-    misfit = host_misfit(got - mean_m, np.sqrt(sd_m**2 + 0.01**2), [r.worker_id for r in recs])
+    # A believed launch (optimizer.believer) lies on the fit by construction: it would only shrink
+    # the misfit, so the misfit is the real results' alone.
+    real = np.array([not r.has(A.BELIEVED) for r in recs])
+    misfit = host_misfit(
+        (got - mean_m)[real], np.sqrt(sd_m**2 + 0.01**2)[real], [r.worker_id for r in recs if not r.has(A.BELIEVED)]
+    )
     best_value = float(best.value or 0.0)
     if not op.configs:
         return 0.0, None, misfit

@@ -426,7 +426,8 @@ def prediction_attr(proposal: Proposal) -> dict[str, Any]:
 
 def blind_start(spec: StudySpec, trials: Sequence[FrozenTrial]) -> SpecConfig | None:
     """A starting point for a worker that asks before any result is in (a fleet of more hosts than
-    the warm starts): the first of `PUBLISHED_STARTS` that fits the space and was not asked yet,
+    the warm starts): the first of the configurations published for the objective's largest
+    level (`space.published_starts`) that fits the space and was not asked yet,
     or None (TPE's random start) once they are taken or any trial has finished (with a result, a
     failure or an out-of-memory start: what is known to fail is then the memory model's).
 

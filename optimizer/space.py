@@ -266,8 +266,8 @@ SGLANG_DEFAULTS: tuple[SpecConfig, ...] = (
 )
 # Configurations published in SGLang's and EAGLE-3 trainers' measurements (docs/calibration.md
 # §2: a chain of 7 in SGLang PRs #21599 and #23336, a 4-wide tree of 16 tokens in AngelSlim
-# #163): what a fleet launches once the defaults are taken and no result is in yet
-# (optimizer.model_sampler.blind_start), instead of random points.  Between them and the
+# #163): what a fleet launches once the defaults are taken and no result is in yet, below
+# `BUSY_FROM` (optimizer.model_sampler.blind_start), instead of random points.  Between them and the
 # defaults the model's first fit sees draft positions up to 7 and a 16-token verify.
 PUBLISHED_STARTS: tuple[SpecConfig, ...] = (
     SpecConfig(num_steps=7, topk=1, num_draft_tokens=8),

@@ -4,7 +4,6 @@ holding a launch back when, so believed, they settle the model rule (optimizer.c
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -19,7 +18,7 @@ from optimizer.model_sampler import objective_levels, observations_of
 from optimizer.perf_model import Candidates, fit
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
-from tests.test_conductor import FLEET, FLEET_BASES, T0, finished, snap, spec_of
+from tests.test_conductor import FLEET, FLEET_BASES, T0, finished, running, snap, spec_of
 
 BASE_TOK_S = 100.0
 
@@ -49,23 +48,13 @@ def launched(number: int, cfg: SpecConfig, worker: str) -> FrozenTrial:
     )
 
 
-def in_flight(number: int, cfg: SpecConfig, worker: str, prediction: dict[str, Any] | None) -> FrozenTrial:
-    attrs: dict[str, Any] = {A.CONFIG: cfg.model_dump(mode="json"), A.CONFIG_KEY: cfg.key, A.WORKER_ID: worker}
+def in_flight(number: int, cfg: SpecConfig, prediction: dict[str, Any] | None) -> FrozenTrial:
+    """A launch in flight as the service stores it: the sampler set its configuration and
+    prediction at the ask; its host is known only from its lease until it reports."""
+    attrs: dict[str, Any] = {A.CONFIG: cfg.model_dump(mode="json"), A.CONFIG_KEY: cfg.key}
     if prediction is not None:
         attrs[A.MODEL_PREDICTION] = prediction
-    return FrozenTrial(
-        number=number,
-        state=TrialState.RUNNING,
-        value=None,
-        datetime_start=T0,
-        datetime_complete=None,
-        params={},
-        distributions={},
-        user_attrs=attrs,
-        system_attrs={},
-        intermediate_values={},
-        trial_id=number,
-    )
+    return running(number, attrs)
 
 
 MEASURED = [
@@ -78,32 +67,53 @@ DEEP = SpecConfig(num_steps=4, topk=2, num_draft_tokens=8)
 
 def test_a_launch_in_flight_is_believed_at_the_models_fit() -> None:
     """The believed trial reports what the model fitted to the results in would have it measure:
-    its speedup is the model's, its accept length is the model's, it carries no prediction of its
-    own (the prediction check would otherwise score a result that matches it by construction),
-    and a starting point launched blind is not believed."""
+    its speedup is the model's, its accept length is the model's, its host is its lease's, it
+    arrives after every real result, it carries no prediction of its own and is marked believed
+    (neither the prediction check nor the misfit may score a result that matches the fit by
+    construction), and a starting point launched blind is not believed."""
     spec = spec_of("believe")
-    blind = in_flight(6, SpecConfig(num_steps=4, topk=1, num_draft_tokens=5), "w2", None)
-    trials = [*MEASURED, in_flight(5, DEEP, "w1", PREDICTED), blind]
-    got = believer.believed(spec, trials, T0 + timedelta(minutes=5))
+    blind = in_flight(6, SpecConfig(num_steps=4, topk=1, num_draft_tokens=5), None)
+    trials = [*MEASURED, in_flight(5, DEEP, PREDICTED), blind]
+    got = believer.believed(spec, trials, T0 - timedelta(days=1), {5: "w3", 6: "w2"})
     assert got is not None
     by_number = {t.number: t for t in got}
     assert by_number[6].state == TrialState.RUNNING  # blind: left in flight
     t = by_number[5]
-    assert t.state == TrialState.COMPLETE and t.datetime_complete == T0 + timedelta(minutes=5)
+    # The caller's clock is a day behind Optuna's stamps: the believed result still comes last.
+    assert t.state == TrialState.COMPLETE and t.datetime_complete is not None and t.datetime_complete > T0
+    assert [x.number for x in R.launches(got)][-1] == 5
     model = fit(observations_of(MEASURED), spec.search_space.num_steps.high)
     assert model is not None
     levels, weights = objective_levels(spec)
     mean, _ = model.predict_log_speedup(Candidates.of([DEEP]), levels, weights)
     assert t.value is not None and math.isclose(math.log(t.value), float(mean[0]), rel_tol=1e-9, abs_tol=1e-9)
     r = A.TrialRecord(t)
-    assert r.model_prediction is None and r.config_key == DEEP.key and r.worker_id == "w1"
+    assert r.model_prediction is None and r.has(A.BELIEVED)
+    assert r.config_key == DEEP.key and r.worker_id == "w3"
     assert math.isclose(r.levels[0]["accept_length"], model.accept_length(DEEP), rel_tol=1e-9)
     # The refit sees it as one more observation, and the rule counts it as one more launch.
     assert len(observations_of(got)) == len(observations_of(MEASURED)) + 1
     assert len(R.launches(got)) == len(MEASURED) + 1
     # Nothing to believe: no prediction in flight, or no result to fit.
     assert believer.believed(spec, [*MEASURED, blind], T0) is None
-    assert believer.believed(spec, [in_flight(0, DEEP, "w1", PREDICTED)], T0) is None
+    assert believer.believed(spec, [in_flight(0, DEEP, PREDICTED)], T0) is None
+
+
+def test_a_believed_launch_does_not_shrink_the_models_misfit() -> None:
+    """Results the model misses (the engine's values scaled by a zig-zag the model cannot follow)
+    give a misfit above 1; adding a believed launch, which sits on the fit, leaves it as it was."""
+    spec = spec_of("believe-misfit")
+    missed = []
+    for i, t in enumerate(MEASURED):
+        f = 1.15 if i % 2 else 0.87
+        lv = dict(t.user_attrs[A.LEVELS][0])
+        lv["per_user_tok_s"] = lv["output_tok_s"] = lv["per_user_tok_s"] * f
+        missed.append(finished(t.number, float(t.value or 0.0) * f, {**t.user_attrs, A.LEVELS: [lv]}))
+    real = convergence.assess(spec, missed)
+    assert real.misfit > 1.0
+    got = believer.believed(spec, [*missed, in_flight(5, DEEP, PREDICTED)], T0, {5: "w1"})
+    assert got is not None
+    assert math.isclose(convergence.assess(spec, got).misfit, real.misfit, rel_tol=0.02)
 
 
 def settled_once_believed(chance: float, *, trusted: bool = True) -> Any:
@@ -136,7 +146,7 @@ def test_a_fleet_holds_a_launch_the_believed_launches_in_flight_make_needless(
     model's prediction, settles with room to spare, the next host waits for its result; otherwise
     it asks (one more proposal, up to MODEL_PARALLEL)."""
     monkeypatch.setattr(c.convergence, "assess", settled_once_believed(chance, trusted=trusted))
-    trials = [*MEASURED, in_flight(5, DEEP, "w1", PREDICTED)]
+    trials = [*MEASURED, in_flight(5, DEEP, PREDICTED)]
     lease = c.LeaseView("t5", "trial", "active", 5, worker_id="w1")
     s = snap(spec_of(name), trials, baselines=FLEET_BASES, hosts=FLEET, leases=[lease])
     action = c.next_action(s, "w3")
@@ -144,6 +154,33 @@ def test_a_fleet_holds_a_launch_the_believed_launches_in_flight_make_needless(
         assert isinstance(action, c.Wait) and "as the model predicts" in action.reason
     else:
         assert isinstance(action, c.Ask)
-    # With nothing in flight there is nothing to believe: a host asks.
-    done = replace(s, spec=spec_of(f"{name}-idle"), trials=MEASURED, leases=[])
-    assert isinstance(c.next_action(done, "w3"), c.Ask)
+
+
+def test_without_a_confirmation_a_believed_launch_never_becomes_the_incumbent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `confirmation.top: 0` the rule settles only on an incumbent whose interval is tight; a
+    believed launch has no passes to be wide, so one the model puts above every result holds
+    nothing back, and one below the best still does."""
+    monkeypatch.setattr(c.convergence, "assess", settled_once_believed(0.01))
+    # Chains of 1, 2, 3, 6 and 7 steps measured: the engine's best chains (4, 5) are not.
+    measured = [
+        launched(i, SpecConfig(num_steps=s, topk=1, num_draft_tokens=s + 1), f"w{i % 4 + 1}")
+        for i, s in enumerate((1, 2, 3, 6, 7))
+    ]
+    best = max(float(t.value or 0.0) for t in measured)
+    lease = c.LeaseView("t5", "trial", "active", 5, worker_id="w1")
+    for name, cfg, leads in (
+        ("believe-top0-below", SpecConfig(num_steps=1, topk=2, num_draft_tokens=3), False),
+        ("believe-top0-above", SpecConfig(num_steps=5, topk=1, num_draft_tokens=6), True),
+    ):
+        spec = spec_of(name, confirmation={"top": 0})
+        trials = [*measured, in_flight(5, cfg, PREDICTED)]
+        got = believer.believed(spec, trials, T0, {5: "w1"})
+        assert got is not None
+        assert (float(next(t for t in got if t.number == 5).value or 0.0) > best) == leads, name
+        action = c.next_action(snap(spec, trials, baselines=FLEET_BASES, hosts=FLEET, leases=[lease]), "w3")
+        assert isinstance(action, c.Ask if leads else c.Wait), name
+    # With a confirmation to measure it again, a believed leader holds the launch back as well.
+    spec = spec_of("believe-top2-above", confirmation={"top": 2})
+    trials = [*measured, in_flight(5, SpecConfig(num_steps=5, topk=1, num_draft_tokens=6), PREDICTED)]
+    action = c.next_action(snap(spec, trials, baselines=FLEET_BASES, hosts=FLEET, leases=[lease]), "w3")
+    assert isinstance(action, c.Wait)

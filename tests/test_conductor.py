@@ -76,7 +76,7 @@ def measured(number: int, value: float, config: SpecConfig, worker: str = "w1") 
     )
 
 
-def running(number: int) -> FrozenTrial:
+def running(number: int, user_attrs: dict[str, Any] | None = None) -> FrozenTrial:
     return FrozenTrial(
         number=number,
         state=TrialState.RUNNING,
@@ -85,7 +85,7 @@ def running(number: int) -> FrozenTrial:
         datetime_complete=None,
         params={},
         distributions={},
-        user_attrs={},
+        user_attrs=user_attrs or {},
         system_attrs={},
         intermediate_values={},
         trial_id=number,

@@ -73,12 +73,14 @@ def test_a_fleet_asking_before_any_result_launches_published_configurations_not_
     study = opt.load_study(storage, tuned)
     assert [opt.ask(study, tuned).config.key for _ in range(4)][2:] == ["s7-k1-n8-bs32", "s4-k4-n16-bs32"]
     # A busy workload (the objective at 32 requests or more): the short chains published there.
-    for name, levels, starts in (
-        ("m-busy", [64], ["s2-k1-n3-bsauto", "s1-k1-n2-bsauto"]),
-        ("m-mixed", [1, 32], ["s2-k1-n3-bsauto", "s1-k1-n2-bsauto"]),
-        ("m-sixteen", [16], ["s7-k1-n8-bsauto", "s4-k4-n16-bsauto"]),
+    # The objective's levels decide: a busy workload whose objective is one request is not busy.
+    for name, levels, objective, starts in (
+        ("m-busy", [64], {}, ["s2-k1-n3-bsauto", "s1-k1-n2-bsauto"]),
+        ("m-mixed", [1, 32], {}, ["s2-k1-n3-bsauto", "s1-k1-n2-bsauto"]),
+        ("m-sixteen", [16], {}, ["s7-k1-n8-bsauto", "s4-k4-n16-bsauto"]),
+        ("m-busy-at-one", [1, 64], {"concurrency": 1}, ["s7-k1-n8-bsauto", "s4-k4-n16-bsauto"]),
     ):
-        busy = spec(name=name, workload={"concurrency": levels})
+        busy = spec(name=name, workload={"concurrency": levels}, **({"objective": objective} if objective else {}))
         opt.create_study(storage, busy)
         study = opt.load_study(storage, busy)
         assert [opt.ask(study, busy).config.key for _ in range(4)][2:] == starts, name
