@@ -27,7 +27,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from optimizer import attrs as A
 from optimizer.model_sampler import objective_levels, observations_of
-from optimizer.perf_model import fit
+from optimizer.perf_model import Candidates, fit, per_user_rate
 from optimizer.spec import StudySpec
 
 
@@ -41,9 +41,7 @@ def believed(
     running = {
         t.number: t
         for t in trials
-        if t.state == TrialState.RUNNING
-        and A.TrialRecord(t).model_prediction is not None
-        and A.TrialRecord(t).has_config
+        if t.state == TrialState.RUNNING and (r := A.TrialRecord(t)).model_prediction is not None and r.has_config
     }
     if not running:
         return None
@@ -62,14 +60,12 @@ def believed(
         base = _baseline_levels(trials, worker)
         if base is None or any(c not in base for c in levels):
             return None
-        per_level = model.predict_levels(r.config, levels)
         level_docs = []
-        for c, (al, ratio) in zip(levels, per_level, strict=True):
+        for c, (al, ratio) in zip(levels, model.predict_levels(r.config, levels), strict=True):
             user = base[c] * al / ratio  # a verify cycle of `ratio` plain decode steps yields `al` tokens
             level_docs.append({"concurrency": c, "output_tok_s": user * c, "per_user_tok_s": user, "accept_length": al})
-        value = math.exp(
-            sum(w * math.log(al / ratio) for w, (al, ratio) in zip(weights, per_level, strict=True)) / sum(weights)
-        )
+        mean, _ = model.predict_log_speedup(Candidates.of([r.config]), levels, weights, with_sd=False)
+        value = math.exp(float(mean[0]))
         attrs = {k: v for k, v in t.user_attrs.items() if k != A.MODEL_PREDICTION}
         attrs[A.BELIEVED] = True
         if worker is not None:
@@ -109,7 +105,7 @@ def _baseline_levels(trials: Sequence[FrozenTrial], worker_id: str | None) -> di
     out: dict[int, float] = {}
     for lv in A.TrialRecord(latest).baseline_levels:
         c = int(lv["concurrency"])
-        v = lv.get("per_user_tok_s") or (lv.get("output_tok_s") or 0.0) / max(c, 1)
-        if v and v > 0:
-            out[c] = float(v)
+        v = per_user_rate(lv, c)
+        if v is not None:
+            out[c] = v
     return out

@@ -272,8 +272,13 @@ def stop_rule(spec: StudySpec, trials: Sequence[FrozenTrial]) -> convergence.Ass
     None when the study does not converge.  Memoised on the trials it would see."""
     if not converges(spec):
         return None
-    # The spec too: two studies of one name (a benchmark's seeds and variants) never share an answer.
-    seen = (
+    return _ASSESSED.get(spec.name, _rule_inputs(spec, trials), lambda: convergence.assess(spec, list(trials)))
+
+
+def _rule_inputs(spec: StudySpec, trials: Sequence[FrozenTrial]) -> tuple[Any, ...]:
+    """What the stop rule sees, as a memo key: the spec too (two studies of one name, a benchmark's
+    seeds and variants, never share an answer), and the launches in flight."""
+    return (
         spec.model_dump_json(),
         *(
             (t.number, t.state, t.value, t.user_attrs.get(A.CONFIG_KEY))
@@ -281,7 +286,6 @@ def stop_rule(spec: StudySpec, trials: Sequence[FrozenTrial]) -> convergence.Ass
             if t.state.is_finished() or t.state == TrialState.RUNNING
         ),
     )
-    return _ASSESSED.get(spec.name, seen, lambda: convergence.assess(spec, list(trials)))
 
 
 # ----------------------------------------------------------------------------------- decisions
@@ -395,27 +399,11 @@ def believed_settles(snap: Snapshot) -> str | None:
         for le in snap.leases
         if le.kind == "trial" and le.live and le.worker_id and le.trial_number is not None
     }
-    seen = (
-        snap.spec.model_dump_json(),
-        tuple(sorted(hosts.items())),
-        *(
-            (t.number, t.state, t.value, t.user_attrs.get(A.CONFIG_KEY))
-            for t in snap.trials
-            if t.state.is_finished() or t.state == TrialState.RUNNING
-        ),
-    )
+    seen = (tuple(sorted(hosts.items())), *_rule_inputs(snap.spec, snap.trials))
 
     def assess() -> convergence.Assessment | None:
         trials = believer.believed(snap.spec, snap.trials, snap.now, hosts)
-        if trials is None:
-            return None
-        if snap.spec.confirmation.top <= 0:
-            # Without a confirmation the rule settles only on a tight incumbent, and a believed
-            # launch has no passes to be wide: it must not become the incumbent.
-            best = max(A.measured_feasible(trials), key=lambda t: float(t.value or 0.0), default=None)
-            if best is not None and A.TrialRecord(best).has(A.BELIEVED):
-                return None
-        return convergence.assess(snap.spec, trials)
+        return None if trials is None else convergence.assess(snap.spec, trials)
 
     a = _BELIEVED.get(snap.spec.name, seen, assess)
     if a is None or not a.settled or a.rule != stop_rules.StopRule.MODEL:

@@ -127,7 +127,8 @@ def assess(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Assessment:
     best_r = A.TrialRecord(best)
     label = best_r.config_key
     iv = objective_interval(spec, best_value, level_intervals(best_r.levels, best_r.baseline_levels))
-    tight = iv is None or (iv.high / iv.low) ** 0.5 - 1.0 <= TIGHT
+    # A believed launch (optimizer.believer) has no passes to show its spread: never tight.
+    tight = not best_r.has(A.BELIEVED) and (iv is None or (iv.high / iv.low) ** 0.5 - 1.0 <= TIGHT)
     if pays_now and not tight and spec.confirmation.top <= 0:
         return Assessment(
             False,

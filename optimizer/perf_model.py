@@ -337,8 +337,8 @@ def observations_from_attrs(
         b = base.get(c)
         if al is None or al < 1.0 or b is None:
             continue
-        user = _per_user(lv, c)
-        base_user = _per_user(b, c)
+        user = per_user_rate(lv, c)
+        base_user = per_user_rate(b, c)
         if user is None or base_user is None:
             continue
         cycle = al / user
@@ -350,7 +350,8 @@ def observations_from_attrs(
     return out
 
 
-def _per_user(level: Mapping[str, Any], concurrency: int) -> float | None:
+def per_user_rate(level: Mapping[str, Any], concurrency: int) -> float | None:
+    """A level's tokens/s per request: as reported, else the level's total over its concurrency."""
     v = level.get("per_user_tok_s")
     if v is None or v <= 0:
         total = level.get("output_tok_s")

@@ -158,29 +158,34 @@ def test_a_fleet_holds_a_launch_the_believed_launches_in_flight_make_needless(
 
 def test_without_a_confirmation_a_believed_launch_never_becomes_the_incumbent(monkeypatch: pytest.MonkeyPatch) -> None:
     """With `confirmation.top: 0` the rule settles only on an incumbent whose interval is tight; a
-    believed launch has no passes to be wide, so one the model puts above every result holds
-    nothing back, and one below the best still does."""
-    monkeypatch.setattr(c.convergence, "assess", settled_once_believed(0.01))
+    believed launch has no passes to show its spread, so the rule (optimizer.convergence) never
+    counts a believed leader as tight, and one below the best still holds a launch back."""
     # Chains of 1, 2, 3, 6 and 7 steps measured: the engine's best chains (4, 5) are not.
     measured = [
         launched(i, SpecConfig(num_steps=s, topk=1, num_draft_tokens=s + 1), f"w{i % 4 + 1}")
         for i, s in enumerate((1, 2, 3, 6, 7))
     ]
     best = max(float(t.value or 0.0) for t in measured)
-    lease = c.LeaseView("t5", "trial", "active", 5, worker_id="w1")
-    for name, cfg, leads in (
-        ("believe-top0-below", SpecConfig(num_steps=1, topk=2, num_draft_tokens=3), False),
-        ("believe-top0-above", SpecConfig(num_steps=5, topk=1, num_draft_tokens=6), True),
-    ):
-        spec = spec_of(name, confirmation={"top": 0})
-        trials = [*measured, in_flight(5, cfg, PREDICTED)]
-        got = believer.believed(spec, trials, T0, {5: "w1"})
+    above = [*measured, in_flight(5, SpecConfig(num_steps=5, topk=1, num_draft_tokens=6), PREDICTED)]
+    below = [*measured, in_flight(5, SpecConfig(num_steps=1, topk=2, num_draft_tokens=3), PREDICTED)]
+    for name, trials, leads in (("believe-top0-below", below, False), ("believe-top0-above", above, True)):
+        got = believer.believed(spec_of(name, confirmation={"top": 0}), trials, T0, {5: "w1"})
         assert got is not None
         assert (float(next(t for t in got if t.number == 5).value or 0.0) > best) == leads, name
+    # The real rule: a believed leader is "wide" without a confirmation, not with one.
+    top0 = spec_of("believe-top0-rule", confirmation={"top": 0})
+    got = believer.believed(top0, above, T0, {5: "w1"})
+    assert got is not None
+    a = convergence.assess(top0, got)
+    assert not a.settled and "interval is wider" in a.reason, a.reason
+    top2 = spec_of("believe-top2-rule", confirmation={"top": 2})
+    got = believer.believed(top2, above, T0, {5: "w1"})
+    assert got is not None and "interval is wider" not in convergence.assess(top2, got).reason
+    # The conductor holds a launch back for a believed launch below the best, with or without a
+    # confirmation, and for a believed leader when a confirmation will measure it again.
+    monkeypatch.setattr(c.convergence, "assess", settled_once_believed(0.01))
+    lease = c.LeaseView("t5", "trial", "active", 5, worker_id="w1")
+    for name, trials, top in (("believe-hold-below", below, 0), ("believe-hold-top2", above, 2)):
+        spec = spec_of(name, confirmation={"top": top})
         action = c.next_action(snap(spec, trials, baselines=FLEET_BASES, hosts=FLEET, leases=[lease]), "w3")
-        assert isinstance(action, c.Ask if leads else c.Wait), name
-    # With a confirmation to measure it again, a believed leader holds the launch back as well.
-    spec = spec_of("believe-top2-above", confirmation={"top": 2})
-    trials = [*measured, in_flight(5, SpecConfig(num_steps=5, topk=1, num_draft_tokens=6), PREDICTED)]
-    action = c.next_action(snap(spec, trials, baselines=FLEET_BASES, hosts=FLEET, leases=[lease]), "w3")
-    assert isinstance(action, c.Wait)
+        assert isinstance(action, c.Wait), name
