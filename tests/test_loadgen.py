@@ -168,6 +168,12 @@ class FakeSGLang:
         try:
             for _ in range(10_000):  # keep-alive: bounded number of requests per connection
                 head = await reader.readuntil(b"\r\n\r\n")
+                if not head.startswith(b"POST "):
+                    # Only /generate is served; a GET (the load checks ask for /metrics) gets a
+                    # 404, as from a server started without --enable-metrics.
+                    writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+                    await writer.drain()
+                    continue
                 length = 0
                 for line in head.split(b"\r\n"):
                     if line.lower().startswith(b"content-length:"):
