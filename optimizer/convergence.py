@@ -5,7 +5,10 @@ After each result the study asks its fitted model (optimizer.perf_model) two que
 1. Could a configuration not yet launched still beat the incumbent by more than `min_gain`
    with a probability that matters (`P_MATTERS`)?  The incumbent is the best measured
    configuration, or the baseline (1.0x) when none beats it: the same rule then ends a study in
-   which nothing is likely to pay ("speculation does not pay").  Each candidate's chance counts
+   which nothing is likely to pay ("speculation does not pay").  Where the model ranks the
+   confirmed candidates (optimizer.ranking), the bar is the answer the study would give now: the
+   candidate the model ranks first among those the confirmation re-measures, so a launch that
+   drew a lucky 3% (three times the calibrated noise does) is not a bar nothing can clear.  Each candidate's chance counts
    the model's own uncertainty (Laplace), the incumbent's measurement spread, its risk of
    running out of memory, and is widened by how badly the model explains what was measured
    (the misfit factor), so a model that is wrong about this engine keeps the study going.
@@ -39,7 +42,7 @@ from scipy.stats import norm
 from optimizer import attrs as A
 from optimizer import stop_rules as R
 from optimizer.analysis import level_intervals
-from optimizer.confirmation import objective_interval
+from optimizer.confirmation import CANDIDATE_WINDOW, objective_interval
 from optimizer.model_sampler import OpenPool, gain_over, local_moves, objective_levels, observations_of, open_pool
 from optimizer.perf_model import MODEL_FLOOR, Candidates, FittedModel, fit
 from optimizer.spec import StudySpec
@@ -143,9 +146,13 @@ def assess(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Assessment:
     model = fit(observations_of(trials), spec.search_space.num_steps.high)
     check = R.prediction_check(trials) if model is not None else None
     op = open_pool(spec, trials)
+    ref = best
     if model is not None:
         floor = max(MODEL_FLOOR, check.excess_sd if check is not None and check.checked >= R.CHECK_MIN else 0.0)
-        top, top_key, misfit = _model_chance(spec, model, measured, best, op, gain, floor)
+        # Where the model ranks the confirmed candidates (optimizer.ranking: its predictions were
+        # checked and held), the answer is the candidate it ranks first, not the luckiest launch.
+        ranks = check is not None and check.checked >= R.CHECK_MIN and check.trusted
+        top, top_key, misfit, ref = _model_chance(spec, model, measured, best, op, gain, floor, ranks)
     else:
         top, top_key, misfit = 1.0, None, 1.0
     left = f"none of the {len(op.configs)} configurations left" if op.configs else "no configuration is left that"
@@ -178,6 +185,12 @@ def assess(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Assessment:
         )
     if trusted and top < P_MATTERS and lead.since >= MODEL_HOLD:
         beat = f"beat {label} ({best_value:.3f}x)" if pays_now else "beat the baseline"
+        if ref is not best:
+            ref_r = A.TrialRecord(ref)
+            beat = (
+                f"beat {ref_r.config_key} (measured {float(ref.value or 0.0):.3f}x; the model ranks it above "
+                f"{label}, measured {best_value:.3f}x)"
+            )
         return settle(
             StopRule.MODEL,
             f"{left} has a {100 * P_MATTERS:.0f}% chance to {beat} by more than {100 * gain:.0f}%",
@@ -199,8 +212,9 @@ def assess(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Assessment:
         what = "launches around" if walk else "launches without a gain over"
         return waiting(f"{distrust}; the empirical rule waits for {need} {what} {incumbent} ({quiet_n} so far)")
     if top >= P_MATTERS:
+        bar = f"{bar_value:.3f}x" if ref is best else f"{A.TrialRecord(ref).config_key} (the model's first)"
         return waiting(
-            f"{top_key} may still beat {bar_value:.3f}x by more than {100 * gain:.0f}% "
+            f"{top_key} may still beat {bar} by more than {100 * gain:.0f}% "
             f"(chance {100 * top:.0f}%, model misfit x{misfit:.1f})"
         )
     return waiting(f"the model sees nothing left to beat {incumbent}; waiting for one launch after it")
@@ -231,9 +245,14 @@ def _model_chance(
     op: OpenPool,
     gain: float,
     floor_sd: float,
-) -> tuple[float, str | None, float]:
+    ranks: bool = False,
+) -> tuple[float, str | None, float, FrozenTrial]:
     """The largest chance that an open configuration beats the bar by more than `gain`, which one,
-    and the model's misfit factor (host offsets taken out)."""
+    the model's misfit factor (host offsets taken out), and the launch the bar stands on.
+
+    The bar is the incumbent, or with `ranks` (the model ranks the confirmed candidates) the
+    candidate the model ranks first (`_answer_by_model`): the answer the study would give now.
+    """
     levels, weights = objective_levels(spec)
     recs = A.records(measured)
     mcfg = [r.config for r in recs]
@@ -246,16 +265,44 @@ def _model_chance(
         (got - mean_m)[real], np.sqrt(sd_m**2 + 0.01**2)[real], [r.worker_id for r in recs if not r.has(A.BELIEVED)]
     )
     best_value = float(best.value or 0.0)
+    ref = _answer_by_model(spec, measured, best, mean_m) if ranks and best_value > 1.0 else best
     if not op.configs:
-        return 0.0, None, misfit
+        return 0.0, None, misfit, ref
     if best_value > 1.0:
-        # Against the incumbent as the model sees it (its fit of every measurement), so what is
+        # Against the bar as the model sees it (its fit of every measurement), so what is
         # uncertain for both alike cancels.
-        diff, sd = gain_over(spec, model, op.configs, mcfg[list(measured).index(best)], floor_sd)
+        diff, sd = gain_over(spec, model, op.configs, mcfg[list(measured).index(ref)], floor_sd)
         z = (diff - math.log1p(gain)) / (sd * misfit)
     else:
         mean, sd = model.predict_log_speedup(Candidates.of(op.configs), levels, weights)
         z = (mean - math.log1p(gain)) / (sd * misfit)
     chance = norm.cdf(z) * (1.0 - op.p_fail)
     i = int(np.argmax(chance))
-    return float(chance[i]), op.configs[i].key, misfit
+    return float(chance[i]), op.configs[i].key, misfit, ref
+
+
+def _answer_by_model(
+    spec: StudySpec, measured: Sequence[FrozenTrial], best: FrozenTrial, fitted: np.ndarray
+) -> FrozenTrial:
+    """The launch the model ranks first among those the confirmation would re-measure whatever
+    the model says: the best `confirmation.top` configurations by measured value within its
+    window of the leader (optimizer.confirmation.candidates keeps each of them that the model
+    ranks above the leader, and optimizer.ranking then chooses by the model).  Believed launches
+    (optimizer.believer) are the model's own guesses: never the bar."""
+    seen: set[str] = set()
+    pick, pick_fit = best, -math.inf
+    order = sorted(range(len(measured)), key=lambda i: (-float(measured[i].value or 0.0), measured[i].number))
+    for i in order:
+        t = measured[i]
+        r = A.TrialRecord(t)
+        if (
+            float(t.value or 0.0) < float(best.value or 0.0) * (1.0 - CANDIDATE_WINDOW)
+            or len(seen) >= spec.confirmation.top
+        ):
+            break
+        if r.config_key in seen:
+            continue
+        seen.add(str(r.config_key))
+        if not r.has(A.BELIEVED) and float(fitted[i]) > pick_fit:
+            pick, pick_fit = t, float(fitted[i])
+    return pick

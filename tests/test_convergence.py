@@ -12,7 +12,8 @@ import pytest
 from optuna.trial import FrozenTrial, TrialState, create_trial
 
 from optimizer import attrs as A
-from optimizer import conductor, convergence, costs, launch_cost, stop_rules
+from optimizer import conductor, convergence, costs, launch_cost, ranking, stop_rules
+from optimizer import confirmation as confirm
 from optimizer import study as opt
 from optimizer.infeasible import needs_at_least
 from optimizer.memory_boundary import PROBABLE_FAILURE, MemoryBoundary, terms_for, tuning_launches
@@ -22,10 +23,12 @@ from optimizer.model_sampler import (
     coords,
     lattice_distance,
     local_moves,
+    observations_of,
     open_pool,
     propose,
     space_configs,
 )
+from optimizer.perf_model import MODEL_FLOOR, fit
 from optimizer.plan import server_settings
 from optimizer.space import SearchSpace, SpecConfig
 from optimizer.spec import parse_spec
@@ -562,3 +565,58 @@ def test_the_conductors_assessment_sees_a_launch_go_out() -> None:
     after = conductor.stop_rule(sp, [*trials, flying])
     assert after.open_configs == before.open_configs - 1
     assert after.best_chance_config != top.key
+
+
+def _lucky(trials: list[FrozenTrial], i: int, factor: float) -> list[FrozenTrial]:
+    """`trials` with launch i measured `factor` faster than the engine runs it (a lucky draw)."""
+    t = trials[i]
+    a = dict(t.user_attrs)
+    a["levels"] = [{**lv, "output_tok_s": lv["output_tok_s"] * factor} for lv in a["levels"]]
+    a["speedup_by_level"] = {k: v * factor for k, v in a["speedup_by_level"].items()}
+    return [*trials[:i], _frozen(t.number, float(t.value or 0.0) * factor, a), *trials[i + 1 :]]
+
+
+def test_a_lucky_launch_is_not_the_bar_where_the_model_ranks_the_answer() -> None:
+    """noisy-8b with four workers, seed 9: s6-k4-n20 drew 3% above what the engine gives, led by
+    measurement, and the model rule never settled against it (the model kept a 30-40% chance that
+    s6-k8-n41 beats it by 1%, and s6-k8-n42, launched, already did by the model's fit); the study
+    ran 20 search launches to the improvement-rate rule.  The bar is the answer the study would
+    give: the candidate the confirmation re-measures that the model ranks first."""
+    sp = spec()
+    configs = [
+        SpecConfig(num_steps=s, topk=k, num_draft_tokens=n)
+        for s, k, n in [(5, 4, 8), (4, 4, 16), (7, 8, 50), (6, 4, 19), (7, 8, 64), (6, 8, 26), (6, 8, 33),
+                        (6, 4, 20), (7, 8, 51), (6, 8, 42)]
+    ]  # fmt: skip
+    trials = []
+    for i, c in enumerate(configs):
+        value, a = attrs_for("dense-8b-h100", c)
+        a["worker_id"] = f"w{i % 4}"
+        if i > 0:  # the model predicted each launch well: trusted, and it ranks the candidates
+            a["model_prediction"] = {"speedup": value, "log_sd": 0.02, "move": "model"}
+        trials.append(_frozen(i, value, a))
+    trials = _lucky(trials, 7, 1.03)
+    lucky = trials[7]
+    assert max(trials, key=lambda t: float(t.value or 0.0)) is lucky
+    rank = ranking.of(sp, trials)
+    assert rank is not None
+    model = fit(observations_of(trials), sp.search_space.num_steps.high)
+    assert model is not None
+    op = open_pool(sp, trials)
+    plain = convergence._model_chance(sp, model, trials, lucky, op, 0.01, MODEL_FLOOR, ranks=False)
+    ranked = convergence._model_chance(sp, model, trials, lucky, op, 0.01, MODEL_FLOOR, ranks=True)
+    assert plain[3] is lucky
+    bar = A.TrialRecord(ranked[3]).config
+    assert bar.key == "s6-k8-n42-bsauto" and rank.estimate(bar) > rank.estimate(A.TrialRecord(lucky).config)
+    # Against the answer the model would choose, what is left has less chance than against the
+    # lucky launch's own fit.
+    assert ranked[0] < plain[0]
+    # The bar is one the confirmation re-measures (and the ranking then chooses among).
+    chosen = [A.TrialRecord(t).config_key for t in confirm.candidates(trials, sp.confirmation.top, sp, 0.0, rank)]
+    assert bar.key in chosen and lucky.user_attrs["config_key"] in chosen
+    now = convergence.assess(sp, trials)
+    assert not now.settled and "s6-k8-n42-bsauto (the model's first)" in now.reason, now.reason
+    # A believed launch (optimizer.believer) is the model's guess: never the bar.
+    believed = [*trials[:9], _frozen(9, trials[9].value or 0.0, {**trials[9].user_attrs, A.BELIEVED: True})]
+    again = convergence._model_chance(sp, model, believed, lucky, op, 0.01, MODEL_FLOOR, ranks=True)
+    assert again[3] is not believed[9]
