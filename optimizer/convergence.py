@@ -6,12 +6,11 @@ After each result the study asks its fitted model (optimizer.perf_model) two que
    with a probability that matters (`P_MATTERS`)?  The incumbent is the best measured
    configuration, or the baseline (1.0x) when none beats it: the same rule then ends a study in
    which nothing is likely to pay ("speculation does not pay").  Where the model ranks the
-   confirmed candidates (optimizer.ranking), the bar is the answer the study would give now: the
-   candidate the model ranks first among those the confirmation re-measures, so a launch that
-   drew a lucky 3% (three times the calibrated noise does) is not a bar nothing can clear.  Each candidate's chance counts
-   the model's own uncertainty (Laplace), the incumbent's measurement spread, its risk of
-   running out of memory, and is widened by how badly the model explains what was measured
-   (the misfit factor), so a model that is wrong about this engine keeps the study going.
+   confirmed candidates, the bar is the answer the study would give now (ranking.answer_bar),
+   not a launch that drew lucky noise.  Each candidate's chance counts the model's own
+   uncertainty (Laplace), the incumbent's measurement spread, its risk of running out of
+   memory, and is widened by how badly the model explains what was measured (the misfit
+   factor), so a model that is wrong about this engine keeps the study going.
 2. Is the incumbent measured tightly enough to rank it: its 95% interval no wider than
    `TIGHT` either side, or a confirmation to come (which re-measures it).
 
@@ -40,11 +39,13 @@ from optuna.trial import FrozenTrial
 from scipy.stats import norm
 
 from optimizer import attrs as A
+from optimizer import ranking
 from optimizer import stop_rules as R
 from optimizer.analysis import level_intervals
-from optimizer.confirmation import CANDIDATE_WINDOW, objective_interval
+from optimizer.confirmation import objective_interval
 from optimizer.model_sampler import OpenPool, gain_over, local_moves, objective_levels, observations_of, open_pool
-from optimizer.perf_model import MODEL_FLOOR, Candidates, FittedModel, fit
+from optimizer.perf_model import Candidates, FittedModel, fit
+from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 from optimizer.stop_rules import StopRule
 
@@ -146,17 +147,29 @@ def assess(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Assessment:
     model = fit(observations_of(trials), spec.search_space.num_steps.high)
     check = R.prediction_check(trials) if model is not None else None
     op = open_pool(spec, trials)
-    ref = best
-    if model is not None:
-        floor = max(MODEL_FLOOR, check.excess_sd if check is not None and check.checked >= R.CHECK_MIN else 0.0)
-        # Where the model ranks the confirmed candidates (optimizer.ranking: its predictions were
-        # checked and held), the answer is the candidate it ranks first, not the luckiest launch.
-        ranks = check is not None and check.checked >= R.CHECK_MIN and check.trusted
-        top, top_key, misfit, ref = _model_chance(spec, model, measured, best, op, gain, floor, ranks)
+    # The bar what is left must beat: the incumbent, or where the model ranks the confirmed
+    # candidates, the one it ranks first (ranking.answer_bar: the answer, not the luckiest launch).
+    bar = best
+    if model is not None and check is not None:
+        floor = ranking.floor_sd(check)
+        if pays_now and ranking.ranks(check):
+            bar = ranking.answer_bar(spec, trials, ranking.Ranking(spec, model, floor)) or best
+        top, top_key, misfit = _model_chance(
+            spec, model, measured, best_value, A.TrialRecord(bar).config, op, gain, floor
+        )
     else:
         top, top_key, misfit = 1.0, None, 1.0
+    bar_r = A.TrialRecord(bar)
+    moved = bar_r.config_key != label  # ties by value keep the incumbent's name
     left = f"none of the {len(op.configs)} configurations left" if op.configs else "no configuration is left that"
     incumbent = f"{label} ({best_value:.3f}x)" if pays_now else f"the baseline (best launched: {best_value:.3f}x)"
+    # In words: what the model weighed what is left against.
+    against = (
+        f"{bar_r.config_key} (measured {float(bar.value or 0.0):.3f}x; the model ranks it above {label}, "
+        f"measured {best_value:.3f}x)"
+        if moved
+        else incumbent
+    )
 
     # The sampler walks only where it has a model that failed its check (model_sampler._local_moves).
     walks = pays_now and model is not None and check is not None and not check.trusted
@@ -174,23 +187,17 @@ def assess(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Assessment:
 
     trusted = model is not None and (check is None or check.trusted)
     probe = (
-        R.depth_probe(trials, best_r.config, op.configs, spec.search_space.num_steps.high)
+        R.depth_probe(trials, bar_r.config, op.configs, spec.search_space.num_steps.high)
         if trusted and pays_now and top < P_MATTERS
         else None
     )
     if probe is not None:
         return waiting(
-            f"the model sees nothing left to beat {incumbent}, but {label} is the deepest launch: "
+            f"the model sees nothing left to beat {against}, but {bar_r.config_key} is the deepest launch: "
             f"one launch one draft step deeper ({probe.key}) first"
         )
     if trusted and top < P_MATTERS and lead.since >= MODEL_HOLD:
-        beat = f"beat {label} ({best_value:.3f}x)" if pays_now else "beat the baseline"
-        if ref is not best:
-            ref_r = A.TrialRecord(ref)
-            beat = (
-                f"beat {ref_r.config_key} (measured {float(ref.value or 0.0):.3f}x; the model ranks it above "
-                f"{label}, measured {best_value:.3f}x)"
-            )
+        beat = f"beat {against}" if pays_now else "beat the baseline"
         return settle(
             StopRule.MODEL,
             f"{left} has a {100 * P_MATTERS:.0f}% chance to {beat} by more than {100 * gain:.0f}%",
@@ -212,12 +219,12 @@ def assess(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Assessment:
         what = "launches around" if walk else "launches without a gain over"
         return waiting(f"{distrust}; the empirical rule waits for {need} {what} {incumbent} ({quiet_n} so far)")
     if top >= P_MATTERS:
-        bar = f"{bar_value:.3f}x" if ref is best else f"{A.TrialRecord(ref).config_key} (the model's first)"
+        over = f"{bar_r.config_key} (the model's first)" if moved else f"{bar_value:.3f}x"
         return waiting(
-            f"{top_key} may still beat {bar} by more than {100 * gain:.0f}% "
+            f"{top_key} may still beat {over} by more than {100 * gain:.0f}% "
             f"(chance {100 * top:.0f}%, model misfit x{misfit:.1f})"
         )
-    return waiting(f"the model sees nothing left to beat {incumbent}; waiting for one launch after it")
+    return waiting(f"the model sees nothing left to beat {against}; waiting for one launch after it")
 
 
 def quiet_spell(
@@ -241,18 +248,15 @@ def _model_chance(
     spec: StudySpec,
     model: FittedModel,
     measured: Sequence[FrozenTrial],
-    best: FrozenTrial,
+    best_value: float,
+    bar: SpecConfig,
     op: OpenPool,
     gain: float,
     floor_sd: float,
-    ranks: bool = False,
-) -> tuple[float, str | None, float, FrozenTrial]:
-    """The largest chance that an open configuration beats the bar by more than `gain`, which one,
-    the model's misfit factor (host offsets taken out), and the launch the bar stands on.
-
-    The bar is the incumbent, or with `ranks` (the model ranks the confirmed candidates) the
-    candidate the model ranks first (`_answer_by_model`): the answer the study would give now.
-    """
+) -> tuple[float, str | None, float]:
+    """The largest chance that an open configuration beats the bar (the launch `bar`, as the
+    model sees it, where the incumbent pays; else the baseline) by more than `gain`, which one,
+    and the model's misfit factor (host offsets taken out)."""
     levels, weights = objective_levels(spec)
     recs = A.records(measured)
     mcfg = [r.config for r in recs]
@@ -264,45 +268,16 @@ def _model_chance(
     misfit = host_misfit(
         (got - mean_m)[real], np.sqrt(sd_m**2 + 0.01**2)[real], [r.worker_id for r in recs if not r.has(A.BELIEVED)]
     )
-    best_value = float(best.value or 0.0)
-    ref = _answer_by_model(spec, measured, best, mean_m) if ranks and best_value > 1.0 else best
     if not op.configs:
-        return 0.0, None, misfit, ref
+        return 0.0, None, misfit
     if best_value > 1.0:
         # Against the bar as the model sees it (its fit of every measurement), so what is
         # uncertain for both alike cancels.
-        diff, sd = gain_over(spec, model, op.configs, mcfg[list(measured).index(ref)], floor_sd)
+        diff, sd = gain_over(spec, model, op.configs, bar, floor_sd)
         z = (diff - math.log1p(gain)) / (sd * misfit)
     else:
         mean, sd = model.predict_log_speedup(Candidates.of(op.configs), levels, weights)
         z = (mean - math.log1p(gain)) / (sd * misfit)
     chance = norm.cdf(z) * (1.0 - op.p_fail)
     i = int(np.argmax(chance))
-    return float(chance[i]), op.configs[i].key, misfit, ref
-
-
-def _answer_by_model(
-    spec: StudySpec, measured: Sequence[FrozenTrial], best: FrozenTrial, fitted: np.ndarray
-) -> FrozenTrial:
-    """The launch the model ranks first among those the confirmation would re-measure whatever
-    the model says: the best `confirmation.top` configurations by measured value within its
-    window of the leader (optimizer.confirmation.candidates keeps each of them that the model
-    ranks above the leader, and optimizer.ranking then chooses by the model).  Believed launches
-    (optimizer.believer) are the model's own guesses: never the bar."""
-    seen: set[str] = set()
-    pick, pick_fit = best, -math.inf
-    order = sorted(range(len(measured)), key=lambda i: (-float(measured[i].value or 0.0), measured[i].number))
-    for i in order:
-        t = measured[i]
-        r = A.TrialRecord(t)
-        if (
-            float(t.value or 0.0) < float(best.value or 0.0) * (1.0 - CANDIDATE_WINDOW)
-            or len(seen) >= spec.confirmation.top
-        ):
-            break
-        if r.config_key in seen:
-            continue
-        seen.add(str(r.config_key))
-        if not r.has(A.BELIEVED) and float(fitted[i]) > pick_fit:
-            pick, pick_fit = t, float(fitted[i])
-    return pick
+    return float(chance[i]), op.configs[i].key, misfit

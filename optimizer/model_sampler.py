@@ -323,16 +323,20 @@ def propose(
     best = best_measured_trial(trials)
     if best is not None and float(best.value or 0.0) > 1.0:
         # The question the convergence stop asks (optimizer.convergence): how much may each
-        # candidate beat the incumbent, as the model sees both, by more than min_gain?  Measuring
-        # where that is most likely also settles the study soonest.
+        # candidate beat the bar, as the model sees both, by more than min_gain?  Measuring
+        # where that is most likely also settles the study soonest.  The bar is the incumbent,
+        # or where the model ranks the confirmed candidates, the one it ranks first.
+        # Imported here: optimizer.ranking is built on this module's gain_over.
+        from optimizer import ranking
+
+        check = stop_rules.prediction_check(trials)
         ref = A.TrialRecord(best).config
+        if ranking.ranks(check):
+            bar = ranking.answer_bar(spec, trials, ranking.Ranking(spec, model, ranking.floor_sd(check)))
+            ref = ref if bar is None else A.TrialRecord(bar).config
         diff, sd = gain_over(spec, model, pool, ref)
         z = (diff - math.log1p(spec.budget.min_gain)) / sd
-        if (
-            not op.pending
-            and float(norm.cdf(z).max()) < stop_rules.P_MATTERS
-            and stop_rules.prediction_check(trials).trusted
-        ):
+        if not op.pending and float(norm.cdf(z).max()) < stop_rules.P_MATTERS and check.trusted:
             # The model sees nothing left to beat the incumbent: where the incumbent is the
             # deepest launch, the stop rule first wants one launch past it (stop_rules.depth_probe).
             probe = stop_rules.depth_probe(trials, ref, pool, spec.search_space.num_steps.high)

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from optuna.trial import FrozenTrial
 from scipy.stats import norm
 
+from optimizer import attrs as A
+from optimizer import confirmation as confirm
 from optimizer import stop_rules as R
 from optimizer.memo import PerStudyMemo
 from optimizer.model_sampler import gain_over, objective_levels, observations_of
@@ -68,6 +70,35 @@ class Ranking:
         return float(norm.cdf((float(diff[0]) - math.log1p(min_gain)) / max(float(sd[0]), 1e-9)))
 
 
+def ranks(check: R.PredictionCheck) -> bool:
+    """Does a model with this prediction check rank the candidates?  Only once its predictions
+    were checked against launches made after them, and held: a model nobody tested (another
+    sampler made no predictions) does not overrule a measurement."""
+    return check.checked >= R.CHECK_MIN and check.trusted
+
+
+def floor_sd(check: R.PredictionCheck) -> float:
+    """The model's misspecification floor: what its own predictions missed by, at least MODEL_FLOOR."""
+    return max(MODEL_FLOOR, check.excess_sd if check.checked >= R.CHECK_MIN else 0.0)
+
+
+def answer_bar(spec: StudySpec, trials: Sequence[FrozenTrial], ranking: Ranking) -> FrozenTrial | None:
+    """The answer the study would give now, by its model: of the candidates the confirmation
+    re-measures (optimizer.confirmation.candidates, judged by this ranking), the one the model
+    ranks first (`confirmation.choose` asks the same ranking).  What is left is weighed against
+    it (optimizer.convergence, and the sampler's aim), not against the luckiest launch: with
+    three times the calibrated noise a launch draws 3% high now and then, and a bar the model
+    itself ranks below a launched configuration keeps a study searching for nothing.  A
+    believed launch (optimizer.believer) is the model's own guess, never the bar.  None when
+    no candidate is left (nothing measured, or the study confirms nothing)."""
+    chosen = [
+        t
+        for t in confirm.candidates(list(trials), spec.confirmation.top, spec, 0.0, ranking)
+        if not A.TrialRecord(t).has(A.BELIEVED)
+    ]
+    return max(chosen, key=lambda t: (ranking.estimate(A.TrialRecord(t).config), -t.number), default=None)
+
+
 _MEMO: PerStudyMemo[Ranking | None] = PerStudyMemo(128)
 
 
@@ -85,10 +116,5 @@ def _fit(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Ranking | None:
     model = fit(observations_of(trials), spec.search_space.num_steps.high)
     if model is None:
         return None
-    # Trusted only once its predictions were checked against launches made after them, and held:
-    # a model nobody tested (another sampler made no predictions) does not overrule a measurement.
     check = R.prediction_check(trials)
-    if check.checked < R.CHECK_MIN or not check.trusted:
-        return None
-    floor = max(MODEL_FLOOR, check.excess_sd if check.checked >= R.CHECK_MIN else 0.0)
-    return Ranking(spec, model, floor)
+    return Ranking(spec, model, floor_sd(check)) if ranks(check) else None
