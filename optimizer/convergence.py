@@ -224,7 +224,8 @@ def assess(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Assessment:
             f"{top_key} may still beat {over} by more than {100 * gain:.0f}% "
             f"(chance {100 * top:.0f}%, model misfit x{misfit:.1f})"
         )
-    return waiting(f"the model sees nothing left to beat {against}; waiting for one launch after it")
+    after = f"after {label}, the incumbent" if moved else "after it"
+    return waiting(f"the model sees nothing left to beat {against}; waiting for one launch {after}")
 
 
 def quiet_spell(

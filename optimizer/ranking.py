@@ -83,19 +83,17 @@ def floor_sd(check: R.PredictionCheck) -> float:
 
 
 def answer_bar(spec: StudySpec, trials: Sequence[FrozenTrial], ranking: Ranking) -> FrozenTrial | None:
-    """The answer the study would give now, by its model: of the candidates the confirmation
-    re-measures (optimizer.confirmation.candidates, judged by this ranking), the one the model
-    ranks first (`confirmation.choose` asks the same ranking).  What is left is weighed against
-    it (optimizer.convergence, and the sampler's aim), not against the luckiest launch: with
-    three times the calibrated noise a launch draws 3% high now and then, and a bar the model
-    itself ranks below a launched configuration keeps a study searching for nothing.  A
-    believed launch (optimizer.believer) is the model's own guess, never the bar.  None when
-    no candidate is left (nothing measured, or the study confirms nothing)."""
-    chosen = [
-        t
-        for t in confirm.candidates(list(trials), spec.confirmation.top, spec, 0.0, ranking)
-        if not A.TrialRecord(t).has(A.BELIEVED)
-    ]
+    """The answer the study would stand behind now, by its model: of the candidates the
+    confirmation re-measures (optimizer.confirmation.candidates, judged by this ranking), the one
+    the model ranks first (`confirmation.choose` asks the same ranking, and answers with it or a
+    cheaper one surely within `min_gain` of it).  What is left is weighed against it
+    (optimizer.convergence, and the sampler's aim), not against the luckiest launch: with three
+    times the calibrated noise a launch draws 3% high now and then, and a bar the model itself
+    ranks below a launched configuration keeps a study searching for nothing.  A believed
+    launch (optimizer.believer) counts as if it had come in as believed: the believer asks what
+    the rule would say then.  None when no candidate is left (nothing measured, or the study
+    confirms nothing)."""
+    chosen = confirm.candidates(list(trials), spec.confirmation.top, spec, 0.0, ranking)
     return max(chosen, key=lambda t: (ranking.estimate(A.TrialRecord(t).config), -t.number), default=None)
 
 

@@ -578,6 +578,23 @@ def _lucky(trials: list[FrozenTrial], i: int, factor: float) -> list[FrozenTrial
     return [*trials[:i], _frozen(t.number, float(t.value or 0.0) * factor, a), *trials[i + 1 :]]
 
 
+def _predicted(landscape: str, configs: list[tuple[int, int, int]]) -> list[FrozenTrial]:
+    """These configurations measured on the simulator, each after the first predicted exactly
+    (a model whose predictions held: it ranks the candidates)."""
+    trials = []
+    for i, (s, k, n) in enumerate(configs):
+        value, a = attrs_for(landscape, SpecConfig(num_steps=s, topk=k, num_draft_tokens=n))
+        if i > 0:
+            a["model_prediction"] = {"speedup": value, "log_sd": 0.02, "move": "model"}
+        trials.append(_frozen(i, value, a))
+    return trials
+
+
+# noisy-8b, four workers, seed 9 (benchmarks/search_efficiency.py): its first ten launches.
+NOISY_SEED_9 = [(5, 4, 8), (4, 4, 16), (7, 8, 50), (6, 4, 19), (7, 8, 64), (6, 8, 26), (6, 8, 33), (6, 4, 20),
+                (7, 8, 51), (6, 8, 42)]  # fmt: skip
+
+
 def test_a_lucky_launch_is_not_the_bar_where_the_model_ranks_the_answer() -> None:
     """noisy-8b with four workers, seed 9: s6-k4-n20 drew 3% above what the engine gives, led by
     measurement, and the model rule never settled against it (the model kept a 25-44% chance
@@ -586,18 +603,7 @@ def test_a_lucky_launch_is_not_the_bar_where_the_model_ranks_the_answer() -> Non
     engine), with s6-k4-n20 drawn 3% high: the bar is the confirmed candidate the model ranks
     first, for the stop rule and the sampler alike (ranking.answer_bar)."""
     sp = spec()
-    configs = [
-        SpecConfig(num_steps=s, topk=k, num_draft_tokens=n)
-        for s, k, n in [(5, 4, 8), (4, 4, 16), (7, 8, 50), (6, 4, 19), (7, 8, 64), (6, 8, 26), (6, 8, 33),
-                        (6, 4, 20), (7, 8, 51), (6, 8, 42)]
-    ]  # fmt: skip
-    trials = []
-    for i, c in enumerate(configs):
-        value, a = attrs_for("dense-8b-h100", c)
-        a["worker_id"] = f"w{i % 4}"
-        if i > 0:  # the model predicted each launch well: trusted, and it ranks the candidates
-            a["model_prediction"] = {"speedup": value, "log_sd": 0.02, "move": "model"}
-        trials.append(_frozen(i, value, a))
+    trials = _predicted("dense-8b-h100", NOISY_SEED_9)
     fair = trials[7]
     trials = _lucky(trials, 7, 1.03)
     lucky = trials[7]
@@ -627,11 +633,43 @@ def test_a_lucky_launch_is_not_the_bar_where_the_model_ranks_the_answer() -> Non
     # A study that confirms only its leader answers with the leader: then the leader is the bar.
     one = spec(confirmation={"top": 1})
     assert ranking.answer_bar(one, trials, rank) is lucky
-    # A believed launch (optimizer.believer) is the model's guess: never the bar.
+    # The believer (optimizer.believer) asks what the rule would say if a launch came in as
+    # believed: a believed launch is the bar the real one would be.
     believed = [*trials[:9], _frozen(9, float(trials[9].value or 0.0), {**trials[9].user_attrs, A.BELIEVED: True})]
-    other = ranking.answer_bar(sp, believed, rank)
-    assert other is not None and not A.TrialRecord(other).has(A.BELIEVED)
-    assert other in confirm.candidates(believed, sp.confirmation.top, sp, 0.0, rank)
+    assert ranking.answer_bar(sp, believed, rank) is believed[9]
+
+
+def test_a_runner_up_the_confirmation_skips_frees_a_place_for_the_bar() -> None:
+    """With `confirmation.top` 2, two lucky launches lead by measurement: s7-k8-n50 and s7-k8-n64,
+    which the model ranks far below (no chance to beat the leader: the confirmation skips it).
+    s6-k8-n42, third by measurement, takes its place, and the model ranks it first: the bar."""
+    sp = spec(confirmation={"top": 2})
+    trials = _lucky(_lucky(_predicted("dense-8b-h100", NOISY_SEED_9), 2, 1.03), 4, 1.04)
+    by_value = [t.user_attrs["config_key"] for t in sorted(trials, key=lambda t: -float(t.value or 0.0))]
+    assert by_value[:3] == ["s7-k8-n50-bsauto", "s7-k8-n64-bsauto", "s6-k8-n42-bsauto"]
+    rank = ranking.of(sp, trials)
+    assert rank is not None
+    chosen = [t.user_attrs["config_key"] for t in confirm.candidates(trials, 2, sp, 0.0, rank)]
+    assert chosen == ["s7-k8-n50-bsauto", "s6-k8-n42-bsauto"]
+    bar = ranking.answer_bar(sp, trials, rank)
+    assert bar is not None and bar.user_attrs["config_key"] == "s6-k8-n42-bsauto"
+
+
+def test_the_depth_probe_looks_past_the_bar() -> None:
+    """two-peaks, nine launches no deeper than 5 steps, s4-k4-n13 3% lucky: it leads by
+    measurement, the model ranks s5-k4-n16 first, and that is the deepest launch.  The rule waits
+    for one launch a step past the bar, and the sampler proposes it (past the leader there would
+    be nothing to probe: 5-step launches exist)."""
+    base = [(3, 1, 4), (5, 4, 8), (5, 8, 64), (4, 4, 32), (4, 8, 13), (5, 4, 16), (5, 2, 6), (4, 2, 6), (4, 4, 13)]
+    sp = spec()
+    trials = _lucky(_predicted("two-peaks", base), 8, 1.03)
+    assert max(trials, key=lambda t: float(t.value or 0.0)).user_attrs["config_key"] == "s4-k4-n13-bsauto"
+    a = convergence.assess(sp, trials)
+    assert not a.settled and a.best_chance < convergence.P_MATTERS, a.reason
+    assert "s5-k4-n16-bsauto is the deepest launch" in a.reason and "(s6-k4-n19-bsauto)" in a.reason, a.reason
+    assert "the model ranks it above s4-k4-n13-bsauto" in a.reason, a.reason
+    p = propose(sp, trials, random.Random(0))
+    assert p is not None and p.move == "probe" and p.config.key == "s6-k4-n19-bsauto"
 
 
 def test_the_sampler_aims_at_the_bar_the_rule_weighs_against() -> None:
@@ -639,18 +677,7 @@ def test_the_sampler_aims_at_the_bar_the_rule_weighs_against() -> None:
     more than min_gain): with a lucky leader, its expected improvement is over the model's first
     (ranking.answer_bar), not over the leader."""
     sp = spec()
-    configs = [
-        SpecConfig(num_steps=s, topk=k, num_draft_tokens=n)
-        for s, k, n in [(5, 4, 8), (4, 4, 16), (7, 8, 50), (6, 4, 19), (7, 8, 64), (6, 8, 26), (6, 8, 33),
-                        (6, 4, 20), (7, 8, 51), (6, 8, 42)]
-    ]  # fmt: skip
-    trials = []
-    for i, c in enumerate(configs):
-        value, a = attrs_for("dense-8b-h100", c)
-        if i > 0:
-            a["model_prediction"] = {"speedup": value, "log_sd": 0.02, "move": "model"}
-        trials.append(_frozen(i, value, a))
-    trials = _lucky(trials, 7, 1.03)
+    trials = _lucky(_predicted("dense-8b-h100", NOISY_SEED_9), 7, 1.03)
     rank = ranking.of(sp, trials)
     assert rank is not None
     bar = ranking.answer_bar(sp, trials, rank)
