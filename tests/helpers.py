@@ -167,7 +167,7 @@ def sim_engine(args: list[str], *, log_path: Path, env: Mapping[str, str] | None
     proc = spawn(argv, log_path, env)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_serving(f"{url}/health_generate", proc, log_path, timeout=90)
+        wait_serving(f"{url}/health_generate", proc, log_path, timeout=300)
         yield url, proc.pid
     finally:
         stop_process_group(proc)

@@ -118,7 +118,7 @@ def test_an_unreadable_measurement_reads_as_a_failed_trial(api: Api, db_url: str
 
 
 def spectune_db(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "api.cli", "db", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "api.cli", "db", *args], capture_output=True, text=True, timeout=600)
 
 
 def test_an_admin_repairs_or_quarantines_a_trial_record(api: Api, db_url: str, tmp_path: Path) -> None:

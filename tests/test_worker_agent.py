@@ -357,7 +357,7 @@ def test_bad_config_exits_with_a_clear_message(tmp_path):
 def test_a_worker_whose_engine_cannot_import_refuses_to_start_and_takes_no_lease(tmp_path, api):
     # A venv without the engine (as a worker-only install without the `sim` extra once was).
     bare = tmp_path / "bare-venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=600)
     fake, server = api
     config = write_config(tmp_path, server.url)
     config.write_text(config.read_text().replace(f'python = "{sys.executable}"', f'python = "{bare}/bin/python"'))

@@ -45,7 +45,9 @@ def worker_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("worker-install")
     wheel = build_dist(copy_checkout(root / "checkout"))
     venv = root / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    # The time-outs bound a hung step; they are not a speed budget (a busy CI machine took over
+    # 120 s to make the venv, ensurepip included).
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=600)
     subprocess.run(
         [str(venv / "bin" / "pip"), "install", "-q", f"{wheel}[sim]"], check=True, timeout=600, cwd=root
     )  # fmt: skip
@@ -100,7 +102,7 @@ def test_worker_from_the_worker_only_install_runs_a_study(
     subprocess.run(
         [sys.executable, "-m", "api.cli", "token", "create", "--role", "worker", "--worker-id", "sim-1",
          "--database-url", db_url, "--output", str(sim / "worker.token")],
-        check=True, capture_output=True, timeout=120,
+        check=True, capture_output=True, timeout=600,
     )  # fmt: skip
     (tmp_path / "run").mkdir()
     with cluster(tmp_path / "run", db_url) as c:

@@ -40,7 +40,7 @@ def test_the_simulated_worker_example_runs_a_study_as_copied(tmp_path: Path, sql
         "SPECTUNE_DATABASE_URL": db_url,
     }
     # Every step but the last (the worker itself, started below), in one shell as a user would.
-    subprocess.run(["bash", "-e", "-c", "\n".join(commands[:-1])], cwd=tmp_path, env=env, check=True, timeout=120)
+    subprocess.run(["bash", "-e", "-c", "\n".join(commands[:-1])], cwd=tmp_path, env=env, check=True, timeout=600)
     sim = tmp_path / "sim"
     assert (sim / "worker.token").stat().st_mode & 0o077 == 0
 
