@@ -152,8 +152,8 @@ def assess(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Assessment:
     bar = best
     if model is not None and check is not None:
         floor = ranking.floor_sd(check)
-        if pays_now and ranking.ranks(check):
-            bar = ranking.answer_bar(spec, trials, ranking.Ranking(spec, model, floor)) or best
+        if pays_now:
+            bar = ranking.bar_of(spec, trials, model, check, best)
         top, top_key, misfit = _model_chance(
             spec, model, measured, best_value, A.TrialRecord(bar).config, op, gain, floor
         )

@@ -330,10 +330,7 @@ def propose(
         from optimizer import ranking
 
         check = stop_rules.prediction_check(trials)
-        ref = A.TrialRecord(best).config
-        if ranking.ranks(check):
-            bar = ranking.answer_bar(spec, trials, ranking.Ranking(spec, model, ranking.floor_sd(check)))
-            ref = ref if bar is None else A.TrialRecord(bar).config
+        ref = A.TrialRecord(ranking.bar_of(spec, trials, model, check, best)).config
         diff, sd = gain_over(spec, model, pool, ref)
         z = (diff - math.log1p(spec.budget.min_gain)) / sd
         if not op.pending and float(norm.cdf(z).max()) < stop_rules.P_MATTERS and check.trusted:

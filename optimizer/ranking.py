@@ -97,6 +97,16 @@ def answer_bar(spec: StudySpec, trials: Sequence[FrozenTrial], ranking: Ranking)
     return max(chosen, key=lambda t: (ranking.estimate(A.TrialRecord(t).config), -t.number), default=None)
 
 
+def bar_of(
+    spec: StudySpec, trials: Sequence[FrozenTrial], model: FittedModel, check: R.PredictionCheck, best: FrozenTrial
+) -> FrozenTrial:
+    """What is left must beat (the stop rule and the sampler's aim alike): `answer_bar` where the
+    model ranks the candidates, else the incumbent `best`."""
+    if not ranks(check):
+        return best
+    return answer_bar(spec, trials, Ranking(spec, model, floor_sd(check))) or best
+
+
 _MEMO: PerStudyMemo[Ranking | None] = PerStudyMemo(128)
 
 
