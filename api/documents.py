@@ -343,7 +343,8 @@ class PruneNote(_Document):
 
 
 class ModelPrediction(_Document):
-    """What the `auto` sampler predicted for a configuration when it proposed it."""
+    """What the `auto` sampler predicted for a configuration before its result came in: when it
+    proposed it, or (a blind start) while it was in flight."""
 
     speedup: float
     log_sd: float
@@ -353,7 +354,9 @@ class ModelPrediction(_Document):
     predicted_cost_s: float
     # "model": the model's best value; "local": a neighbour of the incumbent, proposed because the
     # model failed its prediction check; "probe": one draft step past the deepest launch, before
-    # the model rule may settle (optimizer.model_sampler).  Older trials say none of them.
+    # the model rule may settle; "start": a starting point launched blind, predicted while it was in
+    # flight by the first model that had not seen its result (optimizer.model_sampler).  Older
+    # trials say none of them.
     move: Move = "model"
     # A "local" move: the incumbent it walked around (its configuration key).
     around: str | None = None

@@ -7,8 +7,9 @@ holds it back (`optimizer.conductor.in_flight_settles`) and asks again when a re
 prediction.  This is the "believer" of batch Bayesian optimisation (kriging believer): each launch
 in flight is treated as measured at the model's mean.
 
-Only launches the model proposed carry its prediction (`model_prediction`); a starting point
-launched blind is not believed.  The believed trials keep their trial number and configuration,
+Only launches that carry the model's prediction (`model_prediction`) are believed: those it
+proposed, and starting points launched blind once a model has predicted them in flight
+(optimizer.model_sampler.in_flight_predictions); a blind start no model has seen yet is not.  The believed trials keep their trial number and configuration,
 report the fitted accept length and cycle ratio at each level against the baseline of their host
 (so the refit sees them as the model would have measured them), carry no prediction of their
 own and are marked `believed`, so neither the prediction check nor the model's misfit factor

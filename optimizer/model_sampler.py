@@ -65,8 +65,10 @@ NEAR_COPY = 0.75
 LOCAL_RADII = (1.0, 2.0)
 
 
-# What kind of proposal a trial was (stored in its `model_prediction`; api.documents shows it).
-Move = Literal["model", "local", "probe"]
+# What kind of proposal a trial was (stored in its `model_prediction`; api.documents shows it);
+# "start": not proposed by the model but launched blind, and predicted while it was in flight
+# (`in_flight_predictions`).
+Move = Literal["model", "local", "probe", "start"]
 
 
 @dataclass(frozen=True)
@@ -425,6 +427,34 @@ def prediction_attr(proposal: Proposal) -> dict[str, Any]:
     return out
 
 
+def in_flight_predictions(
+    spec: StudySpec, trials: Sequence[FrozenTrial], model: FittedModel | None, asking: int
+) -> list[tuple[FrozenTrial, dict[str, Any]]]:
+    """Predictions for the launches in flight that carry none (starting points a fleet launched
+    blind, before the model had anything to stand on), by a model that has not seen their
+    results: the prediction check (optimizer.stop_rules) tests them like any proposal's.  A fleet
+    launches its first points together, so without these the model's first predictions are the
+    ones it proposes after them, and four hosts check it on fewer launches than two by the time
+    the search settles (then the confirmations cannot let it rank the runners-up,
+    optimizer.ranking).  Each is made once, by the first fit that finds the launch in flight; the
+    trial `asking` is the one being proposed (its prediction comes with its proposal)."""
+    if model is None:
+        return []
+    out: list[tuple[FrozenTrial, dict[str, Any]]] = []
+    levels, weights = objective_levels(spec)
+    for t in trials:
+        r = A.TrialRecord(t)
+        if t.state != TrialState.RUNNING or t.number == asking or r.model_prediction is not None or not r.has_config:
+            continue
+        mean, sd = model.predict_log_speedup(Candidates.of([r.config]), levels, weights)
+        proposal = Proposal(
+            config=r.config, predicted_speedup=float(math.exp(mean[0])), predicted_sd=float(sd[0]),
+            expected_improvement=0.0, observations=model.n_observations, move="start",
+        )  # fmt: skip
+        out.append((t, prediction_attr(proposal)))
+    return out
+
+
 def blind_start(spec: StudySpec, trials: Sequence[FrozenTrial]) -> SpecConfig | None:
     """A starting point for a worker that asks before any result is in (a fleet of more hosts than
     the warm starts): the first of the configurations published for the objective's largest
@@ -462,7 +492,13 @@ class ModelSampler(BaseSampler):
         if "fixed_params" in trial.system_attrs:
             return {}  # an enqueued warm start: its params win anyway
         trials = study.get_trials(deepcopy=False)
-        proposal = propose(self._spec, trials, self._rng)
+        model = fit(observations_of(trials), self._spec.search_space.num_steps.high)
+        for running, prediction in in_flight_predictions(self._spec, trials, model, trial.number):
+            try:
+                study._storage.set_trial_user_attr(running._trial_id, PREDICTION_ATTR, prediction)  # noqa: SLF001
+            except optuna.exceptions.UpdateFinishedTrialError:
+                pass  # its result came in meanwhile: too late to predict it
+        proposal = propose(self._spec, trials, self._rng, model)
         if proposal is None:
             start = blind_start(self._spec, trials)
             if start is None:

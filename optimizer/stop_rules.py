@@ -7,7 +7,9 @@ widens its uncertainty and never stops, or is confidently wrong.  The rules here
 was measured, in the order it was measured:
 
 * **prediction check**: every configuration the `auto` sampler proposes carries the model's
-  prediction, made before it was launched (`model_prediction`: speedup and the sd of its log).
+  prediction, made before it was launched (`model_prediction`: speedup and the sd of its log);
+  a starting point launched blind gets one from the first model that finds it in flight, before
+  its result is in (optimizer.model_sampler.in_flight_predictions).
   Each result is compared with it in units of the uncertainty the prediction stated, widened by
   the measurement's own spread and by what host-to-host offsets add (`HOST_SD`: a prediction
   does not know which host will run it).  When the misses over the last `CHECK_WINDOW` results
@@ -148,7 +150,7 @@ def measurement_sd(r: A.TrialRecord) -> float:
 
 
 def prediction_check(trials: Sequence[FrozenTrial], host_sd: float = HOST_SD) -> PredictionCheck:
-    """Compare the last `CHECK_WINDOW` results with the predictions made before they were launched."""
+    """Compare the last `CHECK_WINDOW` results with the predictions made before they came in."""
     by_number = {t.number: t for t in trials}
     misses: list[tuple[float, str]] = []
     excess: list[float] = []

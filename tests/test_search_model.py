@@ -102,6 +102,40 @@ def test_a_fleet_asking_before_any_result_launches_published_configurations_not_
     assert blind_start(fresh, study.get_trials(deepcopy=False)) is None
 
 
+def test_starts_launched_blind_are_predicted_in_flight_once_and_checked_like_proposals() -> None:
+    """A fleet's starts go out before the model has anything to stand on.  The first ask with a
+    result in predicts the starts still in flight (by a model that has not seen their results),
+    once: a later fit does not overwrite it.  Their results then count in the prediction check,
+    as a proposal's would."""
+    from optimizer import stop_rules
+
+    sp = spec(name="m-in-flight")
+    storage = optuna.storages.InMemoryStorage()
+    opt.create_study(storage, sp)
+    study = opt.load_study(storage, sp)
+    starts = [opt.ask(study, sp) for _ in range(3)]
+    assert all("model_prediction" not in opt.get_trial(study, a.number).user_attrs for a in starts)
+
+    a = attrs_for("dense-8b-h100", starts[0].config, [1])
+    opt.tell_value(study, starts[0].number, value_of(a), 0.0, a)
+    nxt = opt.ask(study, sp)
+    made = {s.number: opt.get_trial(study, s.number).user_attrs.get("model_prediction") for s in starts}
+    assert made[starts[0].number] is None  # its result was in: nothing to predict
+    for s in starts[1:]:
+        pred = made[s.number]
+        assert pred is not None and pred["move"] == "start" and pred["observations"] == 1, pred
+        assert pred["speedup"] > 0 and pred["log_sd"] > 0
+    assert opt.get_trial(study, nxt.number).user_attrs["model_prediction"]["move"] != "start"
+
+    b = attrs_for("dense-8b-h100", starts[1].config, [1])
+    opt.tell_value(study, starts[1].number, value_of(b), 0.0, b)
+    opt.ask(study, sp)
+    again = opt.get_trial(study, starts[2].number).user_attrs["model_prediction"]
+    assert again == made[starts[2].number]  # made once, by the fit that had not seen it
+    check = stop_rules.prediction_check(study.get_trials(deepcopy=False))
+    assert check.checked == 1  # the start's result against its in-flight prediction
+
+
 def test_a_large_space_keeps_the_incumbents_neighbours_among_the_scored(monkeypatch: pytest.MonkeyPatch) -> None:
     """Above MAX_SCORED the sampler scores a random subset: the walk around the incumbent (a
     distrusted model) must still find the incumbent's neighbours in it."""
