@@ -348,10 +348,13 @@ class ModelPrediction(_Document):
 
     speedup: float
     log_sd: float
-    expected_improvement: float
+    # None where not estimated: a launch predicted in flight ("start" below) was not the model's
+    # proposal, so nothing weighed its expected improvement, its risk of running out of memory or
+    # its cost.
+    expected_improvement: float | None
     observations: int
-    p_oom: float
-    predicted_cost_s: float
+    p_oom: float | None
+    predicted_cost_s: float | None
     # "model": the model's best value; "local": a neighbour of the incumbent, proposed because the
     # model failed its prediction check; "probe": one draft step past the deepest launch, before
     # the model rule may settle; "start": a starting point launched blind, predicted while it was in

@@ -9,10 +9,11 @@ in flight is treated as measured at the model's mean.
 
 Only launches that carry the model's prediction (`model_prediction`) are believed: those it
 proposed, and starting points launched blind once a model has predicted them in flight
-(optimizer.model_sampler.in_flight_predictions); a blind start no model has seen yet is not.  The believed trials keep their trial number and configuration,
-report the fitted accept length and cycle ratio at each level against the baseline of their host
-(so the refit sees them as the model would have measured them), carry no prediction of their
-own and are marked `believed`, so neither the prediction check nor the model's misfit factor
+(optimizer.model_sampler.in_flight_predictions); a blind start no model has predicted yet is
+not.  The believed trials keep their trial number and configuration, report the fitted accept
+length and cycle ratio at each level against the baseline of their host (so the refit sees them
+as the model would have measured them), carry no prediction of their own and are marked
+`believed`, so neither the prediction check nor the model's misfit factor
 (optimizer.convergence) is flattered by results that match the fit by construction.  A launch
 in flight whose first levels already report (`progress_speedup_by_level`) is still believed at
 the prediction: the hold lasts only until its result.

@@ -19,7 +19,7 @@ Both settled -> the study moves to confirmation and finishes, with a reason in w
 is always "not yet".
 
 The model's answer counts only while the model predicts well (optimizer.stop_rules): each result
-is checked against the prediction made before it was launched, and when the misses exceed the
+is checked against the prediction made before it came in, and when the misses exceed the
 uncertainty the predictions stated, the study stops by the empirical rule instead (the incumbent
 held against the last launches).  The improvement-rate rule stops any study in which no launch
 has beaten the incumbent for long.  `Assessment.rule` says which rule settled it, and the reason

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import random
 from collections.abc import Sequence
@@ -51,6 +52,8 @@ from optimizer.perf_model import (
 from optimizer.space import SearchSpace, SpecConfig, params_of, published_starts, with_largest_graph
 from optimizer.spec import StudySpec
 
+log = logging.getLogger(__name__)
+
 # Above this many valid configurations, score a random subset each ask (plus the neighbours of
 # the best measured one); the default space has ~750.
 MAX_SCORED = 20_000
@@ -66,8 +69,8 @@ LOCAL_RADII = (1.0, 2.0)
 
 
 # What kind of proposal a trial was (stored in its `model_prediction`; api.documents shows it);
-# "start": not proposed by the model but launched blind, and predicted while it was in flight
-# (`in_flight_predictions`).
+# "start": not the model's proposal (a starting point a fleet launched blind, a warm start, TPE's
+# fallback) but predicted while it was in flight (`in_flight_predictions`).
 Move = Literal["model", "local", "probe", "start"]
 
 
@@ -81,7 +84,9 @@ class Proposal:
     p_fail: float = 0.0  # of running out of memory, by the learnt boundary
     cost_s: float = 0.0  # predicted start-up + benchmark seconds
     # "model": the model's best value; "local": a neighbour of the incumbent, chosen because the
-    # model failed its prediction check (optimizer.stop_rules) and its argmax is not to be trusted.
+    # model failed its prediction check (optimizer.stop_rules) and its argmax is not to be trusted;
+    # "probe": one draft step past the deepest launch; "start": not the model's proposal, predicted
+    # in flight (`in_flight_predictions`).
     move: Move = "model"
     around: str | None = None  # "local": the incumbent walked around (its configuration key)
 
@@ -430,28 +435,33 @@ def prediction_attr(proposal: Proposal) -> dict[str, Any]:
 def in_flight_predictions(
     spec: StudySpec, trials: Sequence[FrozenTrial], model: FittedModel | None, asking: int
 ) -> list[tuple[FrozenTrial, dict[str, Any]]]:
-    """Predictions for the launches in flight that carry none (starting points a fleet launched
-    blind, before the model had anything to stand on), by a model that has not seen their
-    results: the prediction check (optimizer.stop_rules) tests them like any proposal's.  A fleet
-    launches its first points together, so without these the model's first predictions are the
-    ones it proposes after them, and four hosts check it on fewer launches than two by the time
-    the search settles (then the confirmations cannot let it rank the runners-up,
-    optimizer.ranking).  Each is made once, by the first fit that finds the launch in flight; the
-    trial `asking` is the one being proposed (its prediction comes with its proposal)."""
+    """Predictions for the launches in flight that carry none, by a model that has not seen their
+    results (it is fitted on finished trials only): the prediction check (optimizer.stop_rules)
+    tests them like any proposal's.  Mostly the starting points a fleet launched blind, before the
+    model had anything to stand on (also warm starts and TPE's fallback).  A fleet launches its
+    first points together, so without these the model's first predictions are the ones it
+    proposes after them: four hosts checked it on fewer launches than two by the time the search
+    settled, and the confirmation could not let it rank the runners-up (optimizer.ranking).  Each
+    is made once, by the first fit that finds the launch in flight: at an ask or at another
+    launch's result (`ModelSampler.before_trial`, `after_trial`; a start whose result is in before
+    any model exists is never predicted).  The trial `asking` is the one being asked or told (a
+    proposal's prediction comes with it; a result is not predicted as it arrives).  What a proposal also estimates (its expected
+    improvement, risk of running out of memory and cost) is left out: None, not estimated."""
     if model is None:
         return []
     out: list[tuple[FrozenTrial, dict[str, Any]]] = []
     levels, weights = objective_levels(spec)
     for t in trials:
-        r = A.TrialRecord(t)
-        if t.state != TrialState.RUNNING or t.number == asking or r.model_prediction is not None or not r.has_config:
+        if t.number == asking or not _unpredicted(t):
             continue
+        r = A.TrialRecord(t)
         mean, sd = model.predict_log_speedup(Candidates.of([r.config]), levels, weights)
-        proposal = Proposal(
-            config=r.config, predicted_speedup=float(math.exp(mean[0])), predicted_sd=float(sd[0]),
-            expected_improvement=0.0, observations=model.n_observations, move="start",
-        )  # fmt: skip
-        out.append((t, prediction_attr(proposal)))
+        prediction = {
+            "speedup": float(math.exp(mean[0])), "log_sd": float(sd[0]), "expected_improvement": None,
+            "observations": model.n_observations, "p_oom": None, "predicted_cost_s": None, "move": "start",
+            "around": None,
+        }  # fmt: skip
+        out.append((t, prediction))
     return out
 
 
@@ -475,6 +485,25 @@ def blind_start(spec: StudySpec, trials: Sequence[FrozenTrial]) -> SpecConfig | 
     return None
 
 
+def _unpredicted(t: FrozenTrial) -> bool:
+    """A launch in flight that carries no prediction."""
+    r = A.TrialRecord(t)
+    return t.state == TrialState.RUNNING and r.model_prediction is None and r.has_config
+
+
+def _record_in_flight(study: Study, predictions: Sequence[tuple[FrozenTrial, dict[str, Any]]]) -> None:
+    """Store `in_flight_predictions` on their trials.  A prediction is the check's evidence, not
+    the ask's purpose: one that cannot be stored (the result came in meanwhile, or the storage
+    failed) is left out, and the ask goes on."""
+    for running, prediction in predictions:
+        try:
+            study._storage.set_trial_user_attr(running._trial_id, PREDICTION_ATTR, prediction)  # noqa: SLF001
+        except optuna.exceptions.UpdateFinishedTrialError:
+            pass  # its result came in meanwhile: too late to predict it
+        except optuna.exceptions.StorageInternalError as e:
+            log.warning("trial %d: its in-flight prediction was not stored (%s)", running.number, e)
+
+
 class ModelSampler(BaseSampler):
     """Optuna sampler around `propose`; TPE for anything the model cannot answer."""
 
@@ -482,6 +511,32 @@ class ModelSampler(BaseSampler):
         self._spec = spec
         self._rng = random.Random(seed)
         self._fallback = fallback or optuna.samplers.TPESampler(seed=seed, n_startup_trials=5)
+        self._fitted: tuple[int, FittedModel | None] | None = None  # (trial number, its fit)
+
+    def before_trial(self, study: Study, trial: FrozenTrial) -> None:
+        """Every ask, enqueued warm starts included (Optuna calls this before any parameter is
+        sampled, where a trial whose parameters are all fixed never reaches `sample_relative`):
+        the launches in flight get their predictions (`in_flight_predictions`).  The fit is kept
+        for this trial's `sample_relative`.  Optuna calls it too whenever a `Trial` is built for a
+        trial asked before (optimizer.study tells a result through one): those have parameters,
+        and are left alone."""
+        if trial.params:
+            return
+        trials = study.get_trials(deepcopy=False)
+        model = fit(observations_of(trials), self._spec.search_space.num_steps.high)
+        self._fitted = (trial.number, model)
+        _record_in_flight(study, in_flight_predictions(self._spec, trials, model, trial.number))
+
+    def after_trial(self, study: Study, trial: FrozenTrial, state: TrialState, values: Sequence[float] | None) -> None:
+        """Every result (Optuna calls this in `tell`, before the trial is stored as finished): the
+        launches still in flight that carry no prediction get one now, from the results before
+        this one, rather than at the next ask, which a fleet that waits may not make before their
+        results are in.  Nothing is fitted when every launch in flight carries a prediction."""
+        trials = study.get_trials(deepcopy=False)
+        if not any(_unpredicted(t) and t.number != trial.number for t in trials):
+            return
+        model = fit(observations_of(trials), self._spec.search_space.num_steps.high)
+        _record_in_flight(study, in_flight_predictions(self._spec, trials, model, trial.number))
 
     def infer_relative_search_space(self, study: Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
         return distributions(self._spec.search_space)
@@ -492,13 +547,11 @@ class ModelSampler(BaseSampler):
         if "fixed_params" in trial.system_attrs:
             return {}  # an enqueued warm start: its params win anyway
         trials = study.get_trials(deepcopy=False)
-        model = fit(observations_of(trials), self._spec.search_space.num_steps.high)
-        for running, prediction in in_flight_predictions(self._spec, trials, model, trial.number):
-            try:
-                study._storage.set_trial_user_attr(running._trial_id, PREDICTION_ATTR, prediction)  # noqa: SLF001
-            except optuna.exceptions.UpdateFinishedTrialError:
-                pass  # its result came in meanwhile: too late to predict it
-        proposal = propose(self._spec, trials, self._rng, model)
+        fitted = self._fitted if self._fitted is not None and self._fitted[0] == trial.number else None
+        model = (
+            fitted[1] if fitted is not None else fit(observations_of(trials), self._spec.search_space.num_steps.high)
+        )
+        proposal = None if model is None else propose(self._spec, trials, self._rng, model)
         if proposal is None:
             start = blind_start(self._spec, trials)
             if start is None:

@@ -62,6 +62,7 @@ MEASURED = [
     for i, s in enumerate((1, 3, 5, 2, 6))
 ]
 PREDICTED = {"speedup": 1.4, "log_sd": 0.05, "move": "model"}
+START = {"speedup": 1.3, "log_sd": 0.3, "expected_improvement": None, "p_oom": None, "move": "start"}
 DEEP = SpecConfig(num_steps=4, topk=2, num_draft_tokens=8)
 
 
@@ -70,7 +71,8 @@ def test_a_launch_in_flight_is_believed_at_the_models_fit() -> None:
     its speedup is the model's, its accept length is the model's, its host is its lease's, it
     arrives after every real result, it carries no prediction of its own and is marked believed
     (neither the prediction check nor the misfit may score a result that matches the fit by
-    construction), and a starting point launched blind is not believed."""
+    construction), and a starting point launched blind is not believed until a model has
+    predicted it in flight (optimizer.model_sampler.in_flight_predictions)."""
     spec = spec_of("believe")
     blind = in_flight(6, SpecConfig(num_steps=4, topk=1, num_draft_tokens=5), None)
     trials = [*MEASURED, in_flight(5, DEEP, PREDICTED), blind]
@@ -94,6 +96,10 @@ def test_a_launch_in_flight_is_believed_at_the_models_fit() -> None:
     # The refit sees it as one more observation, and the rule counts it as one more launch.
     assert len(observations_of(got)) == len(observations_of(MEASURED)) + 1
     assert len(R.launches(got)) == len(MEASURED) + 1
+    # A start predicted in flight (move "start", nothing but the speedup and its sd) is believed.
+    start = in_flight(6, SpecConfig(num_steps=4, topk=1, num_draft_tokens=5), START)
+    got = believer.believed(spec, [*MEASURED, start], T0, {6: "w2"})
+    assert got is not None and {t.number: t for t in got}[6].state == TrialState.COMPLETE
     # Nothing to believe: no prediction in flight, or no result to fit.
     assert believer.believed(spec, [*MEASURED, blind], T0) is None
     assert believer.believed(spec, [in_flight(0, DEEP, PREDICTED)], T0) is None

@@ -9,10 +9,11 @@ from typing import Any, get_args
 import optuna
 import pytest
 
+from api.documents import ModelPrediction
 from optimizer import study as opt
 from optimizer.answers import adaptive_export, best_by_level, check_adaptive_config
 from optimizer.infeasible import needs_at_least
-from optimizer.model_sampler import Move, Proposal, blind_start, prediction_attr, propose
+from optimizer.model_sampler import Move, Proposal, _record_in_flight, blind_start, prediction_attr, propose
 from optimizer.perf_model import fit, observations_from_attrs
 from optimizer.space import SearchSpace, SpecConfig
 from optimizer.spec import parse_spec
@@ -134,6 +135,60 @@ def test_starts_launched_blind_are_predicted_in_flight_once_and_checked_like_pro
     assert again == made[starts[2].number]  # made once, by the fit that had not seen it
     check = stop_rules.prediction_check(study.get_trials(deepcopy=False))
     assert check.checked == 1  # the start's result against its in-flight prediction
+    # The study document shows it, with what a proposal also estimates left out (not estimated).
+    shown = ModelPrediction.model_validate(again)
+    assert shown.move == "start" and shown.p_oom is None and shown.expected_improvement is None
+
+
+def test_a_result_predicts_the_starts_still_in_flight_without_waiting_for_an_ask() -> None:
+    """A fleet told to wait may make no ask before its starts come in: each result predicts the
+    launches still in flight, from the results before it (its own is not stored yet)."""
+    sp = spec(name="m-told")
+    storage = optuna.storages.InMemoryStorage()
+    opt.create_study(storage, sp)
+    study = opt.load_study(storage, sp)
+    starts = [opt.ask(study, sp) for _ in range(3)]
+    for s in starts[:2]:
+        a = attrs_for("dense-8b-h100", s.config, [1])
+        opt.tell_value(study, s.number, value_of(a), 0.0, a)
+    attrs = {s.number: opt.get_trial(study, s.number).user_attrs for s in starts}
+    assert "model_prediction" not in attrs[starts[0].number]  # no model before the first result
+    assert "model_prediction" not in attrs[starts[1].number]  # told on the first result alone: no model yet
+    pred = attrs[starts[2].number].get("model_prediction")
+    assert pred is not None and pred["move"] == "start" and pred["observations"] == 1, pred
+
+
+def test_an_enqueued_warm_start_predicts_the_starts_in_flight_and_a_failed_store_fails_no_ask(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A warm start the user enqueued takes its own params, but its ask still predicts the
+    launches in flight; a prediction the storage fails to store is left out and the ask goes on."""
+    sp = spec(name="m-warm-in-flight")
+    storage = optuna.storages.InMemoryStorage()
+    opt.create_study(storage, sp)
+    study = opt.load_study(storage, sp)
+    starts = [opt.ask(study, sp) for _ in range(2)]
+    a = attrs_for("dense-8b-h100", starts[0].config, [1])
+    opt.tell_value(study, starts[0].number, value_of(a), 0.0, a)
+    warm = SpecConfig(num_steps=6, topk=1, num_draft_tokens=7)
+    study.enqueue_trial({"num_steps": 6, "topk": 1})
+    asked = opt.ask(study, sp)
+    assert asked.config.key == warm.key  # the warm start's own params
+    pred = opt.get_trial(study, starts[1].number).user_attrs.get("model_prediction")
+    assert pred is not None and pred["move"] == "start"
+
+    # A result in between the fit and the store (Optuna refuses to update a finished trial), or a
+    # storage error: the prediction is left out, nothing raises.
+    done = opt.get_trial(study, starts[0].number)
+    _record_in_flight(study, [(done, {"speedup": 2.0, "log_sd": 0.1, "move": "start"})])
+    assert opt.get_trial(study, starts[0].number).user_attrs.get("model_prediction") is None
+
+    def broken(*_: object) -> None:
+        raise optuna.exceptions.StorageInternalError("database is locked")
+
+    monkeypatch.setattr(study._storage, "set_trial_user_attr", broken)
+    running = opt.get_trial(study, asked.number)
+    _record_in_flight(study, [(running, {"speedup": 2.0, "log_sd": 0.1, "move": "start"})])
 
 
 def test_a_large_space_keeps_the_incumbents_neighbours_among_the_scored(monkeypatch: pytest.MonkeyPatch) -> None:

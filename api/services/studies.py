@@ -534,7 +534,7 @@ def _trial_row(r: A.TrialRecord) -> D.TrialRow:
         levels_measured=_levels(r.levels_measured),
         # warm_start | prior_study | grid (enqueued), else the sampler's proposal.
         source=r.source,
-        # What the `auto` sampler predicted for it when it proposed it.
+        # What the `auto` sampler predicted for it before its result: when it proposed it, or in flight.
         model_prediction=None if prediction is None else D.ModelPrediction.model_validate(prediction),
         datetime_start=r.trial.datetime_start,
         datetime_complete=r.trial.datetime_complete,
