@@ -445,8 +445,9 @@ def in_flight_predictions(
     is made once, by the first fit that finds the launch in flight: at an ask or at another
     launch's result (`ModelSampler.before_trial`, `after_trial`; a start whose result is in before
     any model exists is never predicted).  The trial `asking` is the one being asked or told (a
-    proposal's prediction comes with it; a result is not predicted as it arrives).  What a proposal also estimates (its expected
-    improvement, risk of running out of memory and cost) is left out: None, not estimated."""
+    proposal's prediction comes with it; a result is not predicted as it arrives).  What a
+    proposal also estimates (its expected improvement, risk of running out of memory and cost) is
+    left out: None, not estimated."""
     if model is None:
         return []
     out: list[tuple[FrozenTrial, dict[str, Any]]] = []
@@ -491,6 +492,24 @@ def _unpredicted(t: FrozenTrial) -> bool:
     return t.state == TrialState.RUNNING and r.model_prediction is None and r.has_config
 
 
+def _predict_in_flight(
+    study: Study, spec: StudySpec, trials: Sequence[FrozenTrial], asking: int
+) -> tuple[bool, FittedModel | None]:
+    """Fit the model and store `in_flight_predictions`: (done, the fit); done is False when it
+    failed.
+
+    Runs inside Optuna's ask and tell (the sampler's hooks), where anything raised would fail the
+    lease or the report it serves, or leave a trial no one tells: a prediction is the check's
+    evidence, not their purpose, so a failure is logged and the ask or tell goes on."""
+    try:
+        model = fit(observations_of(trials), spec.search_space.num_steps.high)
+        _record_in_flight(study, in_flight_predictions(spec, trials, model, asking))
+    except Exception:  # noqa: BLE001 - see the docstring: never fail the ask or the tell for this
+        log.warning("study %s: no in-flight predictions at trial %d", study.study_name, asking, exc_info=True)
+        return False, None
+    return True, model
+
+
 def _record_in_flight(study: Study, predictions: Sequence[tuple[FrozenTrial, dict[str, Any]]]) -> None:
     """Store `in_flight_predictions` on their trials.  A prediction is the check's evidence, not
     the ask's purpose: one that cannot be stored (the result came in meanwhile, or the storage
@@ -519,13 +538,14 @@ class ModelSampler(BaseSampler):
         the launches in flight get their predictions (`in_flight_predictions`).  The fit is kept
         for this trial's `sample_relative`.  Optuna calls it too whenever a `Trial` is built for a
         trial asked before (optimizer.study tells a result through one): those have parameters,
-        and are left alone."""
+        and are left alone (an orphan asked without any is predicted for, harmlessly)."""
+        self._fitted = None
         if trial.params:
             return
         trials = study.get_trials(deepcopy=False)
-        model = fit(observations_of(trials), self._spec.search_space.num_steps.high)
-        self._fitted = (trial.number, model)
-        _record_in_flight(study, in_flight_predictions(self._spec, trials, model, trial.number))
+        done, model = _predict_in_flight(study, self._spec, trials, trial.number)
+        if done:  # else `sample_relative` fits again, and says what went wrong if it does again
+            self._fitted = (trial.number, model)
 
     def after_trial(self, study: Study, trial: FrozenTrial, state: TrialState, values: Sequence[float] | None) -> None:
         """Every result (Optuna calls this in `tell`, before the trial is stored as finished): the
@@ -533,10 +553,8 @@ class ModelSampler(BaseSampler):
         this one, rather than at the next ask, which a fleet that waits may not make before their
         results are in.  Nothing is fitted when every launch in flight carries a prediction."""
         trials = study.get_trials(deepcopy=False)
-        if not any(_unpredicted(t) and t.number != trial.number for t in trials):
-            return
-        model = fit(observations_of(trials), self._spec.search_space.num_steps.high)
-        _record_in_flight(study, in_flight_predictions(self._spec, trials, model, trial.number))
+        if any(_unpredicted(t) and t.number != trial.number for t in trials):
+            _predict_in_flight(study, self._spec, trials, trial.number)
 
     def infer_relative_search_space(self, study: Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
         return distributions(self._spec.search_space)

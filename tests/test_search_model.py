@@ -158,7 +158,46 @@ def test_a_result_predicts_the_starts_still_in_flight_without_waiting_for_an_ask
     assert pred is not None and pred["move"] == "start" and pred["observations"] == 1, pred
 
 
-def test_an_enqueued_warm_start_predicts_the_starts_in_flight_and_a_failed_store_fails_no_ask(
+def test_a_failing_prediction_fails_no_ask_and_no_tell_and_a_tell_does_not_refit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The predictions run inside Optuna's ask and tell: if they raise, the ask still hands out a
+    configuration and the result is still stored (a lease that fails there leaves a trial no one
+    tells).  Building a `Trial` to tell a result (optimizer.study) predicts nothing."""
+    import optimizer.model_sampler as ms
+
+    sp = spec(name="m-failing")
+    storage = optuna.storages.InMemoryStorage()
+    opt.create_study(storage, sp)
+    study = opt.load_study(storage, sp)
+    starts = [opt.ask(study, sp) for _ in range(3)]
+    a = attrs_for("dense-8b-h100", starts[0].config, [1])
+    opt.tell_value(study, starts[0].number, value_of(a), 0.0, a)
+
+    calls: list[int] = []
+
+    def failing(spec: Any, trials: Any, model: Any, asking: int) -> Any:
+        calls.append(asking)
+        raise ValueError("Residuals are not finite")
+
+    monkeypatch.setattr(ms, "in_flight_predictions", failing)
+    nxt = opt.ask(study, sp)  # the model's proposal all the same
+    assert calls == [nxt.number]
+    assert "model_prediction" in opt.get_trial(study, nxt.number).user_attrs
+    b = attrs_for("dense-8b-h100", starts[1].config, [1])
+    told = opt.tell_value(study, starts[1].number, value_of(b), 0.0, b)  # starts[2] unpredicted: tried
+    assert told.state == optuna.trial.TrialState.COMPLETE and calls[-1] == starts[1].number
+    assert opt.get_trial(study, starts[2].number).user_attrs.get("model_prediction") is None
+
+    # Every launch in flight predicted: a tell fits nothing, in either hook.
+    monkeypatch.undo()
+    opt.ask(study, sp)  # predicts starts[2]
+    monkeypatch.setattr(ms, "fit", lambda *_: pytest.fail("a tell refitted the model"))
+    c = attrs_for("dense-8b-h100", starts[2].config, [1])
+    assert opt.tell_value(study, starts[2].number, value_of(c), 0.0, c).state == optuna.trial.TrialState.COMPLETE
+
+
+def test_an_enqueued_warm_start_predicts_the_starts_in_flight_and_a_failed_store_is_left_out(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A warm start the user enqueued takes its own params, but its ask still predicts the
