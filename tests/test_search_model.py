@@ -103,6 +103,21 @@ def test_a_fleet_asking_before_any_result_launches_published_configurations_not_
     assert blind_start(fresh, study.get_trials(deepcopy=False)) is None
 
 
+def fleet_starts(name: str, n: int) -> tuple[Any, optuna.Study, list[opt.AskedTrial]]:
+    """A study whose fleet asked for `n` starting points before any result (in memory)."""
+    sp = spec(name=name)
+    storage = optuna.storages.InMemoryStorage()
+    opt.create_study(storage, sp)
+    study = opt.load_study(storage, sp)
+    return sp, study, [opt.ask(study, sp) for _ in range(n)]
+
+
+def tell(study: optuna.Study, asked: opt.AskedTrial) -> optuna.trial.FrozenTrial:
+    """Its result, measured on the simulator's dense-8b-h100 at one request."""
+    a = attrs_for("dense-8b-h100", asked.config, [1])
+    return opt.tell_value(study, asked.number, value_of(a), 0.0, a)
+
+
 def test_starts_launched_blind_are_predicted_in_flight_once_and_checked_like_proposals() -> None:
     """A fleet's starts go out before the model has anything to stand on.  The first ask with a
     result in predicts the starts still in flight (by a model that has not seen their results),
@@ -110,15 +125,10 @@ def test_starts_launched_blind_are_predicted_in_flight_once_and_checked_like_pro
     as a proposal's would."""
     from optimizer import stop_rules
 
-    sp = spec(name="m-in-flight")
-    storage = optuna.storages.InMemoryStorage()
-    opt.create_study(storage, sp)
-    study = opt.load_study(storage, sp)
-    starts = [opt.ask(study, sp) for _ in range(3)]
+    sp, study, starts = fleet_starts("m-in-flight", 3)
     assert all("model_prediction" not in opt.get_trial(study, a.number).user_attrs for a in starts)
 
-    a = attrs_for("dense-8b-h100", starts[0].config, [1])
-    opt.tell_value(study, starts[0].number, value_of(a), 0.0, a)
+    tell(study, starts[0])
     nxt = opt.ask(study, sp)
     made = {s.number: opt.get_trial(study, s.number).user_attrs.get("model_prediction") for s in starts}
     assert made[starts[0].number] is None  # its result was in: nothing to predict
@@ -128,8 +138,7 @@ def test_starts_launched_blind_are_predicted_in_flight_once_and_checked_like_pro
         assert pred["speedup"] > 0 and pred["log_sd"] > 0
     assert opt.get_trial(study, nxt.number).user_attrs["model_prediction"]["move"] != "start"
 
-    b = attrs_for("dense-8b-h100", starts[1].config, [1])
-    opt.tell_value(study, starts[1].number, value_of(b), 0.0, b)
+    tell(study, starts[1])
     opt.ask(study, sp)
     again = opt.get_trial(study, starts[2].number).user_attrs["model_prediction"]
     assert again == made[starts[2].number]  # made once, by the fit that had not seen it
@@ -143,14 +152,9 @@ def test_starts_launched_blind_are_predicted_in_flight_once_and_checked_like_pro
 def test_a_result_predicts_the_starts_still_in_flight_without_waiting_for_an_ask() -> None:
     """A fleet told to wait may make no ask before its starts come in: each result predicts the
     launches still in flight, from the results before it (its own is not stored yet)."""
-    sp = spec(name="m-told")
-    storage = optuna.storages.InMemoryStorage()
-    opt.create_study(storage, sp)
-    study = opt.load_study(storage, sp)
-    starts = [opt.ask(study, sp) for _ in range(3)]
+    sp, study, starts = fleet_starts("m-told", 3)
     for s in starts[:2]:
-        a = attrs_for("dense-8b-h100", s.config, [1])
-        opt.tell_value(study, s.number, value_of(a), 0.0, a)
+        tell(study, s)
     attrs = {s.number: opt.get_trial(study, s.number).user_attrs for s in starts}
     assert "model_prediction" not in attrs[starts[0].number]  # no model before the first result
     assert "model_prediction" not in attrs[starts[1].number]  # told on the first result alone: no model yet
@@ -166,13 +170,8 @@ def test_a_failing_prediction_fails_no_ask_and_no_tell_and_a_tell_does_not_refit
     tells).  Building a `Trial` to tell a result (optimizer.study) predicts nothing."""
     import optimizer.model_sampler as ms
 
-    sp = spec(name="m-failing")
-    storage = optuna.storages.InMemoryStorage()
-    opt.create_study(storage, sp)
-    study = opt.load_study(storage, sp)
-    starts = [opt.ask(study, sp) for _ in range(3)]
-    a = attrs_for("dense-8b-h100", starts[0].config, [1])
-    opt.tell_value(study, starts[0].number, value_of(a), 0.0, a)
+    sp, study, starts = fleet_starts("m-failing", 3)
+    tell(study, starts[0])
 
     calls: list[int] = []
 
@@ -184,8 +183,7 @@ def test_a_failing_prediction_fails_no_ask_and_no_tell_and_a_tell_does_not_refit
     nxt = opt.ask(study, sp)  # the model's proposal all the same
     assert calls == [nxt.number]
     assert "model_prediction" in opt.get_trial(study, nxt.number).user_attrs
-    b = attrs_for("dense-8b-h100", starts[1].config, [1])
-    told = opt.tell_value(study, starts[1].number, value_of(b), 0.0, b)  # starts[2] unpredicted: tried
+    told = tell(study, starts[1])  # starts[2] unpredicted: tried
     assert told.state == optuna.trial.TrialState.COMPLETE and calls[-1] == starts[1].number
     assert opt.get_trial(study, starts[2].number).user_attrs.get("model_prediction") is None
 
@@ -193,8 +191,7 @@ def test_a_failing_prediction_fails_no_ask_and_no_tell_and_a_tell_does_not_refit
     monkeypatch.undo()
     opt.ask(study, sp)  # predicts starts[2]
     monkeypatch.setattr(ms, "fit", lambda *_: pytest.fail("a tell refitted the model"))
-    c = attrs_for("dense-8b-h100", starts[2].config, [1])
-    assert opt.tell_value(study, starts[2].number, value_of(c), 0.0, c).state == optuna.trial.TrialState.COMPLETE
+    assert tell(study, starts[2]).state == optuna.trial.TrialState.COMPLETE
 
 
 def test_an_enqueued_warm_start_predicts_the_starts_in_flight_and_a_failed_store_is_left_out(
@@ -202,13 +199,8 @@ def test_an_enqueued_warm_start_predicts_the_starts_in_flight_and_a_failed_store
 ) -> None:
     """A warm start the user enqueued takes its own params, but its ask still predicts the
     launches in flight; a prediction the storage fails to store is left out and the ask goes on."""
-    sp = spec(name="m-warm-in-flight")
-    storage = optuna.storages.InMemoryStorage()
-    opt.create_study(storage, sp)
-    study = opt.load_study(storage, sp)
-    starts = [opt.ask(study, sp) for _ in range(2)]
-    a = attrs_for("dense-8b-h100", starts[0].config, [1])
-    opt.tell_value(study, starts[0].number, value_of(a), 0.0, a)
+    sp, study, starts = fleet_starts("m-warm-in-flight", 2)
+    tell(study, starts[0])
     warm = SpecConfig(num_steps=6, topk=1, num_draft_tokens=7)
     study.enqueue_trial({"num_steps": 6, "topk": 1})
     asked = opt.ask(study, sp)
