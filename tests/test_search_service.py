@@ -1,8 +1,9 @@
-"""Restarts never spent twice or in vain, and pruning, through the REST API on both backends."""
+"""Restarts never spent twice or in vain, pruning, and a fleet's starts predicted in flight, through the REST API on both backends."""
 
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 from tests.conftest import Api, small_spec
 from tests.search_support import OOM, drive, key_of, lease, ok, sim_levels
@@ -163,3 +164,37 @@ def test_a_quarantined_result_is_not_copied_into_its_duplicates(api: Api) -> Non
     assert shown["best"] is None or shown["best"]["trial_number"] not in {first["trial_number"]} | {
         t["number"] for t in copies
     }
+
+
+def test_a_fleets_starts_get_predictions_in_flight_through_the_service(api: Api) -> None:
+    """Four workers lease before any result is in: four starting points fly with no prediction.
+    As their results come in one by one, those still in flight get the model's prediction (move
+    "start", from the results before them); the trial rows show it, and the prediction check then
+    counts them."""
+    spec = small_spec("fleet-starts", budget={"max_trials": 12})
+    assert api.post("/v1/studies", "user", spec).status_code == 201
+    workers = ["w1", "w2", "w3", "w4"]
+    for w in workers:
+        got = lease(api, w)
+        assert got is not None and got["kind"] == "baseline"
+        levels = got["workload"]["concurrency"]
+        r = api.post(f"/v1/leases/{got['lease_id']}/complete", "worker", ok(sim_levels("moe-pcie", None, levels)))
+        assert r.status_code == 200, r.text
+    starts = [lease(api, w) for w in workers]
+    assert all(s is not None and s["kind"] == "trial" for s in starts), starts
+
+    def rows() -> dict[int, dict[str, Any]]:
+        return {t["number"]: t for t in api.get("/v1/studies/fleet-starts/trials", "user").json()}
+
+    assert all(t["model_prediction"] is None for t in rows().values())
+    for s in starts:
+        assert s is not None
+        body = ok(sim_levels("moe-pcie", s["config"], s["workload"]["concurrency"]))
+        assert api.post(f"/v1/leases/{s['lease_id']}/complete", "worker", body).status_code == 200
+    shown = rows()
+    made = [shown[s["trial_number"]]["model_prediction"] for s in starts if s is not None]
+    # The first result comes in with no model to predict from; the second is not predicted as it
+    # arrives, but the two still in flight are, then, from the first result alone.
+    assert made[:2] == [None, None]
+    for m in made[2:]:
+        assert m is not None and m["move"] == "start" and m["observations"] == 1 and m["p_oom"] is None, m
