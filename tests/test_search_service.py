@@ -1,4 +1,5 @@
-"""Restarts never spent twice or in vain, pruning, and a fleet's starts predicted in flight, through the REST API on both backends."""
+"""Restarts never spent twice or in vain, pruning, and a fleet's starts predicted in flight,
+through the REST API on both backends."""
 
 from __future__ import annotations
 
