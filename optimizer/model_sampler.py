@@ -432,6 +432,10 @@ def prediction_attr(proposal: Proposal) -> dict[str, Any]:
     return out
 
 
+# What a start's prediction leaves out: nothing weighed it as a proposal (api.documents shows None).
+NOT_ESTIMATED: dict[str, Any] = {"expected_improvement": None, "p_oom": None, "predicted_cost_s": None}
+
+
 def in_flight_predictions(
     spec: StudySpec, trials: Sequence[FrozenTrial], model: FittedModel | None, asking: int
 ) -> list[tuple[FrozenTrial, dict[str, Any]]]:
@@ -457,12 +461,8 @@ def in_flight_predictions(
             continue
         r = A.TrialRecord(t)
         mean, sd = model.predict_log_speedup(Candidates.of([r.config]), levels, weights)
-        prediction = {
-            "speedup": float(math.exp(mean[0])), "log_sd": float(sd[0]), "expected_improvement": None,
-            "observations": model.n_observations, "p_oom": None, "predicted_cost_s": None, "move": "start",
-            "around": None,
-        }  # fmt: skip
-        out.append((t, prediction))
+        start = Proposal(r.config, float(math.exp(mean[0])), float(sd[0]), 0.0, model.n_observations, move="start")
+        out.append((t, prediction_attr(start) | NOT_ESTIMATED))
     return out
 
 
@@ -530,7 +530,8 @@ class ModelSampler(BaseSampler):
         self._spec = spec
         self._rng = random.Random(seed)
         self._fallback = fallback or optuna.samplers.TPESampler(seed=seed, n_startup_trials=5)
-        self._fitted: tuple[int, FittedModel | None] | None = None  # (trial number, its fit)
+        # (trial number, the trials read, their fit): `before_trial`'s, for this ask's `sample_relative`.
+        self._fitted: tuple[int, list[FrozenTrial], FittedModel | None] | None = None
 
     def before_trial(self, study: Study, trial: FrozenTrial) -> None:
         """Every ask, enqueued warm starts included (Optuna calls this before any parameter is
@@ -545,16 +546,17 @@ class ModelSampler(BaseSampler):
         trials = study.get_trials(deepcopy=False)
         done, model = _predict_in_flight(study, self._spec, trials, trial.number)
         if done:  # else `sample_relative` fits again, and says what went wrong if it does again
-            self._fitted = (trial.number, model)
+            self._fitted = (trial.number, trials, model)
 
     def after_trial(self, study: Study, trial: FrozenTrial, state: TrialState, values: Sequence[float] | None) -> None:
         """Every result (Optuna calls this in `tell`, before the trial is stored as finished): the
         launches still in flight that carry no prediction get one now, from the results before
         this one, rather than at the next ask, which a fleet that waits may not make before their
-        results are in.  Nothing is fitted when every launch in flight carries a prediction."""
-        trials = study.get_trials(deepcopy=False)
-        if any(_unpredicted(t) and t.number != trial.number for t in trials):
-            _predict_in_flight(study, self._spec, trials, trial.number)
+        results are in.  Only the launches in flight are read, and nothing is fitted, when each
+        of them carries a prediction (a tell's usual case, on the report's path)."""
+        running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        if any(_unpredicted(t) and t.number != trial.number for t in running):
+            _predict_in_flight(study, self._spec, study.get_trials(deepcopy=False), trial.number)
 
     def infer_relative_search_space(self, study: Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
         return distributions(self._spec.search_space)
@@ -564,11 +566,11 @@ class ModelSampler(BaseSampler):
     ) -> dict[str, Any]:
         if "fixed_params" in trial.system_attrs:
             return {}  # an enqueued warm start: its params win anyway
-        trials = study.get_trials(deepcopy=False)
-        fitted = self._fitted if self._fitted is not None and self._fitted[0] == trial.number else None
-        model = (
-            fitted[1] if fitted is not None else fit(observations_of(trials), self._spec.search_space.num_steps.high)
-        )
+        if self._fitted is not None and self._fitted[0] == trial.number:
+            _, trials, model = self._fitted  # read and fitted by `before_trial`, moments ago
+        else:
+            trials = study.get_trials(deepcopy=False)
+            model = fit(observations_of(trials), self._spec.search_space.num_steps.high)
         proposal = None if model is None else propose(self._spec, trials, self._rng, model)
         if proposal is None:
             start = blind_start(self._spec, trials)
