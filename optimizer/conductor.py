@@ -36,7 +36,7 @@ from optimizer.model_sampler import space_configs
 from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
-from optimizer.study import is_feasible
+from optimizer.study import best_trial_of, is_feasible
 from optimizer.study_state import Ending, FinishReason, Phase, StudyState, confirmed_detail
 from spectune_protocol import Resolve
 
@@ -312,10 +312,18 @@ def next_action(snap: Snapshot, worker_id: str) -> Action:
     if snap.phase == Phase.CONFIRMATION:
         return _confirmation_for(snap, worker_id)
     if search_over(snap) is None:
-        enough = in_flight_settles(snap)
-        return Ask() if enough is None else Wait(enough)
+        capped, settling = parallel_cap(snap), in_flight_settles(snap)
+        if capped is None and settling is None:
+            return Ask()
+        wait = Wait(capped or settling or "")
+        return (ready_baseline(snap, worker_id) if settling is not None else None) or wait
     moved = settle(snap)
-    return Wait("launches of this study are still in flight") if isinstance(moved, Ask) else moved
+    if isinstance(moved, Ask):
+        # The rule settled with launches in flight: the confirmation starts when they are in.
+        moved = Wait("launches of this study are still in flight")
+    if isinstance(moved, Wait) and any(le.kind == "trial" and le.live for le in snap.leases):
+        return ready_baseline(snap, worker_id) or moved
+    return moved
 
 
 def search_over(snap: Snapshot) -> str | None:
@@ -352,18 +360,29 @@ def launches_needed(spec: StudySpec, trials: Sequence[FrozenTrial], a: convergen
     return max(1, min(needs))
 
 
+def parallel_cap(snap: Snapshot) -> str | None:
+    """Why a worker asking in the search is told to wait: `MODEL_PARALLEL` of the model's
+    proposals are in flight already (None: fewer, or the model has not its first results yet)."""
+    flying = sum(1 for le in snap.leases if le.kind == "trial" and le.live)
+    if flying < MODEL_PARALLEL:
+        return None
+    a = stop_rule(snap.spec, snap.trials)
+    if a is not None and a.measured >= convergence.MIN_MEASURED:
+        return f"{flying} of the model's proposals are in flight (at most {MODEL_PARALLEL} at once)"
+    return None
+
+
 def in_flight_settles(snap: Snapshot) -> str | None:
     """Why a worker asking in the search is told to wait: the search launches already in flight
-    are as many as the stop rule still needs (`launches_needed`), so one more would be spent on a
-    question they answer.  If one of them beats the incumbent, the rule needs more and the next
-    worker asks.  Without this, a fleet of four overshoots a settled rule by up to three launches.
+    are as many as the stop rule still needs (`launches_needed`), or settle the model rule if they
+    come in as it predicts them (`believed_settles`), so one more would be spent on a question
+    they answer.  If one of them beats the incumbent, the rule needs more and the next worker
+    asks.  Without this, a fleet of four overshoots a settled rule by up to three launches.
     """
     flying = sum(1 for le in snap.leases if le.kind == "trial" and le.live)
     if flying == 0:
         return None
     a = stop_rule(snap.spec, snap.trials)
-    if a is not None and a.measured >= convergence.MIN_MEASURED and flying >= MODEL_PARALLEL:
-        return f"{flying} of the model's proposals are in flight (at most {MODEL_PARALLEL} at once)"
     if a is not None and not a.settled and a.measured >= convergence.MIN_MEASURED and a.model_trusted and not a.walking:
         held = believed_settles(snap)
         if held is not None:
@@ -388,6 +407,39 @@ def in_flight_settles(snap: Snapshot) -> str | None:
         f"the {flying} launch(es) in flight are what the stop rule still needs ({needed}); "
         "asking again if one of them beats the incumbent"
     )
+
+
+def ready_baseline(snap: Snapshot, worker_id: str) -> MeasureBaseline | None:
+    """The confirmation's baseline, measured by a host the search leaves idle while the launches in
+    flight are expected to end it (or end it after the rule settled); None: wait.
+
+    A confirmation pairs with a baseline its host measured at most `Timing.confirm_idle_s` before
+    (`baseline_serves`, `baseline_fresh`), so one measured now serves it and the confirmation
+    starts when the last result is in, not a baseline later.  Only one at a time, only while no
+    live host holds one that fresh, only on a host that found none of the candidates the
+    confirmation would take now (each is confirmed away from its finder), and only when the
+    answer is speculation (a study that ends "does not pay" confirms nothing).  If a result
+    reopens the search the baseline still serves this host's launches; it was one launch early.
+    """
+    if not converges(snap.spec):
+        return None
+    a = stop_rule(snap.spec, snap.trials)
+    if a is None or a.measured < convergence.MIN_MEASURED or a.pays is False:
+        return None
+    best = best_trial_of(snap.trials)
+    if best is None or best.value is None or best.value <= 1.0:
+        return None  # as it stands the study ends "does not pay"
+    if any(le.kind == "baseline" and le.live for le in snap.leases):
+        return None
+    window = timedelta(seconds=snap.timing.confirm_idle_s)
+    for h in snap.live_hosts():
+        b = snap.latest_baseline(h.id)
+        if b is not None and snap.now - b.measured_at <= window:
+            return None
+    chosen = candidates(snap)
+    if not chosen or any(c.avoid_worker == worker_id for c in chosen):
+        return None
+    return MeasureBaseline(worker_id, for_confirmation=True)
 
 
 def believed_settles(snap: Snapshot) -> str | None:
@@ -980,21 +1032,25 @@ def _another_host_can_confirm(snap: Snapshot, worker_id: str) -> bool:
 def baseline_serves(snap: Snapshot, worker_id: str, base: Baseline) -> bool:
     """May this host's latest baseline pair with its next confirmation?
 
-    One baseline measured after the confirmation began serves every confirmation on a host; where
-    the host's baseline drifted (it differs from its last one before the confirmation began by
-    more than DRIFT_MARGIN) each confirmation needs one measured after the previous confirmation
-    ended (`optimizer.confirmation.baseline_serves`).
+    One baseline measured at most `Timing.confirm_idle_s` before the confirmation began (a host
+    the search left idle measures it while the last launches fly: `ready_baseline`), or after it,
+    serves every confirmation on a host, as long as it stays fresh (`baseline_fresh`); where the
+    host's baseline drifted (it differs from the host's last one before it by more than
+    DRIFT_MARGIN) each confirmation needs one measured after the previous confirmation ended
+    (`optimizer.confirmation.baseline_serves`).
     """
     began = snap.confirmation_began_at
     if began is None:
         return False
     ended = [le.finished_at for le in snap.leases if le.kind == "confirm" and le.worker_id == worker_id]
     last = max((t for t in ended if t is not None), default=None)
-    earlier = [b for b in snap.baselines if b.worker_id == worker_id and b.valid and b.measured_at < began]
+    before = min(began, base.measured_at)
+    earlier = [b for b in snap.baselines if b.worker_id == worker_id and b.valid and b.measured_at < before]
     prev = max(earlier, key=lambda b: b.measured_at) if earlier else None
     drift = prev is not None and confirm.drift_seen(_levels(base), _levels(prev), DRIFT_MARGIN)
+    earliest = began - timedelta(seconds=snap.timing.confirm_idle_s)
     return confirm.baseline_serves(
-        base.measured_at.timestamp(), began.timestamp(), None if last is None else last.timestamp(), drift
+        base.measured_at.timestamp(), earliest.timestamp(), None if last is None else last.timestamp(), drift
     )
 
 

@@ -181,15 +181,16 @@ def candidates(
 
 
 def baseline_serves(
-    baseline_at: float, confirmation_began: float, last_confirm_done_on_host: float | None, drift_seen: bool
+    baseline_at: float, earliest: float, last_confirm_done_on_host: float | None, drift_seen: bool
 ) -> bool:
     """May a host's latest baseline pair with its next confirmation (times in any one clock)?
 
-    One fresh baseline (measured after the confirmation phase began) serves every confirmation
-    on that host; only where drift was seen must a new baseline follow each candidate
-    (baseline-candidate-baseline), i.e. be measured after the host's previous confirmation.
+    One fresh baseline (measured no earlier than `earliest`: shortly before the confirmation phase
+    began, or after it) serves every confirmation on that host; only where drift was seen must a
+    new baseline follow each candidate (baseline-candidate-baseline), i.e. be measured after the
+    host's previous confirmation.
     """
-    if baseline_at < confirmation_began:
+    if baseline_at < earliest:
         return False
     if drift_seen and last_confirm_done_on_host is not None:
         return baseline_at >= last_confirm_done_on_host

@@ -219,6 +219,46 @@ def test_a_fleet_waits_when_the_launches_in_flight_are_what_the_model_rule_still
     assert isinstance(action, c.Wait) and "model's proposals are in flight" in action.reason
 
 
+def test_a_host_the_search_leaves_idle_measures_the_confirmations_baseline_meanwhile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The launch in flight is what the model rule still needs: a host that found none of the
+    candidates the confirmation would take measures the baseline it will pair with now, instead of
+    after the last result; the host that found the leader (w4) waits, and only one host measures."""
+    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials: unsettled(0.05))
+    s = replace(snap(spec_of("cond-ready"), HOLD_PENDING, baselines=FLEET_BASES, hosts=FLEET), leases=flying(1))
+    assert [(x.trial_number, x.avoid_worker) for x in c.candidates(s)] == [(3, "w4")]
+    assert c.next_action(s, "w2") == c.MeasureBaseline("w2", for_confirmation=True)
+    assert isinstance(c.next_action(s, "w4"), c.Wait)
+    measuring = c.LeaseView("b-w2", "baseline", "active", worker_id="w2", created_at=T0, leased_at=T0)
+    assert isinstance(c.next_action(replace(s, leases=(*s.leases, measuring)), "w3"), c.Wait)
+    # A host already holding a baseline that fresh will pair with the confirmation: no second one.
+    recent = base("w4", T0 - timedelta(seconds=s.timing.confirm_idle_s - 60), id_=9)
+    assert isinstance(c.next_action(replace(s, baselines=(*FLEET_BASES, recent)), "w3"), c.Wait)
+    # Nothing in flight: the search asks as before.
+    assert isinstance(c.next_action(replace(s, leases=()), "w3"), c.Ask)
+    # No launch beats the baseline: as it stands the study ends "does not pay", with nothing to confirm.
+    slower = [
+        measured(t.number, float(t.value or 0) - 0.2, CONFIGS[t.number], f"w{t.number + 1}") for t in HOLD_PENDING
+    ]
+    losing = replace(s, spec=spec_of("cond-ready-slower"), trials=slower)
+    assert isinstance(c.next_action(losing, "w2"), c.Wait)
+
+
+def test_after_the_rule_settled_an_idle_host_measures_the_baseline_unless_nothing_pays(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The rule settled with a launch still in flight: the confirmation waits for it, and a host
+    that found no candidate measures the baseline meanwhile; a study that ends "does not pay"
+    confirms nothing, so none is measured."""
+    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials: _settled(True))
+    s = replace(snap(spec_of("cond-ready-settled"), HOLD_PENDING, baselines=FLEET_BASES, hosts=FLEET), leases=flying(1))
+    assert c.next_action(s, "w2") == c.MeasureBaseline("w2", for_confirmation=True)
+    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials: _settled(False))
+    s = replace(s, spec=spec_of("cond-ready-nopay"))
+    assert c.next_action(s, "w2") == c.Wait("launches of this study are still in flight")
+
+
 def test_a_distrusted_model_waits_for_its_quiet_spell_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
     """The empirical rule wants `hold_needed` launches without a gain after the incumbent (the
     assessment's `quiet` says how many it has); when the launches in flight complete that spell,
@@ -416,6 +456,18 @@ def test_an_idle_hosts_baseline_is_not_fresh() -> None:
     )  # fmt: skip
     s = replace(s, leases=(*QUEUED, done))
     assert c.next_action(s, "w1") == c.Confirm("c1", "w1", 7, fresh_baseline=True)
+
+
+def test_a_baseline_measured_just_before_the_confirmation_began_pairs_with_it() -> None:
+    """Measured by a host the search left idle while its last launches flew (`ready_baseline`),
+    minutes before the phase began: it pairs with the confirmation as one measured after would.
+    One measured longer ago than `confirm_idle_s` does not."""
+    idle_s = confirming().timing.confirm_idle_s
+    ready = base("w1", BEGAN - timedelta(seconds=idle_s / 4), id_=7)
+    assert c.next_action(confirming(baselines=(*BASES, ready)), "w1") == c.Confirm("c1", "w1", 7, fresh_baseline=True)
+    stale = base("w1", BEGAN - timedelta(seconds=idle_s + 60), id_=7)
+    measure = c.MeasureBaseline("w1", for_confirmation=True)
+    assert c.next_action(confirming(baselines=(BASES[1], stale)), "w1") == measure
 
 
 def test_a_drifting_host_measures_a_baseline_before_each_confirmation() -> None:
