@@ -459,7 +459,16 @@ class MemoryStudy:
             hosts=[conductor.HostView(w, now) for w in workers],
             confirmation_began_at=self.confirmation_began_at,
             ending=self.ending,
+            search_done=self.search_done(),
         )
+
+    def search_done(self) -> dict[str, datetime]:
+        """Per host, when its latest search launch ended (api.services.study_life.snapshot's query)."""
+        done: dict[str, datetime] = {}
+        for le in self.leases:
+            if le.kind == "trial" and le.worker_id is not None and le.finished_at is not None:
+                done[le.worker_id] = max(le.finished_at, done.get(le.worker_id, le.finished_at))
+        return done
 
     def persist(self, action: conductor.Action, now: datetime) -> None:
         """What api.services.study_life.persist does with a study-level action."""

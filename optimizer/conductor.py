@@ -17,6 +17,7 @@ A study's life:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -142,6 +143,9 @@ class Snapshot:
     # In confirmation: when it began and why the search ended.
     confirmation_began_at: datetime | None = None
     ending: Ending | None = None
+    # Per host, when its latest search launch of this study ended (a baseline measured before it
+    # is not the last thing that host measured before a confirmation: `baseline_serves`).
+    search_done: Mapping[str, datetime] = field(default_factory=dict)
 
     def latest_baseline(self, worker_id: str) -> Baseline | None:
         mine = [b for b in self.baselines if b.worker_id == worker_id and b.valid]
@@ -219,7 +223,9 @@ class Confirm:
     lease_id: str
     worker_id: str
     baseline_id: int
-    # Measured after the confirmation began, with the host busy on this study's confirmations since.
+    # The last thing the host measured before this confirmation (after the phase began, or just
+    # before it with the host idle since: `baseline_serves`), with the host busy on this study's
+    # confirmations since.
     fresh_baseline: bool
     # More passes on the warm server while the answer straddles a decision (`resolve_order`).
     resolve: Resolve | None = field(default=None, compare=False)
@@ -247,6 +253,9 @@ class Wait:
 
     reason: str
     warning: str | None = None
+    # Asked with `spare=False`: this worker could measure the confirmation's baseline meanwhile
+    # (`ready_baseline`); asked again with `spare=True` if no other study has work for it.
+    spare_baseline: bool = False
 
 
 Action = MeasureBaseline | RetryLease | Ask | StartConfirmation | Reconfirm | Confirm | Finish | Wait
@@ -291,8 +300,12 @@ def _rule_inputs(spec: StudySpec, trials: Sequence[FrozenTrial]) -> tuple[Any, .
 # ----------------------------------------------------------------------------------- decisions
 
 
-def next_action(snap: Snapshot, worker_id: str) -> Action:
+def next_action(snap: Snapshot, worker_id: str, *, spare: bool = True) -> Action:
     """What `worker_id` should do for this study now.
+
+    `spare`: the worker has no other study's work to do.  A worker that is not spare is told to
+    wait rather than measure a confirmation's baseline ahead of time (`ready_baseline`), with
+    `Wait.spare_baseline` saying one is there: the service asks the other studies first.
 
     `StartConfirmation` and `Finish` are the study's, not the worker's: the caller persists them
     and asks again (a study that moved to confirmation may have a confirmation for this worker).
@@ -312,18 +325,29 @@ def next_action(snap: Snapshot, worker_id: str) -> Action:
     if snap.phase == Phase.CONFIRMATION:
         return _confirmation_for(snap, worker_id)
     if search_over(snap) is None:
-        capped, settling = parallel_cap(snap), in_flight_settles(snap)
+        capped = parallel_cap(snap)
+        # The believer's fit behind `in_flight_settles` only where its answer changes the action.
+        settling = in_flight_settles(snap) if capped is None or _may_ready(snap, worker_id) else None
         if capped is None and settling is None:
             return Ask()
         wait = Wait(capped or settling or "")
-        return (ready_baseline(snap, worker_id) if settling is not None else None) or wait
+        return _spare(snap, worker_id, wait, spare) if settling is not None else wait
     moved = settle(snap)
     if isinstance(moved, Ask):
         # The rule settled with launches in flight: the confirmation starts when they are in.
         moved = Wait("launches of this study are still in flight")
     if isinstance(moved, Wait) and any(le.kind == "trial" and le.live for le in snap.leases):
-        return ready_baseline(snap, worker_id) or moved
+        return _spare(snap, worker_id, moved, spare)
     return moved
+
+
+def _spare(snap: Snapshot, worker_id: str, wait: Wait, spare: bool) -> Action:
+    """`wait`, or the confirmation's baseline this worker may measure meanwhile (`ready_baseline`):
+    given when the worker is `spare` (no other study has work for it), else said in the Wait."""
+    ready = ready_baseline(snap, worker_id)
+    if ready is None:
+        return wait
+    return ready if spare else dataclasses.replace(wait, spare_baseline=True)
 
 
 def search_over(snap: Snapshot) -> str | None:
@@ -415,31 +439,45 @@ def ready_baseline(snap: Snapshot, worker_id: str) -> MeasureBaseline | None:
 
     A confirmation pairs with a baseline its host measured at most `Timing.confirm_idle_s` before
     (`baseline_serves`, `baseline_fresh`), so one measured now serves it and the confirmation
-    starts when the last result is in, not a baseline later.  Only one at a time, only while no
-    live host holds one that fresh, only on a host that found none of the candidates the
+    starts when the last result is in, not a baseline later.  Only one for each set of launches
+    in flight (if a result reopens the search, the next set may have another: a wrong guess costs
+    one baseline, which then serves this host's own launches), only while no host that may take
+    the candidates holds one that fresh, only on a host that found none of the candidates the
     confirmation would take now (each is confirmed away from its finder), and only when the
-    answer is speculation (a study that ends "does not pay" confirms nothing).  If a result
-    reopens the search the baseline still serves this host's launches; it was one launch early.
+    answer is speculation (a study that ends "does not pay" confirms nothing).
     """
-    if not converges(snap.spec):
+    if not _may_ready(snap, worker_id):
         return None
-    a = stop_rule(snap.spec, snap.trials)
-    if a is None or a.measured < convergence.MIN_MEASURED or a.pays is False:
-        return None
-    best = best_trial_of(snap.trials)
-    if best is None or best.value is None or best.value <= 1.0:
-        return None  # as it stands the study ends "does not pay"
-    if any(le.kind == "baseline" and le.live for le in snap.leases):
-        return None
-    window = timedelta(seconds=snap.timing.confirm_idle_s)
-    for h in snap.live_hosts():
-        b = snap.latest_baseline(h.id)
-        if b is not None and snap.now - b.measured_at <= window:
-            return None
     chosen = candidates(snap)
     if not chosen or any(c.avoid_worker == worker_id for c in chosen):
         return None
+    finders = {c.avoid_worker for c in chosen}
+    window = timedelta(seconds=snap.timing.confirm_idle_s)
+    for h in snap.live_hosts():
+        b = snap.latest_baseline(h.id)
+        if h.id not in finders and b is not None and snap.now - b.measured_at <= window:
+            return None
     return MeasureBaseline(worker_id, for_confirmation=True)
+
+
+def _may_ready(snap: Snapshot, worker_id: str) -> bool:
+    """`ready_baseline`'s cheap conditions (the stop rule's fit is memoised): the model has its first
+    results and the rule does not say "does not pay", launches in flight, no
+    baseline measured or measuring since the newest of them began, and a launch beating the
+    baseline (as it stands the study would not end "does not pay")."""
+    if not converges(snap.spec):
+        return False
+    a = stop_rule(snap.spec, snap.trials)
+    if a is None or a.measured < convergence.MIN_MEASURED or a.pays is False:
+        return False
+    flying = [le for le in snap.leases if le.kind == "trial" and le.live]
+    if not flying or any(le.kind == "baseline" and le.live for le in snap.leases):
+        return False
+    newest = max((le.leased_at or le.created_at or snap.now for le in flying), default=snap.now)
+    if any(b.measured_at >= newest for b in snap.baselines):
+        return False
+    best = best_trial_of(snap.trials)
+    return best is not None and best.value is not None and best.value > 1.0
 
 
 def believed_settles(snap: Snapshot) -> str | None:
@@ -1032,9 +1070,10 @@ def _another_host_can_confirm(snap: Snapshot, worker_id: str) -> bool:
 def baseline_serves(snap: Snapshot, worker_id: str, base: Baseline) -> bool:
     """May this host's latest baseline pair with its next confirmation?
 
-    One baseline measured at most `Timing.confirm_idle_s` before the confirmation began (a host
-    the search left idle measures it while the last launches fly: `ready_baseline`), or after it,
-    serves every confirmation on a host, as long as it stays fresh (`baseline_fresh`); where the
+    One baseline measured after the confirmation began, or at most `Timing.confirm_idle_s` before
+    it with no search launch on the host since (a host the search left idle measures it while the
+    last launches fly: `ready_baseline`), serves every confirmation on a host, as long as it stays
+    fresh (`baseline_fresh`): it is the last thing the host measured before them.  Where the
     host's baseline drifted (it differs from the host's last one before it by more than
     DRIFT_MARGIN) each confirmation needs one measured after the previous confirmation ended
     (`optimizer.confirmation.baseline_serves`).
@@ -1048,6 +1087,11 @@ def baseline_serves(snap: Snapshot, worker_id: str, base: Baseline) -> bool:
     earlier = [b for b in snap.baselines if b.worker_id == worker_id and b.valid and b.measured_at < before]
     prev = max(earlier, key=lambda b: b.measured_at) if earlier else None
     drift = prev is not None and confirm.drift_seen(_levels(base), _levels(prev), DRIFT_MARGIN)
+    if base.measured_at < began:
+        # Measured ahead (`ready_baseline`): only while nothing of the search ran on the host since.
+        done = snap.search_done.get(worker_id)
+        if done is not None and done > base.measured_at:
+            return False
     earliest = began - timedelta(seconds=snap.timing.confirm_idle_s)
     return confirm.baseline_serves(
         base.measured_at.timestamp(), earliest.timestamp(), None if last is None else last.timestamp(), drift

@@ -232,9 +232,24 @@ def test_a_host_the_search_leaves_idle_measures_the_confirmations_baseline_meanw
     assert isinstance(c.next_action(s, "w4"), c.Wait)
     measuring = c.LeaseView("b-w2", "baseline", "active", worker_id="w2", created_at=T0, leased_at=T0)
     assert isinstance(c.next_action(replace(s, leases=(*s.leases, measuring)), "w3"), c.Wait)
-    # A host already holding a baseline that fresh will pair with the confirmation: no second one.
-    recent = base("w4", T0 - timedelta(seconds=s.timing.confirm_idle_s - 60), id_=9)
+    # A host already holding a baseline that fresh will pair with the confirmation: no second one;
+    # unless it is the candidate's finder, which may not pair with it.
+    recent_at = T0 - timedelta(seconds=s.timing.confirm_idle_s - 60)
+    recent = base("w1", recent_at, id_=9)
     assert isinstance(c.next_action(replace(s, baselines=(*FLEET_BASES, recent)), "w3"), c.Wait)
+    on_finder = replace(s, baselines=(*FLEET_BASES, base("w4", recent_at, id_=9)))
+    assert c.next_action(on_finder, "w3") == c.MeasureBaseline("w3", for_confirmation=True)
+    # One for each set of launches in flight: measured after the newest began, older than the
+    # window now (a launch longer than it), it is not measured again and again.
+    began = [replace(le, leased_at=T0 - timedelta(minutes=30)) for le in s.leases]
+    once = replace(s, leases=began, baselines=(*FLEET_BASES, base("w2", T0 - timedelta(minutes=20), id_=9)))
+    assert isinstance(c.next_action(once, "w3"), c.Wait)
+    # Asked as a worker another study may have work for: a Wait that says the baseline is there.
+    assert c.next_action(s, "w2", spare=False) == c.Wait(
+        "the 1 launch(es) in flight are what the stop rule still needs (1); "
+        "asking again if one of them beats the incumbent",
+        spare_baseline=True,
+    )
     # Nothing in flight: the search asks as before.
     assert isinstance(c.next_action(replace(s, leases=()), "w3"), c.Ask)
     # No launch beats the baseline: as it stands the study ends "does not pay", with nothing to confirm.
@@ -465,6 +480,9 @@ def test_a_baseline_measured_just_before_the_confirmation_began_pairs_with_it() 
     idle_s = confirming().timing.confirm_idle_s
     ready = base("w1", BEGAN - timedelta(seconds=idle_s / 4), id_=7)
     assert c.next_action(confirming(baselines=(*BASES, ready)), "w1") == c.Confirm("c1", "w1", 7, fresh_baseline=True)
+    # Not if the host ran a search launch after it: it is not the last thing the host measured.
+    later = replace(confirming(baselines=(*BASES, ready)), search_done={"w1": BEGAN - timedelta(seconds=idle_s / 8)})
+    assert c.next_action(later, "w1") == c.MeasureBaseline("w1", for_confirmation=True)
     stale = base("w1", BEGAN - timedelta(seconds=idle_s + 60), id_=7)
     measure = c.MeasureBaseline("w1", for_confirmation=True)
     assert c.next_action(confirming(baselines=(BASES[1], stale)), "w1") == measure

@@ -18,7 +18,7 @@ from datetime import datetime
 from typing import Any
 
 from optuna.trial import FrozenTrial
-from sqlalchemy import or_, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
 from api.errors import ConflictError
@@ -142,6 +142,17 @@ def snapshot(
     launched = frozenset(
         s.scalars(select(TrialConfigRow.config_key).where(TrialConfigRow.study_name == spec.name)).all()
     )
+    search_done = {
+        w: at
+        for w, at in s.execute(
+            select(LeaseRow.worker_id, func.max(LeaseRow.finished_at))
+            .where(
+                LeaseRow.study_name == spec.name, LeaseRow.kind == LeaseKind.TRIAL, LeaseRow.finished_at.is_not(None)
+            )
+            .group_by(LeaseRow.worker_id)
+        )
+        if w is not None and at is not None
+    }
     return c.Snapshot(
         spec=spec,
         state=StudyState(row.state),
@@ -156,6 +167,7 @@ def snapshot(
         timing=timing(settings),
         confirmation_began_at=row.confirmation_began_at,
         ending=ending_of(row),
+        search_done=search_done,
     )
 
 
@@ -189,19 +201,27 @@ def settle(s: Session, spec: StudySpec, now: datetime, trials: Sequence[FrozenTr
 
 
 def next_for(
-    s: Session, spec: StudySpec, worker_id: str, now: datetime, trials: Sequence[FrozenTrial], settings: Settings
+    s: Session,
+    spec: StudySpec,
+    worker_id: str,
+    now: datetime,
+    trials: Sequence[FrozenTrial],
+    settings: Settings,
+    *,
+    spare: bool = True,
 ) -> c.Action:
     """The conductor's next action for this worker; the study-level ones already persisted.
 
     A study that moves to confirmation is asked again at once: it may have a confirmation (or a
-    baseline before one) for this worker.
+    baseline before one) for this worker.  `spare`: no other study has work for the worker
+    (`optimizer.conductor.next_action`).
     """
     action: c.Action = c.Wait("the study is gone")
     for _ in range(2):
         snap = snapshot(s, spec, now, trials, settings)
         if snap is None:
             return c.Wait("the study is gone")
-        action = c.next_action(snap, worker_id)
+        action = c.next_action(snap, worker_id, spare=spare)
         persist(s, spec, action, now)
         if not isinstance(action, c.StartConfirmation | c.Reconfirm):
             return action

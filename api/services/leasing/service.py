@@ -39,7 +39,7 @@ from api.services.leasing.trial import TrialLeases
 from api.services.report_checks import check_report
 from api.services.study_specs import baseline_key_of, running_specs, spec_of, study_trials
 from optimizer import study as opt
-from optimizer.conductor import Ask, Confirm, MeasureBaseline, RetryLease
+from optimizer.conductor import Ask, Confirm, MeasureBaseline, RetryLease, Wait
 from optimizer.spec import StudySpec
 from spectune_protocol import CompleteIn, CompleteOut, HeartbeatOut, Inventory, LeaseOut, ProgressIn, ProgressOut
 
@@ -89,15 +89,20 @@ class LeaseService:
         # free study had work for it does it wait, oldest first, for the busy ones: with one
         # running study every worker still gets its turn instead of "no work now".
         busy: list[StudySpec] = []
+        # Studies that would have this worker measure a confirmation's baseline ahead of time
+        # (optimizer.conductor.ready_baseline): asked again, in order, only when no study has
+        # other work for it, so a worker is never kept from one study's search by another's guess.
+        spare: list[StudySpec] = []
         passes = itertools.chain(
-            ((spec, 0) for spec in self._candidate_studies(inventory, worker_id)),
-            ((spec, LOCK_WAIT_MS) for spec in busy),  # read once the first pass is over
+            ((spec, 0, False) for spec in self._candidate_studies(inventory, worker_id)),
+            ((spec, LOCK_WAIT_MS, False) for spec in busy),  # read once the first pass is over
+            ((spec, 0, True) for spec in spare),
         )
-        for spec, wait_ms in passes:
+        for spec, wait_ms, is_spare in passes:
             try:
-                out = self._lease_from_study(spec, worker_id, wait_ms)
+                out = self._lease_from_study(spec, worker_id, wait_ms, spare=is_spare, spare_for=spare)
             except BusyError:
-                if wait_ms == 0:
+                if wait_ms == 0 and not is_spare:
                     busy.append(spec)
                 else:
                     # Many workers queue on this study right now: try the next one, or say "no
@@ -171,15 +176,21 @@ class LeaseService:
             out.append(spec)
         return out
 
-    def _lease_from_study(self, spec: StudySpec, worker_id: str, wait_ms: int) -> LeaseOut | None:
+    def _lease_from_study(
+        self, spec: StudySpec, worker_id: str, wait_ms: int, *, spare: bool, spare_for: list[StudySpec]
+    ) -> LeaseOut | None:
         """Carry out the conductor's next action for this worker (api.services.study_life asks it);
-        BusyError when the study's lock is not had within `wait_ms`."""
+        BusyError when the study's lock is not had within `wait_ms`.  `spare`: no other study had
+        work for the worker; a study that would give a spare worker a baseline is added to
+        `spare_for`."""
         with self.ctx.unit(lock=f"study:{spec.name}", wait_ms=wait_ms) as u:
             # Read before the write step (SQLite: Optuna must not wait for our write lock).
             trials = study_trials(self.ctx.storage, self.ctx.sessions, spec.name)
             with u.step() as s:
                 now = db_now(s)
-                action = study_life.next_for(s, spec, worker_id, now, trials, self.settings)
+                action = study_life.next_for(s, spec, worker_id, now, trials, self.settings, spare=spare)
+                if isinstance(action, Wait) and action.spare_baseline:
+                    spare_for.append(spec)
                 lease: LeaseRow | None = None
                 if isinstance(action, MeasureBaseline):
                     lease = self.baselines.new(s, spec, worker_id, now)

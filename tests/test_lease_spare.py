@@ -1,0 +1,63 @@
+"""A confirmation's baseline measured ahead of time never keeps a worker from another study's work.
+
+The conductor may have a worker the search leaves idle measure the confirmation's baseline while
+the launches expected to end the search fly (`optimizer.conductor.ready_baseline`).  The lease
+service asks each study first as if the worker had other work (`spare=False`): a study that would
+hand out such a baseline says so in its Wait, and is asked again (`spare=True`) only when no
+study had other work for the worker.  The conductor's answer is replaced here by one that says
+exactly that, so the test pins the service's order on SQLite and Postgres (and reads the
+snapshots the service builds).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from optimizer import conductor as c
+from tests.conftest import INVENTORY, Api, small_spec
+
+
+def _ok() -> dict[str, Any]:
+    return {"outcome": "ok", "metrics": {"levels": [{"concurrency": 1, "output_tok_s": 100.0}]}}
+
+
+def test_a_spare_baseline_waits_for_every_other_studys_work(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("older", "newer"):
+        assert api.post("/v1/studies", "user", small_spec(name)).status_code == 201
+    # The worker's baseline first (both studies share its server and workload).
+    r = api.post("/v1/workers/w1/lease", "worker", INVENTORY)
+    assert r.status_code == 200 and r.json()["kind"] == "baseline", r.text
+    assert api.post(f"/v1/leases/{r.json()['lease_id']}/complete", "worker", _ok()).status_code == 200
+
+    real = c.next_action
+    asked: list[tuple[str, bool]] = []
+    seen: dict[str, c.Snapshot] = {}
+    newer_has_work = True
+
+    def next_action(snap: c.Snapshot, worker_id: str, *, spare: bool = True) -> c.Action:
+        asked.append((snap.spec.name, spare))
+        seen[snap.spec.name] = snap
+        if snap.spec.name == "older":
+            if spare:
+                return c.MeasureBaseline(worker_id, for_confirmation=True)
+            return c.Wait("the launches in flight end the search", spare_baseline=True)
+        return real(snap, worker_id, spare=spare) if newer_has_work else c.Wait("nothing to do")
+
+    monkeypatch.setattr(c, "next_action", next_action)  # as api.services.study_life calls it
+    r = api.post("/v1/workers/w1/lease", "worker", INVENTORY)
+    assert r.status_code == 200, r.text
+    assert (r.json()["study"], r.json()["kind"]) == ("newer", "trial")
+    assert ("older", True) not in asked  # never offered the baseline while the other study had work
+    assert api.post(f"/v1/leases/{r.json()['lease_id']}/complete", "worker", _ok()).status_code == 200
+
+    newer_has_work = False
+    asked.clear()
+    r = api.post("/v1/workers/w1/lease", "worker", INVENTORY)
+    assert r.status_code == 200, r.text
+    assert (r.json()["study"], r.json()["kind"]) == ("older", "baseline")
+    assert asked == [("older", False), ("newer", False), ("older", True)]
+    # The snapshot says when each host's latest search launch of the study ended (a baseline
+    # measured before it is not the last thing that host measured: conductor.baseline_serves).
+    assert set(seen["newer"].search_done) == {"w1"} and not seen["older"].search_done
