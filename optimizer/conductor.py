@@ -223,9 +223,9 @@ class Confirm:
     lease_id: str
     worker_id: str
     baseline_id: int
-    # The last thing the host measured before this confirmation (after the phase began, or just
-    # before it with the host idle since: `baseline_serves`), with the host busy on this study's
-    # confirmations since.
+    # Measured for this study's confirmation on this host (after the phase began, or just before
+    # it with no launch of the study's search on the host since: `baseline_serves`), with the host
+    # busy on this study's confirmations since, idle at most `Timing.confirm_idle_s`.
     fresh_baseline: bool
     # More passes on the warm server while the answer straddles a decision (`resolve_order`).
     resolve: Resolve | None = field(default=None, compare=False)
@@ -1071,9 +1071,10 @@ def baseline_serves(snap: Snapshot, worker_id: str, base: Baseline) -> bool:
     """May this host's latest baseline pair with its next confirmation?
 
     One baseline measured after the confirmation began, or at most `Timing.confirm_idle_s` before
-    it with no search launch on the host since (a host the search left idle measures it while the
-    last launches fly: `ready_baseline`), serves every confirmation on a host, as long as it stays
-    fresh (`baseline_fresh`): it is the last thing the host measured before them.  Where the
+    it with no launch of the study's search on the host since (a host the search left idle
+    measures it while the last launches fly: `ready_baseline`), serves every confirmation on a
+    host, as long as it stays fresh (`baseline_fresh`: other studies' work counts as idle time, as
+    it always did).  Where the
     host's baseline drifted (it differs from the host's last one before it by more than
     DRIFT_MARGIN) each confirmation needs one measured after the previous confirmation ended
     (`optimizer.confirmation.baseline_serves`).

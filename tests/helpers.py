@@ -1,6 +1,6 @@
 """What many tests need once each: a free port, waiting (for a condition, for a process to serve
-HTTP), stopping a process group, a real `spectune server` process, and the TOML of a worker that
-drives the simulated engine.
+HTTP), stopping a process group, a real `spectune server` process, the TOML of a worker that
+drives the simulated engine, and a study's Postgres lock held as another request holds it.
 
 Everything is on 127.0.0.1; every process started here runs in its own group and is stopped
 (SIGTERM, then SIGKILL) on every path out.
@@ -19,10 +19,12 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
+import psycopg
 
+from api.db import advisory_lock_key
 from workers.lifeline import child_env
 
 T = TypeVar("T")
@@ -231,3 +233,16 @@ def write_token(folder: Path, token: str) -> None:
     """The worker's token file (`token_file = "token"`), mode 0600 as the worker demands."""
     (folder / "token").write_text(token + "\n")
     (folder / "token").chmod(0o600)
+
+
+@contextmanager
+def study_lock_held(db_url: str, study: str) -> Iterator[psycopg.Connection[Any]]:
+    """The study's lock, held by another transaction (as an ask or a report of that study holds it)."""
+    dbname = db_url.rsplit("/", 1)[1]
+    conn = psycopg.connect(f"host=127.0.0.1 port=5432 user=postgres dbname={dbname}")
+    try:
+        conn.execute("SELECT pg_advisory_xact_lock(%s)", (advisory_lock_key(f"study:{study}"),))
+        yield conn
+    finally:
+        conn.rollback()
+        conn.close()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +20,8 @@ import psycopg
 import pytest
 from fastapi.testclient import TestClient
 
-from api.db import advisory_lock_key
 from tests.conftest import INVENTORY, Api, make_settings, make_tokens, small_spec
+from tests.helpers import study_lock_held
 
 pytestmark = pytest.mark.postgres
 
@@ -44,19 +43,6 @@ def _measure_baseline(api: Api) -> None:
     r = api.post("/v1/workers/w1/lease", "worker", INVENTORY)
     assert r.status_code == 200 and r.json()["kind"] == "baseline", r.text
     assert api.post(f"/v1/leases/{r.json()['lease_id']}/complete", "worker", _ok()).status_code == 200
-
-
-@contextmanager
-def _study_lock_held(db_url: str, study: str) -> Iterator[psycopg.Connection[Any]]:
-    """The study's lock, held by another transaction (as an ask or a report of that study holds it)."""
-    dbname = db_url.rsplit("/", 1)[1]
-    conn = psycopg.connect(f"host=127.0.0.1 port=5432 user=postgres dbname={dbname}")
-    try:
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (advisory_lock_key(f"study:{study}"),))
-        yield conn
-    finally:
-        conn.rollback()
-        conn.close()
 
 
 def _lease_in_thread(api: Api) -> tuple[threading.Thread, list[Any]]:
@@ -82,7 +68,7 @@ def test_a_lease_passes_over_a_study_another_request_works_on(pg_api: Api, pg_db
     for name in ("older", "newer"):
         assert pg_api.post("/v1/studies", "user", small_spec(name)).status_code == 201
     _measure_baseline(pg_api)
-    with _study_lock_held(pg_db_url, "older") as holder:
+    with study_lock_held(pg_db_url, "older") as holder:
         thread, answer = _lease_in_thread(pg_api)
         waited = _until_answered_or_waiting(holder, thread)
         # Answered while the older study's lock was still held: from the next study, never queued.
@@ -98,7 +84,7 @@ def test_a_lease_passes_over_a_study_another_request_works_on(pg_api: Api, pg_db
 def test_with_one_running_study_a_lease_waits_its_turn(pg_api: Api, pg_db_url: str) -> None:
     assert pg_api.post("/v1/studies", "user", small_spec("only")).status_code == 201
     _measure_baseline(pg_api)
-    with _study_lock_held(pg_db_url, "only") as holder:
+    with study_lock_held(pg_db_url, "only") as holder:
         thread, answer = _lease_in_thread(pg_api)
         # No other study has work: it waits for the busy one instead of "no work now" (204).
         assert _until_answered_or_waiting(holder, thread), "the lease did not wait for the only study"
@@ -130,7 +116,7 @@ def test_expiry_takes_the_studys_lock_before_it_writes(pg_api: Api, pg_db_url: s
             return str(found.scalar_one())
 
     service = LeaseService(ctx)
-    with _study_lock_held(pg_db_url, "stale"):
+    with study_lock_held(pg_db_url, "stale"):
         assert service.reclaim_expired() == 0
         assert state() == "active", "expiry wrote a lease of a study whose lock another request holds"
     assert service.reclaim_expired() == 1

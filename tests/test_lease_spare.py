@@ -11,12 +11,15 @@ snapshots the service builds).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
 
 from optimizer import conductor as c
-from tests.conftest import INVENTORY, Api, small_spec
+from tests.conftest import INVENTORY, Api, make_settings, make_tokens, small_spec
+from tests.helpers import study_lock_held
 
 
 def _ok() -> dict[str, Any]:
@@ -61,3 +64,36 @@ def test_a_spare_baseline_waits_for_every_other_studys_work(api: Api, monkeypatc
     # The snapshot says when each host's latest search launch of the study ended (a baseline
     # measured before it is not the last thing that host measured: conductor.baseline_serves).
     assert set(seen["newer"].search_done) == {"w1"} and not seen["older"].search_done
+
+
+@pytest.mark.postgres
+def test_no_spare_baseline_while_a_study_that_may_have_work_stays_busy(
+    pg_db_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A study whose lock another request holds past the wait may have work for the worker: the
+    worker hears "no work now" (204) and asks again, not another study's early baseline."""
+    from api.app import create_app
+
+    with TestClient(create_app(make_settings(pg_db_url, artifact_dir=str(tmp_path / "a")))) as client:
+        api = Api(client, make_tokens(pg_db_url))
+        for name in ("older", "newer"):
+            assert api.post("/v1/studies", "user", small_spec(name)).status_code == 201
+        r = api.post("/v1/workers/w1/lease", "worker", INVENTORY)
+        assert r.status_code == 200 and r.json()["kind"] == "baseline", r.text
+        assert api.post(f"/v1/leases/{r.json()['lease_id']}/complete", "worker", _ok()).status_code == 200
+        asked: list[tuple[str, bool]] = []
+
+        def next_action(snap: c.Snapshot, worker_id: str, *, spare: bool = True) -> c.Action:
+            asked.append((snap.spec.name, spare))
+            if spare:
+                return c.MeasureBaseline(worker_id, for_confirmation=True)
+            return c.Wait("the launches in flight end the search", spare_baseline=True)
+
+        monkeypatch.setattr(c, "next_action", next_action)
+        with study_lock_held(pg_db_url, "newer"):
+            r = api.post("/v1/workers/w1/lease", "worker", INVENTORY)
+        assert r.status_code == 204, r.text
+        assert asked == [("older", False)]
+        # The lock released, nothing has other work: the early baseline is offered.
+        r = api.post("/v1/workers/w1/lease", "worker", INVENTORY)
+        assert (r.status_code, r.json()["study"], r.json()["kind"]) == (200, "older", "baseline")

@@ -91,12 +91,14 @@ class LeaseService:
         busy: list[StudySpec] = []
         # Studies that would have this worker measure a confirmation's baseline ahead of time
         # (optimizer.conductor.ready_baseline): asked again, in order, only when no study has
-        # other work for it, so a worker is never kept from one study's search by another's guess.
+        # other work for it, so a worker is never kept from one study's search by another's guess
+        # (a study still busy after the wait may have had some: then the worker hears 204).
         spare: list[StudySpec] = []
+        unheard: list[StudySpec] = []  # still busy when waited for: they may have had work
         passes = itertools.chain(
             ((spec, 0, False) for spec in self._candidate_studies(inventory, worker_id)),
             ((spec, LOCK_WAIT_MS, False) for spec in busy),  # read once the first pass is over
-            ((spec, 0, True) for spec in spare),
+            ((spec, LOCK_WAIT_MS, True) for spec in spare if not unheard),
         )
         for spec, wait_ms, is_spare in passes:
             try:
@@ -105,6 +107,8 @@ class LeaseService:
                 if wait_ms == 0 and not is_spare:
                     busy.append(spec)
                 else:
+                    if not is_spare:
+                        unheard.append(spec)
                     # Many workers queue on this study right now: try the next one, or say "no
                     # work now" (204); the worker asks again after its idle back-off.
                     log.info("study %s busy; worker %s tries elsewhere", spec.name, worker_id)
