@@ -144,8 +144,13 @@ class Snapshot:
     confirmation_began_at: datetime | None = None
     ending: Ending | None = None
     # Per host, when its latest search launch of this study ended (a baseline measured before it
-    # is not the last thing that host measured before a confirmation: `baseline_serves`).
+    # does not pair with a confirmation: `baseline_serves`).
     search_done: Mapping[str, datetime] = field(default_factory=dict)
+
+    @property
+    def in_flight(self) -> list[LeaseView]:
+        """The search launches queued or running."""
+        return [le for le in self.leases if le.kind == "trial" and le.live]
 
     def latest_baseline(self, worker_id: str) -> Baseline | None:
         mine = [b for b in self.baselines if b.worker_id == worker_id and b.valid]
@@ -223,9 +228,9 @@ class Confirm:
     lease_id: str
     worker_id: str
     baseline_id: int
-    # Measured for this study's confirmation on this host (after the phase began, or just before
-    # it with no launch of the study's search on the host since: `baseline_serves`), with the host
-    # busy on this study's confirmations since, idle at most `Timing.confirm_idle_s`.
+    # The host's latest baseline, measured after the phase began or just before it with no launch
+    # of the study's search on the host since (`baseline_serves`), and the host busy on this
+    # study's confirmations since, idle at most `Timing.confirm_idle_s` (`baseline_fresh`).
     fresh_baseline: bool
     # More passes on the warm server while the answer straddles a decision (`resolve_order`).
     resolve: Resolve | None = field(default=None, compare=False)
@@ -326,17 +331,17 @@ def next_action(snap: Snapshot, worker_id: str, *, spare: bool = True) -> Action
         return _confirmation_for(snap, worker_id)
     if search_over(snap) is None:
         capped = parallel_cap(snap)
-        # The believer's fit behind `in_flight_settles` only where its answer changes the action.
-        settling = in_flight_settles(snap) if capped is None or _may_ready(snap, worker_id) else None
-        if capped is None and settling is None:
-            return Ask()
-        wait = Wait(capped or settling or "")
-        return _spare(snap, worker_id, wait, spare) if settling is not None else wait
+        if capped is not None and not _may_ready(snap, worker_id):
+            return Wait(capped)  # the believer's fit behind `in_flight_settles` would change nothing
+        settling = in_flight_settles(snap)
+        if settling is None:
+            return Ask() if capped is None else Wait(capped)
+        return _spare(snap, worker_id, Wait(capped or settling), spare)
     moved = settle(snap)
     if isinstance(moved, Ask):
         # The rule settled with launches in flight: the confirmation starts when they are in.
         moved = Wait("launches of this study are still in flight")
-    if isinstance(moved, Wait) and any(le.kind == "trial" and le.live for le in snap.leases):
+    if isinstance(moved, Wait) and snap.in_flight:
         return _spare(snap, worker_id, moved, spare)
     return moved
 
@@ -387,7 +392,7 @@ def launches_needed(spec: StudySpec, trials: Sequence[FrozenTrial], a: convergen
 def parallel_cap(snap: Snapshot) -> str | None:
     """Why a worker asking in the search is told to wait: `MODEL_PARALLEL` of the model's
     proposals are in flight already (None: fewer, or the model has not its first results yet)."""
-    flying = sum(1 for le in snap.leases if le.kind == "trial" and le.live)
+    flying = len(snap.in_flight)
     if flying < MODEL_PARALLEL:
         return None
     a = stop_rule(snap.spec, snap.trials)
@@ -403,7 +408,7 @@ def in_flight_settles(snap: Snapshot) -> str | None:
     they answer.  If one of them beats the incumbent, the rule needs more and the next worker
     asks.  Without this, a fleet of four overshoots a settled rule by up to three launches.
     """
-    flying = sum(1 for le in snap.leases if le.kind == "trial" and le.live)
+    flying = len(snap.in_flight)
     if flying == 0:
         return None
     a = stop_rule(snap.spec, snap.trials)
@@ -470,7 +475,7 @@ def _may_ready(snap: Snapshot, worker_id: str) -> bool:
     a = stop_rule(snap.spec, snap.trials)
     if a is None or a.measured < convergence.MIN_MEASURED or a.pays is False:
         return False
-    flying = [le for le in snap.leases if le.kind == "trial" and le.live]
+    flying = snap.in_flight
     if not flying or any(le.kind == "baseline" and le.live for le in snap.leases):
         return False
     newest = max((le.leased_at or le.created_at or snap.now for le in flying), default=snap.now)
@@ -484,11 +489,7 @@ def believed_settles(snap: Snapshot) -> str | None:
     """Why to wait when the model, trusted, would settle the stop rule once the launches in flight
     come in as it predicted them (optimizer.believer), with `BELIEF_MARGIN` of its bar to spare;
     None otherwise.  Memoised on what the rule sees and which host runs each launch in flight."""
-    hosts = {
-        le.trial_number: le.worker_id
-        for le in snap.leases
-        if le.kind == "trial" and le.live and le.worker_id and le.trial_number is not None
-    }
+    hosts = {le.trial_number: le.worker_id for le in snap.in_flight if le.worker_id and le.trial_number is not None}
     seen = (tuple(sorted(hosts.items())), *_rule_inputs(snap.spec, snap.trials))
 
     def assess() -> convergence.Assessment | None:
@@ -599,7 +600,7 @@ def _unleased_running(snap: Snapshot) -> bool:
     The lease service fails such a trial after `orphan_grace_s`; until then the study must not
     finish around it.
     """
-    held = {le.trial_number for le in snap.leases if le.kind == "trial" and le.live}
+    held = {le.trial_number for le in snap.in_flight}
     return any(t.state == TrialState.RUNNING and t.number not in held for t in snap.trials)
 
 
@@ -1070,14 +1071,13 @@ def _another_host_can_confirm(snap: Snapshot, worker_id: str) -> bool:
 def baseline_serves(snap: Snapshot, worker_id: str, base: Baseline) -> bool:
     """May this host's latest baseline pair with its next confirmation?
 
-    One baseline measured after the confirmation began, or at most `Timing.confirm_idle_s` before
-    it with no launch of the study's search on the host since (a host the search left idle
-    measures it while the last launches fly: `ready_baseline`), serves every confirmation on a
-    host, as long as it stays fresh (`baseline_fresh`: other studies' work counts as idle time, as
-    it always did).  Where the
-    host's baseline drifted (it differs from the host's last one before it by more than
-    DRIFT_MARGIN) each confirmation needs one measured after the previous confirmation ended
-    (`optimizer.confirmation.baseline_serves`).
+    One baseline measured after the confirmation began, or before it with no launch of the
+    study's search on the host since (a host the search left idle measures it while the last
+    launches fly: `ready_baseline`), serves every confirmation on a host, as long as it stays
+    fresh (`baseline_fresh`: at most `Timing.confirm_idle_s` idle since, other studies' work
+    counting as idle time, as it always did).  Where the host's baseline drifted (it differs from the host's last one before
+    it by more than DRIFT_MARGIN) each confirmation needs one measured after the previous
+    confirmation ended (`optimizer.confirmation.baseline_serves`).
     """
     began = snap.confirmation_began_at
     if began is None:
@@ -1088,14 +1088,13 @@ def baseline_serves(snap: Snapshot, worker_id: str, base: Baseline) -> bool:
     earlier = [b for b in snap.baselines if b.worker_id == worker_id and b.valid and b.measured_at < before]
     prev = max(earlier, key=lambda b: b.measured_at) if earlier else None
     drift = prev is not None and confirm.drift_seen(_levels(base), _levels(prev), DRIFT_MARGIN)
-    if base.measured_at < began:
-        # Measured ahead (`ready_baseline`): only while nothing of the search ran on the host since.
-        done = snap.search_done.get(worker_id)
-        if done is not None and done > base.measured_at:
-            return False
-    earliest = began - timedelta(seconds=snap.timing.confirm_idle_s)
+    searched = snap.search_done.get(worker_id)
     return confirm.baseline_serves(
-        base.measured_at.timestamp(), earliest.timestamp(), None if last is None else last.timestamp(), drift
+        base.measured_at.timestamp(),
+        began.timestamp(),
+        None if searched is None else searched.timestamp(),
+        None if last is None else last.timestamp(),
+        drift,
     )
 
 

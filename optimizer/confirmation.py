@@ -181,17 +181,24 @@ def candidates(
 
 
 def baseline_serves(
-    baseline_at: float, earliest: float, last_confirm_done_on_host: float | None, drift_seen: bool
+    baseline_at: float,
+    confirmation_began: float,
+    last_search_done_on_host: float | None,
+    last_confirm_done_on_host: float | None,
+    drift_seen: bool,
 ) -> bool:
     """May a host's latest baseline pair with its next confirmation (times in any one clock)?
 
-    One fresh baseline (measured no earlier than `earliest`: shortly before the confirmation phase
-    began, or after it) serves every confirmation on that host; only where drift was seen must a
+    One fresh baseline serves every confirmation on that host: measured after the confirmation
+    phase began, or before it with no search launch of the study on the host since (a host the
+    search left idle measured it while the last launches flew; how long before, the caller's
+    freshness test bounds: optimizer.conductor.baseline_fresh).  Only where drift was seen must a
     new baseline follow each candidate (baseline-candidate-baseline), i.e. be measured after the
     host's previous confirmation.
     """
-    if baseline_at < earliest:
-        return False
+    if baseline_at < confirmation_began and last_search_done_on_host is not None:
+        if last_search_done_on_host > baseline_at:
+            return False
     if drift_seen and last_confirm_done_on_host is not None:
         return baseline_at >= last_confirm_done_on_host
     return True
