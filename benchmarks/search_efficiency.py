@@ -3,6 +3,7 @@
     python benchmarks/search_efficiency.py --strategies default          # 9 cases x 20 seeds
     python benchmarks/search_efficiency.py --seeds 5                     # a smoke run, all strategies
     python benchmarks/search_efficiency.py --workers 4 --cases moe-pcie@1,dense-8b-h100@1
+    python benchmarks/search_efficiency.py --strategies default --workers 2,4   # fleets side by side
 
 No servers: every launch is simulated with the simulator's pure model (`spectune_sim.model`):
 start-up seconds and memory check of the server launched, throughput and accept length per
@@ -987,8 +988,10 @@ def per_seed_report(label: str, answers: Sequence[Answer], first_seed: int = 0) 
     for seed, a in enumerate(answers, start=first_seed):
         split = "/".join(str(a.by_kind.get(k, 0)) for k in ("baseline", "search", "confirm", "failed"))
         inc = "-" if a.incumbent_share is None else f"{a.incumbent_share:.4f}"
+        wall = "" if a.wall_h is None else f", {a.wall_h:.3f} h"
         out.append(
-            f"  {label} seed {seed}: {a.launches} launches ({split}), answer {a.share:.4f}, incumbent {inc}; {a.reason[:160]}"
+            f"  {label} seed {seed}: {a.launches} launches ({split}){wall}, answer {a.share:.4f}, incumbent {inc}; "
+            f"{a.reason[:160]}"
         )
     return [*out, ""]
 
@@ -1033,6 +1036,65 @@ def calibration_report(results: Sequence[tuple[Case, list[Answer]]], workers: in
     return rows
 
 
+# The fleet table's bootstrap: resamples of each fleet's seeds (a fixed seed: the same table each run).
+BOOTSTRAP_RESAMPLES = 2000
+
+
+def _median_diff_interval(a: Sequence[float], b: Sequence[float], level: float = 0.90) -> tuple[float, float]:
+    """The `level` percentile interval of median(b) - median(a) over bootstrap resamples of each
+    (independent samples: a seed's hosts and noise differ with the fleet's size)."""
+    rng = random.Random(0)
+    diffs = sorted(
+        statistics.median(rng.choices(b, k=len(b))) - statistics.median(rng.choices(a, k=len(a)))
+        for _ in range(BOOTSTRAP_RESAMPLES)
+    )
+    tail = (1.0 - level) / 2
+    return diffs[int(tail * len(diffs))], diffs[int((1.0 - tail) * len(diffs)) - 1]
+
+
+def fleet_report(by_workers: dict[int, list[tuple[Case, list[Answer]]]]) -> list[str]:
+    """The default study with each larger fleet against the smallest, per case: median launches
+    against the smallest fleet's median plus one baseline per extra host (issue 16's bar), and the
+    median wall time from the study's start to its answer (the mean beside it); each difference
+    with its bootstrap interval."""
+    counts = sorted(by_workers)
+    small = counts[0]
+    rows = [
+        f"### Fleets against {small} workers (default study; 90% bootstrap intervals of the differences)",
+        "",
+        "| case | workers | median launches | allowed | launches met | launches +, interval | "
+        "median wall-h | mean wall-h | wall shorter | median wall-h -, interval |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    base = dict((c.label, answers) for c, answers in by_workers[small])
+    for w in counts[1:]:
+        for case, answers in by_workers[w]:
+            ref = base.get(case.label)
+            if not ref:
+                continue
+            la, lb = [float(a.launches) for a in ref], [float(a.launches) for a in answers]
+            wa, wb = [a.wall_h or 0.0 for a in ref], [a.wall_h or 0.0 for a in answers]
+            allowed = _median(la) + (w - small)  # one baseline per extra host
+            lo, hi = _median_diff_interval(la, lb)
+            wlo, whi = _median_diff_interval(wb, wa)
+            shorter = _median(wb) < _median(wa)
+            rows.append(
+                f"| {case.label} | {small} / {w} | {_median(la):g} / {_median(lb):g} | {allowed:g} | "
+                f"{'yes' if _median(lb) <= allowed else 'no'} | {_median(lb) - _median(la):+g} [{lo:+g}, {hi:+g}] | "
+                f"{_median(wa):.3f} / {_median(wb):.3f} | {statistics.fmean(wa):.3f} / {statistics.fmean(wb):.3f} | "
+                f"{'yes' if shorter else 'no'} | {_median(wa) - _median(wb):+.3f} [{wlo:+.3f}, {whi:+.3f}] |"
+            )
+    rows.append("")
+    return rows
+
+
+def _worker_counts(text: str) -> list[int]:
+    counts = [int(x) for x in text.split(",") if x.strip()]
+    if not counts or min(counts) < 1 or len(set(counts)) != len(counts):
+        raise ValueError(text)
+    return counts
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--seeds", type=int, default=20)
@@ -1040,7 +1102,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--first-seed", type=int, default=0, help="seeds first..first+seeds-1 (another sample than the one tuned on)"
     )
     ap.add_argument("--cases", default=",".join(c.label for c in CASES), help="case labels, comma-separated")
-    ap.add_argument("--workers", type=int, default=2, help="workers (hosts) of the service's studies")
+    ap.add_argument(
+        "--workers",
+        default="2",
+        help="workers (hosts) of the service's studies; several, comma-separated (2,4): each fleet, then "
+        "the larger fleets against the smallest",
+    )
     ap.add_argument("--strategies", default=",".join(STUDY_STRATEGIES))
     ap.add_argument("--spec-host-sd", type=float, default=SPEC_HOST_SD)
     ap.add_argument("--jobs", type=int, default=1, help="processes running (case, seed) pairs side by side")
@@ -1048,9 +1115,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     by_label = {c.label: c for c in CASES}
     strategies = [s for s in args.strategies.split(",") if s]
+    try:
+        fleets = _worker_counts(args.workers)
+    except ValueError:
+        ap.error(f"--workers {args.workers!r}: give distinct worker counts of at least 1, comma-separated (2 or 2,4)")
     t0 = time.monotonic()
     print(
-        f"search efficiency: {args.seeds} seeds from {args.first_seed}, {args.workers} workers for the studies, "
+        f"search efficiency: {args.seeds} seeds from {args.first_seed}, "
+        f"{', '.join(map(str, fleets))} workers for the studies, "
         f"per-host offset sd {args.spec_host_sd}",
         flush=True,
     )
@@ -1064,23 +1136,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.first_seed < 0 or args.seeds < 1:
         ap.error("--first-seed must be at least 0 and --seeds at least 1")
     seeds = range(args.first_seed, args.first_seed + args.seeds)
-    jobs = [(case, seed, args.workers, tuple(strategies), args.spec_host_sd) for case in cases for seed in seeds]
+    jobs = [(case, seed, w, tuple(strategies), args.spec_host_sd) for w in fleets for case in cases for seed in seeds]
     if args.jobs > 1:
         # Each (case, seed) is independent and seeded by itself: the same answers in any process.
         with ProcessPoolExecutor(args.jobs) as pool:
             answers = list(pool.map(_case_seed, jobs))
     else:
         answers = [_case_seed(j) for j in jobs]
-    results: list[tuple[Case, list[Answer]]] = []
-    for k, case in enumerate(cases):
-        mine = answers[k * args.seeds : (k + 1) * args.seeds]
-        cells = {name: [a[name] for a in mine] for name in strategies}
-        print("\n".join(study_report(case.label, case.levels, cells, args.seeds, args.workers)), flush=True)
-        if args.per_seed and "default" in cells:
-            print("\n".join(per_seed_report(case.label, cells["default"], args.first_seed)), flush=True)
-        if "default" in cells:
-            results.append((case, cells["default"]))
-    print("\n".join(calibration_report(results, args.workers)), flush=True)
+    by_workers: dict[int, list[tuple[Case, list[Answer]]]] = {}
+    for f, w in enumerate(fleets):
+        results = by_workers.setdefault(w, [])
+        for k, case in enumerate(cases):
+            at = (f * len(cases) + k) * args.seeds
+            cells = {name: [a[name] for a in answers[at : at + args.seeds]] for name in strategies}
+            print("\n".join(study_report(case.label, case.levels, cells, args.seeds, w)), flush=True)
+            if args.per_seed and "default" in cells:
+                print("\n".join(per_seed_report(case.label, cells["default"], args.first_seed)), flush=True)
+            if "default" in cells:
+                results.append((case, cells["default"]))
+        print("\n".join(calibration_report(results, w)), flush=True)
+    if len(fleets) > 1 and "default" in strategies:
+        print("\n".join(fleet_report(by_workers)), flush=True)
     print(f"({time.monotonic() - t0:.0f} s)")
     return 0
 

@@ -55,3 +55,38 @@ def test_the_benchmark_and_the_service_run_the_same_study(api: Api, seed: int) -
     assert len([k for k, _ in service if k == "search"]) < 12  # the stop rule ended it, not the cap
     assert answer.reason.split(": ", 1)[1] == shown["finish_reason"], (answer.reason, shown["finish_reason"])
     assert answer.rule is not None and f"({answer.rule.replace('_', '-')} rule)" in shown["finish_reason"]
+
+
+def _answers(launches: list[int], wall_h: list[float]) -> list[se.Answer]:
+    return [se.Answer(n, {}, 0.0, {}, 1.0, 0, "converged: x", wall_h=w) for n, w in zip(launches, wall_h, strict=True)]
+
+
+def _fleet_row(small: list[se.Answer], large: list[se.Answer]) -> list[str]:
+    case = se.CASES[0]
+    rows = se.fleet_report({2: [(case, small)], 4: [(case, large)]})
+    row = next(r for r in rows if r.startswith(f"| {case.label} |"))
+    return [c.strip() for c in row.strip("|").split("|")]
+
+
+def test_the_fleet_table_judges_launches_against_one_baseline_per_extra_host() -> None:
+    two = _answers([10, 11, 12, 13, 14], [0.50, 0.50, 0.60, 0.60, 0.70])
+    # Median 14 = 12 + 2 (two extra hosts' baselines): met; wall median 0.55 < 0.60: shorter.
+    cells = _fleet_row(two, _answers([12, 13, 14, 15, 16], [0.40, 0.50, 0.55, 0.60, 0.70]))
+    assert cells[2:5] == ["12 / 14", "14", "yes"]
+    assert cells[8] == "yes"
+    # Median 15 > 14: not met; the wall median equal to the smaller fleet's is not shorter.
+    cells = _fleet_row(two, _answers([13, 14, 15, 16, 17], [0.40, 0.50, 0.60, 0.60, 0.70]))
+    assert cells[2:5] == ["12 / 15", "14", "no"]
+    assert cells[8] == "no"
+    # The interval of the launch difference holds the difference itself.
+    diff, interval = cells[5].split(" ", 1)
+    lo, hi = (float(x) for x in interval.strip("[]").split(","))
+    assert lo <= float(diff) <= hi and lo < hi
+
+
+def test_the_benchmark_refuses_a_fleet_list_it_cannot_compare(capsys: pytest.CaptureFixture[str]) -> None:
+    for bad in ("2,2", "0", "2,x", ""):
+        with pytest.raises(SystemExit) as e:
+            se.main(["--workers", bad, "--seeds", "1"])
+        assert e.value.code == 2
+        assert "--workers" in capsys.readouterr().err
