@@ -246,3 +246,8 @@ def study_lock_held(db_url: str, study: str) -> Iterator[psycopg.Connection[Any]
     finally:
         conn.rollback()
         conn.close()
+
+
+def ok_result(tok_s: float = 100.0) -> dict[str, Any]:
+    """A lease's successful report body: one level (concurrency 1) at `tok_s` output tokens/s."""
+    return {"outcome": "ok", "metrics": {"levels": [{"concurrency": 1, "output_tok_s": tok_s}]}}

@@ -23,8 +23,9 @@ from optimizer import study as opt
 from optimizer.spec import StudySpec
 from spectune_protocol import CompleteIn
 from tests.conftest import INVENTORY, Api, make_settings, make_tokens, small_spec
+from tests.helpers import ok_result
 
-OK = CompleteIn.model_validate({"outcome": "ok", "metrics": {"levels": [{"concurrency": 1, "output_tok_s": 90.0}]}})
+OK = CompleteIn.model_validate(ok_result(90.0))
 
 
 GRACE_S = 0.5

@@ -12,15 +12,11 @@ import httpx
 import pytest
 
 from tests.conftest import INVENTORY, make_tokens, small_spec
-from tests.helpers import api_server
+from tests.helpers import api_server, ok_result
 
 pytestmark = pytest.mark.postgres
 
 N_WORKERS = 16
-
-
-def ok(tok_s: float) -> dict[str, Any]:
-    return {"outcome": "ok", "metrics": {"levels": [{"concurrency": 1, "output_tok_s": tok_s}]}}
 
 
 def run_threads(fn: Any, n: int) -> list[Any]:
@@ -75,7 +71,9 @@ def test_sixteen_threads_two_processes_never_share_a_trial(two_servers: Any) -> 
     baselines = run_threads(lease, N_WORKERS)
     assert all(b is not None and b["kind"] == "baseline" for b in baselines)
     for i, b in enumerate(baselines):
-        r = httpx.post(f"{urls[i % 2]}/v1/leases/{b['lease_id']}/complete", json=ok(100.0), headers=worker, timeout=30)
+        r = httpx.post(
+            f"{urls[i % 2]}/v1/leases/{b['lease_id']}/complete", json=ok_result(100.0), headers=worker, timeout=30
+        )
         assert r.status_code == 200, r.text
 
     # Round 2: 16 concurrent asks across both processes, each a different trial and configuration.
@@ -94,7 +92,7 @@ def test_sixteen_threads_two_processes_never_share_a_trial(two_servers: Any) -> 
     # Completing every trial twice, from both processes at once, records each result once.
     def complete(i: int) -> int:
         t = trials[i % N_WORKERS]
-        r = httpx.post(f"{urls[i % 2]}/v1/leases/{t['lease_id']}/complete", json=ok(110.0 + i % N_WORKERS),
+        r = httpx.post(f"{urls[i % 2]}/v1/leases/{t['lease_id']}/complete", json=ok_result(110.0 + i % N_WORKERS),
                        headers=worker, timeout=60)  # fmt: skip
         return r.status_code
 
@@ -115,7 +113,7 @@ def test_expired_lease_is_reclaimed_and_retried(two_servers: Any) -> None:
     httpx.post(f"{urls[0]}/v1/studies", json=small_spec("reclaim"), headers=user, timeout=30)
     for w in ("a", "b"):
         b = httpx.post(f"{urls[0]}/v1/workers/{w}/lease", json=INVENTORY, headers=worker, timeout=30).json()
-        httpx.post(f"{urls[0]}/v1/leases/{b['lease_id']}/complete", json=ok(100.0), headers=worker, timeout=30)
+        httpx.post(f"{urls[0]}/v1/leases/{b['lease_id']}/complete", json=ok_result(100.0), headers=worker, timeout=30)
     lost = httpx.post(f"{urls[0]}/v1/workers/a/lease", json=INVENTORY, headers=worker, timeout=30).json()
     assert lost["kind"] == "trial"
 
@@ -129,7 +127,7 @@ def test_expired_lease_is_reclaimed_and_retried(two_servers: Any) -> None:
             break
         if r.status_code == 200:  # b got a new trial before a's expired: finish it and ask again
             httpx.post(
-                f"{urls[1]}/v1/leases/{r.json()['lease_id']}/complete", json=ok(90.0), headers=worker, timeout=30
+                f"{urls[1]}/v1/leases/{r.json()['lease_id']}/complete", json=ok_result(90.0), headers=worker, timeout=30
             )
         time.sleep(0.5)
     assert retry is not None, "the expired trial was never handed out again"
@@ -138,7 +136,9 @@ def test_expired_lease_is_reclaimed_and_retried(two_servers: Any) -> None:
     # The silent worker's lease is gone.
     r = httpx.post(f"{urls[0]}/v1/leases/{lost['lease_id']}/heartbeat", headers=worker, timeout=30)
     assert r.status_code == 410
-    r = httpx.post(f"{urls[1]}/v1/leases/{retry['lease_id']}/complete", json=ok(105.0), headers=worker, timeout=30)
+    r = httpx.post(
+        f"{urls[1]}/v1/leases/{retry['lease_id']}/complete", json=ok_result(105.0), headers=worker, timeout=30
+    )
     assert r.status_code == 200
     trials = httpx.get(f"{urls[0]}/v1/studies/reclaim/trials", headers=user, timeout=30).json()
     told = [t for t in trials if t["number"] == lost["trial_number"]]

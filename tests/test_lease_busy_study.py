@@ -21,7 +21,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.conftest import INVENTORY, Api, make_settings, make_tokens, small_spec
-from tests.helpers import study_lock_held
+from tests.helpers import ok_result, study_lock_held
 
 pytestmark = pytest.mark.postgres
 
@@ -35,14 +35,10 @@ def pg_api(pg_db_url: str, tmp_path: Path) -> Iterator[Api]:
         yield Api(client, tokens)
 
 
-def _ok() -> dict[str, Any]:
-    return {"outcome": "ok", "metrics": {"levels": [{"concurrency": 1, "output_tok_s": 100.0}]}}
-
-
 def _measure_baseline(api: Api) -> None:
     r = api.post("/v1/workers/w1/lease", "worker", INVENTORY)
     assert r.status_code == 200 and r.json()["kind"] == "baseline", r.text
-    assert api.post(f"/v1/leases/{r.json()['lease_id']}/complete", "worker", _ok()).status_code == 200
+    assert api.post(f"/v1/leases/{r.json()['lease_id']}/complete", "worker", ok_result()).status_code == 200
 
 
 def _lease_in_thread(api: Api) -> tuple[threading.Thread, list[Any]]:
@@ -76,7 +72,7 @@ def test_a_lease_passes_over_a_study_another_request_works_on(pg_api: Api, pg_db
         thread.join(timeout=60)
         assert answer[0].status_code == 200 and answer[0].json()["study"] == "newer", answer[0].text
     # Free again: the oldest study is served first, as before.
-    done = pg_api.post(f"/v1/leases/{answer[0].json()['lease_id']}/complete", "worker", _ok())
+    done = pg_api.post(f"/v1/leases/{answer[0].json()['lease_id']}/complete", "worker", ok_result())
     assert done.status_code == 200
     assert pg_api.post("/v1/workers/w1/lease", "worker", INVENTORY).json()["study"] == "older"
 

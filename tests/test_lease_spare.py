@@ -12,18 +12,13 @@ snapshots the service builds).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
 from optimizer import conductor as c
 from tests.conftest import INVENTORY, Api, make_settings, make_tokens, small_spec
-from tests.helpers import study_lock_held
-
-
-def _ok() -> dict[str, Any]:
-    return {"outcome": "ok", "metrics": {"levels": [{"concurrency": 1, "output_tok_s": 100.0}]}}
+from tests.helpers import ok_result, study_lock_held
 
 
 def test_a_spare_baseline_waits_for_every_other_studys_work(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -32,7 +27,7 @@ def test_a_spare_baseline_waits_for_every_other_studys_work(api: Api, monkeypatc
     # The worker's baseline first (both studies share its server and workload).
     r = api.post("/v1/workers/w1/lease", "worker", INVENTORY)
     assert r.status_code == 200 and r.json()["kind"] == "baseline", r.text
-    assert api.post(f"/v1/leases/{r.json()['lease_id']}/complete", "worker", _ok()).status_code == 200
+    assert api.post(f"/v1/leases/{r.json()['lease_id']}/complete", "worker", ok_result()).status_code == 200
 
     real = c.next_action
     asked: list[tuple[str, bool]] = []
@@ -53,7 +48,7 @@ def test_a_spare_baseline_waits_for_every_other_studys_work(api: Api, monkeypatc
     assert r.status_code == 200, r.text
     assert (r.json()["study"], r.json()["kind"]) == ("newer", "trial")
     assert ("older", True) not in asked  # never offered the baseline while the other study had work
-    assert api.post(f"/v1/leases/{r.json()['lease_id']}/complete", "worker", _ok()).status_code == 200
+    assert api.post(f"/v1/leases/{r.json()['lease_id']}/complete", "worker", ok_result()).status_code == 200
 
     newer_has_work = False
     asked.clear()
@@ -80,7 +75,7 @@ def test_no_spare_baseline_while_a_study_that_may_have_work_stays_busy(
             assert api.post("/v1/studies", "user", small_spec(name)).status_code == 201
         r = api.post("/v1/workers/w1/lease", "worker", INVENTORY)
         assert r.status_code == 200 and r.json()["kind"] == "baseline", r.text
-        assert api.post(f"/v1/leases/{r.json()['lease_id']}/complete", "worker", _ok()).status_code == 200
+        assert api.post(f"/v1/leases/{r.json()['lease_id']}/complete", "worker", ok_result()).status_code == 200
         asked: list[tuple[str, bool]] = []
 
         def next_action(snap: c.Snapshot, worker_id: str, *, spare: bool = True) -> c.Action:

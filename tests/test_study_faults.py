@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from tests.conftest import INVENTORY, Api, small_spec
+from tests.helpers import ok_result
 
 REFUSED = {
     "outcome": "failed",
@@ -50,8 +51,7 @@ def test_a_refused_trial_is_retried_elsewhere_not_taught(api: Api) -> None:
     assert api.post("/v1/studies", "user", small_spec("prompts")).status_code == 201
     for w in ("w1", "w2"):
         base = ask(api, w)
-        ok = {"outcome": "ok", "metrics": {"levels": [{"concurrency": 1, "output_tok_s": 100.0}]}}
-        assert api.post(f"/v1/leases/{base['lease_id']}/complete", "worker", ok).status_code == 200
+        assert api.post(f"/v1/leases/{base['lease_id']}/complete", "worker", ok_result()).status_code == 200
     trial = ask(api, "w1")
     refused = {"outcome": "failed", "failure": {"kind": "refused", "message": "prompt set 'x.jsonl': not found"}}
     assert api.post(f"/v1/leases/{trial['lease_id']}/complete", "worker", refused).status_code == 200
@@ -184,8 +184,7 @@ def test_a_fault_that_follows_the_host_still_counts_against_it(api: Api) -> None
     holds its GPU), and it is quarantined as before."""
     assert api.post("/v1/studies", "user", small_spec("a")).status_code == 201
     elsewhere = ask(api, "w2")
-    ok = {"outcome": "ok", "metrics": {"levels": [{"concurrency": 1, "output_tok_s": 100.0}]}}
-    assert api.post(f"/v1/leases/{elsewhere['lease_id']}/complete", "worker", ok).status_code == 200
+    assert api.post(f"/v1/leases/{elsewhere['lease_id']}/complete", "worker", ok_result()).status_code == 200
     failures = 0
     while (got := ask(api, "w1")) is not None and failures < 10:
         assert api.post(f"/v1/leases/{got['lease_id']}/complete", "worker", OOM).status_code == 200
