@@ -18,7 +18,8 @@ from typing import Any
 import httpx
 
 from tests.conftest import INVENTORY, small_spec
-from tests.test_concurrency_pg import ok, run_threads
+from tests.helpers import ok_result
+from tests.test_concurrency_pg import run_threads
 
 N_WORKERS = 8
 ROUNDS = 3
@@ -43,7 +44,7 @@ def test_concurrent_asks_never_hand_out_one_trial_twice(server: Any, tmp_path: P
     assert post("/v1/studies", small_spec("warm"), user).status_code == 201
     for b in run_threads(lease, N_WORKERS):
         assert b is not None and b["kind"] == "baseline"
-        assert post(f"/v1/leases/{b['lease_id']}/complete", ok(100.0), worker).status_code == 200
+        assert post(f"/v1/leases/{b['lease_id']}/complete", ok_result(100.0), worker).status_code == 200
     assert post("/v1/studies/warm/stop", None, user).status_code == 200
 
     for round_ in range(ROUNDS):
@@ -64,7 +65,7 @@ def test_concurrent_asks_never_hand_out_one_trial_twice(server: Any, tmp_path: P
         warm = [t for t in got if t["config"]["num_steps"] == 3 and t["config"]["topk"] == 1]
         assert len(warm) == 1, got
         for t in got:
-            r = post(f"/v1/leases/{t['lease_id']}/complete", ok(101.0), worker)
+            r = post(f"/v1/leases/{t['lease_id']}/complete", ok_result(101.0), worker)
             assert r.status_code == 200, r.text
         assert post(f"/v1/studies/{name}/stop", None, user).status_code == 200
 
