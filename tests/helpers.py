@@ -1,6 +1,7 @@
 """What many tests need once each: a free port, waiting (for a condition, for a process to serve
 HTTP), stopping a process group, a real `spectune server` process, the TOML of a worker that
-drives the simulated engine, and a study's Postgres lock held as another request holds it.
+drives the simulated engine, a study's Postgres lock held as another request holds it, a lease's
+successful report, and calls from many threads released at the same instant.
 
 Everything is on 127.0.0.1; every process started here runs in its own group and is stopped
 (SIGTERM, then SIGKILL) on every path out.
@@ -15,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -251,3 +253,25 @@ def study_lock_held(db_url: str, study: str) -> Iterator[psycopg.Connection[Any]
 def ok_result(tok_s: float = 100.0) -> dict[str, Any]:
     """A lease's successful report body: one level (concurrency 1) at `tok_s` output tokens/s."""
     return {"outcome": "ok", "metrics": {"levels": [{"concurrency": 1, "output_tok_s": tok_s}]}}
+
+
+def run_threads(fn: Any, n: int) -> list[Any]:
+    """Run fn(i) in n threads released at the same instant; return results in order."""
+    barrier = threading.Barrier(n)
+    results: list[Any] = [None] * n
+    errors: list[BaseException] = []
+
+    def target(i: int) -> None:
+        try:
+            barrier.wait(timeout=30)
+            results[i] = fn(i)
+        except BaseException as e:  # noqa: BLE001 - surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    return results

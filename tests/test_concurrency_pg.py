@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -12,33 +11,11 @@ import httpx
 import pytest
 
 from tests.conftest import INVENTORY, make_tokens, small_spec
-from tests.helpers import api_server, ok_result
+from tests.helpers import api_server, ok_result, run_threads
 
 pytestmark = pytest.mark.postgres
 
 N_WORKERS = 16
-
-
-def run_threads(fn: Any, n: int) -> list[Any]:
-    """Run fn(i) in n threads released at the same instant; return results in order."""
-    barrier = threading.Barrier(n)
-    results: list[Any] = [None] * n
-    errors: list[BaseException] = []
-
-    def target(i: int) -> None:
-        try:
-            barrier.wait(timeout=30)
-            results[i] = fn(i)
-        except BaseException as e:  # noqa: BLE001 - surfaced below
-            errors.append(e)
-
-    threads = [threading.Thread(target=target, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors, errors
-    return results
 
 
 @pytest.fixture

@@ -18,8 +18,7 @@ from typing import Any
 import httpx
 
 from tests.conftest import INVENTORY, small_spec
-from tests.helpers import ok_result
-from tests.test_concurrency_pg import run_threads
+from tests.helpers import ok_result, run_threads
 
 N_WORKERS = 8
 ROUNDS = 3

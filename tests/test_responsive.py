@@ -25,7 +25,7 @@ from sqlalchemy.exc import InvalidRequestError, OperationalError
 
 from api.errors import storage_unavailable
 from tests.conftest import INVENTORY, Api, _pg_admin, make_settings, make_tokens, small_spec
-from tests.helpers import api_server
+from tests.helpers import api_server, run_threads
 
 
 def ok(levels: list[int]) -> dict[str, Any]:
@@ -186,26 +186,6 @@ def test_only_an_unreachable_database_is_a_503() -> None:
         assert not storage_unavailable(e)
 
 
-def _at_once(n: int, call: Any) -> list[httpx.Response]:
-    """`call()` from n threads released together; their answers."""
-    barrier = threading.Barrier(n)
-    answers: list[httpx.Response] = []
-    lock = threading.Lock()
-
-    def one() -> None:
-        barrier.wait(timeout=30)
-        r = call()
-        with lock:
-            answers.append(r)
-
-    threads = [threading.Thread(target=one) for _ in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    return answers
-
-
 def test_twelve_leases_at_once_for_one_worker_get_one_lease_and_no_503(db_url: str, tmp_path: Path) -> None:
     tokens = make_tokens(db_url)
     user = {"Authorization": f"Bearer {tokens['user']}"}
@@ -218,8 +198,8 @@ def test_twelve_leases_at_once_for_one_worker_get_one_lease_and_no_503(db_url: s
             spec = small_spec(f"race-{round_}")
             spec["workload"]["output_len"] = 32 + round_
             assert client.post("/v1/studies", json=spec, headers=user).status_code == 201
-            answers = _at_once(
-                12, lambda: httpx.post(f"{url}/v1/workers/same/lease", json=INVENTORY, headers=worker, timeout=60)
+            answers = run_threads(
+                lambda _: httpx.post(f"{url}/v1/workers/same/lease", json=INVENTORY, headers=worker, timeout=60), 12
             )
             statuses = sorted(r.status_code for r in answers)
             assert len(answers) == 12 and set(statuses) <= {200, 204}, (
