@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup test test-fast lint format typecheck demo server dist clean
+.PHONY: setup test test-fast lint format typecheck conformance demo server dist clean
 
 setup: $(BIN)/spectune
 
@@ -37,6 +37,12 @@ format: setup
 
 typecheck: setup
 	$(BIN)/mypy optimizer api workers spectune spectune_protocol spectune_sim
+
+# spectune's flags, defaults and adaptive schema against the source of every SGLang wheel listed in
+# workers/launcher/supported.py (downloaded once into ~/.cache/spectune/sglang-wheels; keep that
+# folder in CI's cache).  tests/test_conformance.py runs the same check inside `make test`.
+conformance: setup
+	$(BIN)/python -m spectune.conformance
 
 demo: setup
 	TZ=UTC $(BIN)/spectune demo

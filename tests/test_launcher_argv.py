@@ -184,9 +184,28 @@ def test_server_env_is_minimal_and_config_wins() -> None:
 
 def test_version_override_wins_without_running_anything() -> None:
     assert detect_sglang_version("/nonexistent/python", "0.5.16") == "0.5.16"
-    assert detect_sglang_version("/nonexistent/python", "v0.5.23rc1") == "0.5.23rc1"
+    assert detect_sglang_version("/nonexistent/python", "v0.5.23") == "0.5.23"
     with pytest.raises(ConfigError, match="sglang_version"):
         detect_sglang_version(sys.executable, "latest")
+
+
+@pytest.mark.parametrize("version", ["0.5.12", "0.5.23rc1", "0.6.0"])
+def test_a_version_outside_the_supported_list_is_refused_in_one_line(version: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        detect_sglang_version("/nonexistent/python", version)
+    message = str(info.value)
+    assert "\n" not in message and f"SGLang {version} is" in message
+    assert "make conformance" in message and "workers/launcher/supported.py" in message
+    assert ("newer than any version" in message) == (version == "0.6.0")
+
+
+def test_an_installed_version_outside_the_list_is_refused(tmp_path: Path) -> None:
+    dist = tmp_path / "sglang-0.5.24.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.24\n")
+    env = {"PATH": os.environ.get("PATH", "/usr/bin"), "PYTHONPATH": str(tmp_path)}
+    with pytest.raises(ConfigError, match=r"sglang installed for .*: SGLang 0\.5\.24 is newer .*make conformance"):
+        detect_sglang_version(sys.executable, env=env)
 
 
 def test_version_detection_in_a_real_interpreter_without_sglang() -> None:

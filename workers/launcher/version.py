@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 import subprocess
 from collections.abc import Mapping
 
 from optimizer.sglang import parse_version
 from workers.errors import ConfigError
-
-logger = logging.getLogger("spectune.worker.launcher")
-
-# Oldest line whose flags optimizer.sglang knows; older ones are launched with legacy names, unchecked.
-OLDEST_SUPPORTED = (0, 5, 13)
+from workers.launcher.supported import unsupported_reason
 
 # Run inside the engine's interpreter: importing sglang itself would take seconds and touch CUDA.
 _PROBE = (
@@ -58,7 +53,7 @@ def detect_sglang_version(
         raise ConfigError(f"engine interpreter {python!r} did not answer within {timeout_s:.0f} s") from e
     if done.returncode == _NOT_INSTALLED:
         raise ConfigError(
-            f"SGLang is not installed for {python!r}: install it there (pip install 'sglang>=0.5.13'), "
+            f"SGLang is not installed for {python!r}: install a supported version there (pip install 'sglang==0.5.23'), "
             "point engine.python at the interpreter that has it, or set sglang_version to override detection"
         )
     if done.returncode != 0:
@@ -69,15 +64,17 @@ def detect_sglang_version(
 
 
 def _checked(version: str, *, source: str) -> str:
+    """The version, when spectune supports it (workers/launcher/supported.py); else ConfigError.
+
+    Only versions whose wheel passed the conformance check are launched: a flag renamed or a
+    default changed in another release would fail on the first launch, or worse, run a server
+    other than the one measured.
+    """
     try:
-        parsed = parse_version(version)
+        parse_version(version)
     except ValueError as e:
         raise ConfigError(f"{source}: {e}") from e
-    if parsed < OLDEST_SUPPORTED:
-        logger.warning(
-            "SGLang %s (%s) is older than %s, the oldest line spectune knows; launching with legacy flag names",
-            version,
-            source,
-            ".".join(map(str, OLDEST_SUPPORTED)),
-        )
+    reason = unsupported_reason(version)
+    if reason is not None:
+        raise ConfigError(f"{source}: {reason}")
     return version.strip().lstrip("v")
