@@ -21,6 +21,7 @@ This is a worker-only installation of spectune (no API server, no study commands
 
 commands:
   worker --config FILE   run the GPU-host agent (see `spectune worker --help`)
+  doctor --config FILE   check this host for its first real run (see `spectune doctor --help`)
   --version              print the version
 
 For the other commands ({hint}).
@@ -33,6 +34,10 @@ def main() -> None:
         from workers.cli import main as worker_main
 
         sys.exit(worker_main(argv[1:]))
+    if argv[:1] == ["doctor"]:  # a GPU host's check (workers/doctor/): runs from a worker-only install too
+        from workers.doctor.run import main as doctor_main
+
+        sys.exit(doctor_main(argv[1:]))
     if importlib.util.find_spec("typer") is None or importlib.util.find_spec("fastapi") is None:
         if argv[:1] == ["--version"]:
             from workers.cli import _version

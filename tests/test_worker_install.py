@@ -30,6 +30,7 @@ WORKER_MODULES = (
     "workers.cli",
     "workers.agent",
     "workers.main",
+    "workers.doctor.run",
     "workers.launcher.launcher",
     "workers.loadgen.shard_process",
     "spectune_sim.server",
@@ -78,6 +79,8 @@ def test_worker_install_holds_no_server_dependencies(worker_venv: Path, tmp_path
     bin_dir = worker_venv / "bin"
     r = subprocess.run([str(bin_dir / "spectune"), "worker", "--help"], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0 and "--config" in r.stdout
+    r = subprocess.run([str(bin_dir / "spectune"), "doctor", "--help"], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0 and "--launch" in r.stdout
     r = subprocess.run([str(bin_dir / "spectune-worker"), "--version"], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0 and r.stdout.startswith("spectune ")
     r = subprocess.run([str(bin_dir / "spectune"), "study", "list"], capture_output=True, text=True, cwd=tmp_path)

@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spectune_protocol.printable import printable
 from workers.agent import EXIT_CONFIG, Agent, AgentSettings
@@ -25,6 +25,9 @@ from workers.lifeline import exit_with_parent
 from workers.outbox import Outbox
 from workers.preflight import check_engine_imports, check_gpus, check_prompt_dir
 from workers.shutdown import ShutdownSignals
+
+if TYPE_CHECKING:
+    from workers.launcher import EngineConfig
 
 log = logging.getLogger("spectune.worker.agent")
 
@@ -59,12 +62,11 @@ def _force_exit(agent: Agent, signum: int) -> None:
     os._exit(128 + signum)
 
 
-def build_agent(cfg: WorkerConfig, *, stop_event: threading.Event, http: Any, probe: GpuProbe | None = None) -> Agent:
-    """Wire the real collaborators from a validated config; `probe` is NVML's (None: no GPU checks)."""
-    from workers.launcher import EngineConfig, Launcher, detect_sglang_version
-    from workers.launcher.config import server_env
+def engine_config(cfg: WorkerConfig) -> EngineConfig:
+    """How this worker runs its engine, from its validated config (the agent's and `spectune doctor`'s)."""
+    from workers.launcher import EngineConfig
 
-    engine = EngineConfig(
+    return EngineConfig(
         python=str(cfg.engine.python),
         module=cfg.engine.module,
         host=cfg.engine.host,
@@ -77,6 +79,14 @@ def build_agent(cfg: WorkerConfig, *, stop_event: threading.Event, http: Any, pr
         gpu_indices=None if cfg.gpus is None else tuple(cfg.gpus),
         sglang_version=cfg.engine.sglang_version,
     )
+
+
+def build_agent(cfg: WorkerConfig, *, stop_event: threading.Event, http: Any, probe: GpuProbe | None = None) -> Agent:
+    """Wire the real collaborators from a validated config; `probe` is NVML's (None: no GPU checks)."""
+    from workers.launcher import Launcher, detect_sglang_version
+    from workers.launcher.config import server_env
+
+    engine = engine_config(cfg)
     # Before any lease: a worker that cannot run its engine refuses to start (workers/preflight.py).
     check_engine_imports(engine.python, engine.module, env=server_env(engine))
     check_gpus(probe, cfg.gpus, cfg.labels)
