@@ -8,14 +8,18 @@ the worker itself uses (workers/gpu.py GpuProbe).
 from __future__ import annotations
 
 import json
+import os
+import signal
 import stat
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers import SIM_ENV, sim_worker_toml, write_token
+from tests.conftest import processes_marked
+from tests.helpers import SIM_ENV, sim_worker_toml, wait_for, write_token
 from workers.doctor.run import EXIT_FAILED, EXIT_OK, run
 from workers.gpu import GpuDevice, GpuProcess
+from workers.lifeline import RUN_ID_ENV
 
 TOKEN = "spectune_w_" + "k3Yq9" * 8  # a token as `spectune token create` prints one
 HF_SECRET = "hf_" + "s3cr3t" * 6
@@ -145,3 +149,36 @@ def test_doctor_names_gpu_count_mismatches_and_other_processes(tmp_path: Path) -
     assert run(config, probe=_Host([0, 1, 2, 3]), bundle=tmp_path / "b3.json", out=lines.append) == EXIT_OK
     assert "ok   gpu 3: NVIDIA H200, 139.9 of 140.4 GiB free" in lines
     assert json.loads((tmp_path / "b3.json").read_text())["versions"]["nvidia_driver"] == "560.35"
+
+
+def test_a_doctor_stopped_during_its_launch_stops_the_server(tmp_path: Path) -> None:
+    # A slow start-up (the modelled minutes at 5%, about a minute), so the server is still
+    # starting when the signal comes.
+    config = _host(tmp_path / "host")
+    config.write_text(
+        config.read_text().replace('SPECTUNE_SIM_TIME_SCALE = "0.002"', 'SPECTUNE_SIM_TIME_SCALE = "0.05"')
+    )
+    argv = [sys.executable, "-c", "from spectune.cli import main; main()", "doctor", "--config", str(config)]
+    proc = subprocess.Popen(
+        [*argv, "--launch", "--bundle", str(tmp_path / "b.json")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        cwd=config.parent,
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # each line as its check ends; the launch comes after the argv check
+            if line.startswith("ok   argv baseline"):
+                break
+        run_id = os.environ[RUN_ID_ENV]
+        engines = lambda: [p for p in processes_marked(f"{RUN_ID_ENV}={run_id}") if "spectune_sim" in p[1]]  # noqa: E731
+        wait_for("the baseline server to start", engines, timeout=60)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        assert engines() == []
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

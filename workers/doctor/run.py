@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import signal
 import socket
 import sys
 from collections.abc import Callable, Sequence
@@ -35,6 +36,7 @@ from workers.gpu import GpuProbe, open_probe
 from workers.inventory import spectune_version
 from workers.launcher import Launcher, RunningServer
 from workers.launcher.config import EngineConfig
+from workers.lifeline import exit_with_parent
 from workers.main import engine_config
 
 EXIT_OK = 0
@@ -198,10 +200,18 @@ def _print(line: str) -> None:
     sys.stdout.flush()  # each line as its check ends: a launch can take minutes
 
 
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    # SystemExit unwinds through the launch and its `finally`: the baseline server is stopped
+    # (a SIGTERM'd process would otherwise die without running it and leave the server behind).
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "spectune doctor") -> int:
     args = parser(prog).parse_args(argv)
     if args.tp is not None and not 1 <= args.tp <= 64:
         parser(prog).error(f"--tp {args.tp}: give a tensor-parallel size from 1 to 64")
+    exit_with_parent()  # a doctor whose parent is gone stops, and with it its server
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     probe = open_probe()
     try:
         return run(
