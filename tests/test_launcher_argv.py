@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 
 from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
+from tests.helpers import sim_worker_toml, write_token
 from workers.errors import ConfigError
 from workers.launcher import EngineConfig, build_argv, detect_sglang_version, server_env
 
@@ -226,3 +228,27 @@ def test_version_detection_reads_the_interpreters_installed_metadata(tmp_path: P
 def test_version_detection_with_a_missing_interpreter(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         detect_sglang_version(str(tmp_path / "no-python"))
+
+
+def test_the_worker_refuses_an_unsupported_version_in_one_line_and_exits_2(tmp_path: Path) -> None:
+    (tmp_path / "models" / "moe-pcie").mkdir(parents=True)
+    write_token(tmp_path, "spectune_w_token")
+    toml = sim_worker_toml(
+        api_url="http://127.0.0.1:9",
+        worker_id="old-1",
+        models={"moe-pcie": "models/moe-pcie"},
+        engine={"sglang_version": "0.5.12"},
+    )
+    (tmp_path / "worker.toml").write_text(toml)
+    done = subprocess.run(
+        [sys.executable, "-m", "workers.main", str(tmp_path / "worker.toml")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
+    assert done.returncode == 2
+    errors = [line for line in done.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and "SGLang 0.5.12 is not one spectune supports" in errors[0], done.stderr
+    assert "make conformance" in errors[0] and "Traceback" not in done.stderr
