@@ -115,6 +115,21 @@ def test_a_changed_default_is_named() -> None:
     assert any("speculative_num_steps + 1" in p for p in problems), problems
 
 
+def test_a_study_extra_flag_that_changed_kind_is_named() -> None:
+    src = _source("0.5.23")
+    memory, schedule = "sglang/srt/arg_groups/fields/memory.py", "sglang/srt/arg_groups/fields/schedule.py"
+    files = dict(src.files)
+    files[memory] = files[memory].replace(
+        "    disable_radix_cache: A[\n        bool,", "    disable_radix_cache: A[\n        str,"
+    )
+    files[schedule] = files[schedule].replace(
+        "    chunked_prefill_size: A[\n        Optional[int],", "    chunked_prefill_size: A[\n        Optional[float],"
+    )
+    problems = check("0.5.23", WheelSource(files)).problems
+    assert any(p.startswith("SGLang 0.5.23: extra flag --disable-radix-cache is 'value'") for p in problems), problems
+    assert any(p.startswith("SGLang 0.5.23: extra flag --chunked-prefill-size wants float") for p in problems), problems
+
+
 def test_a_changed_adaptive_schema_is_named() -> None:
     src = _source("0.5.23")
     adaptive = "sglang/srt/speculative/adaptive_spec_params.py"

@@ -22,7 +22,7 @@ from optimizer.sglang import (
     parse_version,
 )
 from optimizer.space import SpecConfig
-from optimizer.spec import ATTENTION_BACKENDS
+from optimizer.spec import ATTENTION_BACKENDS, EXTRA_ARG_ALLOWLIST
 from spectune.conformance.source import (
     Option,
     WheelSource,
@@ -125,6 +125,29 @@ def check_flags(version: str, src: WheelSource, report: Report) -> None:
                 report.problems.append(f"SGLang {version}: {flag} {problem} ({option.where})")
 
 
+_SPEC_TYPES: dict[type, tuple[str, ...]] = {int: _INT_TYPES, float: ("float",)}
+
+
+def check_extra_flags(version: str, src: WheelSource, report: Report) -> None:
+    """The extra flags a study may pass (optimizer/spec.py EXTRA_ARG_ALLOWLIST), as spectune types them."""
+    table = {s: o for o in read_options(src) for s in o.strings}
+    for flag, kind in sorted(EXTRA_ARG_ALLOWLIST.items()):
+        option, why = resolve_flag(flag, table)
+        if option is None:
+            report.problems.append(f"SGLang {version}: extra flag {flag} {why} (optimizer/spec.py EXTRA_ARG_ALLOWLIST)")
+        elif (kind is None) != (option.kind == "flag"):
+            want = "a switch" if kind is None else "a value"
+            report.problems.append(
+                f"SGLang {version}: extra flag {flag} is {option.kind!r} in SGLang ({option.where}); "
+                f"optimizer/spec.py EXTRA_ARG_ALLOWLIST passes {want}"
+            )
+        elif kind in _SPEC_TYPES and option.type is not None and option.type not in _SPEC_TYPES[kind]:
+            report.problems.append(
+                f"SGLang {version}: extra flag {flag} wants {option.type} ({option.where}); "
+                f"optimizer/spec.py EXTRA_ARG_ALLOWLIST passes {kind.__name__}"
+            )
+
+
 def check_backends(version: str, src: WheelSource, report: Report) -> None:
     """The attention backends a study spec may name (optimizer/spec.py) that this version lacks.
 
@@ -208,6 +231,7 @@ def check_adaptive(version: str, src: WheelSource, report: Report) -> None:
 def check(version: str, src: WheelSource) -> Report:
     report = Report(version)
     check_flags(version, src, report)
+    check_extra_flags(version, src, report)
     check_backends(version, src, report)
     check_defaults(version, src, report)
     check_adaptive(version, src, report)
