@@ -3,9 +3,9 @@ conformance check (`make conformance`, spectune/conformance/) both read.
 
 A version is here only when `make conformance` passed on its wheel: every flag spectune emits,
 the defaults it relies on and the adaptive config's schema were read from that wheel's own source
-(docs/sglang.md "Conformance").  The hashes are the sha256 of the wheels on PyPI (cp311,
-manylinux_2_34_x86_64; the source spectune reads is the same in every build of one version), so
-the check reads exactly the file that passed here.
+(docs/sglang.md "Conformance").  The hashes are the sha256 of the wheels on PyPI (the cp311,
+manylinux_2_34_x86_64 build, which spectune/conformance/wheels.py asks pip for on any
+interpreter), so the check always reads exactly the file that passed here.
 
 To add a release: add its line (`pip download --no-deps sglang==X` and `sha256sum` the wheel),
 run `make conformance`, and fix what it names before committing.
