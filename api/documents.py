@@ -304,6 +304,11 @@ class StudyDocument(_Document):
     refused_by: list[Refusal]
     flagged_trials: list[FlaggedTrial] = Field(description="`spectune db repair-trial` removes their bad values")
     eligibility: Eligibility | None = Field(description="running studies only")
+    waiting: str | None = Field(
+        default=None,
+        description="a running study that runs nothing because its last lease was lost: what was lost, when, "
+        "and that it is being reassigned (None while something runs)",
+    )
     speculation_pays: bool | None = Field(description="None until something was measured")
     deployment: Deployment | None
 

@@ -20,6 +20,12 @@ class Settings(BaseSettings):
     # Within what workers accept (spectune_protocol.MIN_HEARTBEAT_S..MAX_HEARTBEAT_S).
     heartbeat_interval_s: float = Field(default=30.0, ge=0.05, le=3600.0)
     lease_ttl_s: float = Field(default=120.0, gt=0)
+    # A worker holding a lease is lost once it has sent nothing for this many heartbeat intervals
+    # (database clock): its lease is reclaimed and reassigned then, not at the TTL
+    # (docs/leases.md "Lost workers").  1.5: one missed beat plus half an interval for a late one
+    # (the worker retries a beat within half an interval, workers/heartbeat.py), so another worker
+    # can start the work within 2 intervals of the loss (issue 33).
+    lost_after_beats: float = Field(default=1.5, ge=1.0, le=100.0)
     # A trial Optuna handed out without a recorded lease (the API died in between) is told FAIL
     # after this long; asks take milliseconds.
     orphan_grace_s: float = Field(default=30.0, ge=0)

@@ -26,6 +26,7 @@ from api.models import BaselineRow, EventRow, LeaseRow, StudyRow, TrialConfigRow
 from api.optuna_tables import empty_counts, trial_counts
 from api.services import adaptive_answer, launch_noise, study_life, trial_records
 from api.services import eligibility as elig
+from api.services.leasing.expiry import lost_work_note
 from api.services.leasing.records import DEPLOY_FAILED, DEPLOY_RETRY
 from api.services.refusals import active_refusals
 from api.services.study_specs import runnable_spec, stored_spec
@@ -253,7 +254,9 @@ class StudyService:
                 for e in active_refusals(s, study=name)
             ]
             waiting = None
+            lost_note = None
             if row.state == StudyState.RUNNING:
+                lost_note = lost_work_note(s, name, db_now(s))
                 waiting = D.Eligibility(**study_eligibility(s, spec).as_json())
                 if waiting.warning is None:
                     # A confirmation no host can take now says so (optimizer.conductor).
@@ -382,6 +385,7 @@ class StudyService:
             ],
             # Running studies: which workers can take it, and a warning naming the requirement none meets.
             eligibility=waiting,
+            waiting=lost_note,
             # None until something was measured; then whether the deployed command speculates.
             speculation_pays=None if winner is None else pays or adaptive.proven is not None,
             deployment=None if deployment is None else D.Deployment(**deployment.as_json()),
