@@ -27,8 +27,8 @@ import warnings
 from collections.abc import Sequence
 
 import optuna
-from pydantic import BaseModel, ConfigDict, Field
 
+from api.documents import Estimate, Spread
 from api.rehearsal import Host, Workload, drive, spectune_plan
 from optimizer import perf_model as pm
 from optimizer.spec import StudySpec
@@ -45,44 +45,6 @@ SPEC_HOST_SD = 0.005
 WARMUP_S = 10.0
 # Draft positions drawn: the space's deepest (optimizer.space: steps up to 10).
 POSITIONS = 10
-
-
-class Spread(BaseModel):
-    """The median of the rehearsals and the 80% range (10th to 90th percentile)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    expected: float
-    low: float
-    high: float
-
-    def covers(self, value: float) -> bool:
-        return self.low <= value <= self.high
-
-
-class Estimate(BaseModel):
-    """`spectune study plan`: what the study will likely spend, before any GPU is used."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    workers: int = Field(description="hosts the study was rehearsed at (the eligible workers, or --workers)")
-    draws: int = Field(description="rehearsals: engines drawn from the prior, each a whole study")
-    launches: Spread = Field(description="server launches: baselines, search, confirmations, failed starts")
-    gpu_hours: Spread = Field(description="GPU-hours: start-up, warm-up and benchmark x the spec's GPUs")
-    wall_hours: Spread = Field(description="hours from the first launch to the answer")
-    engines: str = Field(description="what the engines were drawn from, in words")
-
-    def lines(self) -> list[str]:
-        def row(name: str, s: Spread, fmt: str) -> str:
-            return f"{name:<12} {format(s.expected, fmt):>8}   80% range {format(s.low, fmt)} - {format(s.high, fmt)}"
-
-        return [
-            f"estimate at {self.workers} worker(s), from {self.draws} rehearsals of this study on engines drawn "
-            f"from the prior ({self.engines}):",
-            row("launches", self.launches, ".0f"),
-            row("GPU-hours", self.gpu_hours, ".2f"),
-            row("wall hours", self.wall_hours, ".2f"),
-        ]
 
 
 @dataclasses.dataclass(frozen=True)

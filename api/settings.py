@@ -57,6 +57,12 @@ class Settings(BaseSettings):
     # /healthz is answered, for the GIL (benchmarks/README.md, "Many studies").
     protocol_threads: int = Field(default=12, ge=1, le=256)
     request_threads: int = Field(default=12, ge=1, le=256)
+    # Rehearsals behind the estimate a study is created with (api.estimate, `spectune study plan`
+    # in a child process): each is a whole study simulated, 1-3 s of one core, spent in the create
+    # request.  0: none.  A create waits at most `estimate_timeout_s` for it (then: no estimate);
+    # 20 s stays below the CLI's 30 s request time-out (api.cli.common.client).
+    estimate_draws: int = Field(default=8, ge=0, le=200)
+    estimate_timeout_s: float = Field(default=20.0, gt=0)
     # Folder for trial artifacts (server logs, benchmark JSON); optuna-dashboard reads the same.
     artifact_dir: str = "./spectune-artifacts"
     # The key of the dashboard's session cookies (api.sessions).  Never stored in the database, so

@@ -21,7 +21,8 @@ import warnings
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 
-from api.estimate import DEFAULT_DRAWS, Estimate, estimate
+from api.documents import Estimate
+from api.estimate import DEFAULT_DRAWS, estimate
 from benchmarks import search_efficiency as se
 from spectune_sim.landscapes import LANDSCAPES
 

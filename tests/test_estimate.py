@@ -14,9 +14,11 @@ import yaml
 from typer.testing import CliRunner
 
 from api.cli import app
-from api.estimate import Estimate, estimate
+from api.documents import Estimate
+from api.estimate import estimate
 from optimizer.spec import StudySpec
-from tests.conftest import small_spec
+from tests.conftest import Api, make_settings, make_tokens, small_spec
+from tests.search_support import drive
 
 WORKLOAD = {"output_len": 256, "num_prompts": 32, "concurrency": [1], "repeats": 2}
 
@@ -66,3 +68,38 @@ def test_study_plan_prints_the_estimate_and_refuses_a_bad_spec(tmp_path: Path) -
     bad.write_text(yaml.safe_dump(small_spec("plan", workload={**WORKLOAD, "concurrency": []})))
     out = runner.invoke(app, ["study", "plan", str(bad), "--workers", "2"])
     assert out.exit_code == 2 and "is not a valid study spec" in out.output and "Traceback" not in out.output
+
+
+def test_a_study_is_created_with_its_estimate_and_finishes_against_it(db_url: str, tmp_path: Path) -> None:
+    """The create response and the document carry the estimate (made by `study plan` in a child
+    process, at the eligible fleet: one worker when none is registered yet); the finished study
+    shows what it took against it."""
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+
+    settings = make_settings(db_url, estimate_draws=2, estimate_timeout_s=300, artifact_dir=str(tmp_path / "a"))
+    with TestClient(create_app(settings)) as client:
+        api = Api(client, make_tokens(db_url))
+        r = api.post("/v1/studies", "user", small_spec("planned", budget={"max_trials": 4, "converge": False}))
+        assert r.status_code == 201, r.text
+        plan = r.json()["plan"]
+        assert plan is not None and plan["estimate"]["workers"] == 1 and plan["estimate"]["draws"] == 2
+        assert plan["actual_launches"] is None and plan["summary"].startswith("estimated ")
+        assert api.get("/v1/studies/planned", "user").json()["plan"] == plan
+        drive(api, "planned", ["w1", "w2"], "moe-pcie")
+        doc = api.get("/v1/studies/planned", "user").json()
+    assert doc["state"] == "finished"
+    done = doc["plan"]
+    assert done["estimate"] == plan["estimate"]
+    assert done["actual_launches"] == doc["cost"]["launches"] > 0
+    assert done["actual_gpu_hours"] == doc["cost"]["gpu_hours"]
+    assert done["actual_wall_hours"] is not None and done["actual_wall_hours"] >= 0
+    assert done["launches_inside"] == (plan["estimate"]["launches"]["low"] <= done["actual_launches"]
+                                       <= plan["estimate"]["launches"]["high"])  # fmt: skip
+    assert f"took {done['actual_launches']} launches" in done["summary"]
+
+
+def test_no_estimate_when_switched_off(api: Api) -> None:
+    r = api.post("/v1/studies", "user", small_spec("unplanned"))
+    assert r.status_code == 201 and r.json()["plan"] is None

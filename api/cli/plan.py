@@ -47,7 +47,7 @@ def study_plan(
         typer.Option("--workers", min=1, max=64, help="fleet size; default: the API's workers eligible for the spec"),
     ] = None,
     draws: Annotated[
-        int, typer.Option("--draws", min=3, max=200, help="rehearsals (engines drawn from the prior)")
+        int, typer.Option("--draws", min=1, max=200, help="rehearsals (engines drawn from the prior)")
     ] = DEFAULT_DRAWS,
     seed: Annotated[int, typer.Option("--seed", help="draws of the same seed repeat")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="the estimate as JSON")] = False,
@@ -59,6 +59,9 @@ def study_plan(
     The study's own decision procedure is rehearsed on engines drawn from the prior for the spec's
     class (tensor-parallel size), at the fleet the study would run on.
     """
+    from workers.lifeline import exit_with_parent
+
+    exit_with_parent()  # the API's child for a study's estimate stops when the API does
     spec = read_spec(file)
     if workers is None:
         fleet = call("GET", "/v1/workers", api_url, token)

@@ -145,7 +145,7 @@ def snapshot(
             quarantined=w.quarantined,
             eligible=not requirements_unmet(spec, w.inventory or {}),
             refused=w.id in refused,
-            lost=w.id in lost_at and (w.last_seen is None or lost_at[w.id] >= w.last_seen),
+            lost=_lost(lost_at.get(w.id), w.last_seen),
         )
         for w in s.scalars(select(WorkerRow))
     ]
@@ -179,6 +179,11 @@ def snapshot(
         ending=ending_of(row),
         search_done=search_done,
     )
+
+
+def _lost(reclaimed: datetime | None, last_seen: datetime | None) -> bool:
+    """A lease of the worker was reclaimed unreported, and nothing was heard from it since."""
+    return reclaimed is not None and (last_seen is None or reclaimed >= last_seen)
 
 
 def _deployment(r: LeaseRow) -> dict[str, Any]:

@@ -94,7 +94,8 @@ class Expiry:
                 settle = False
                 spec = spec_of(s, name) if any(x.kind != LeaseKind.BASELINE for x in expired) else None
                 for lease in expired:
-                    why = _why_gone(lease, seen.get(lease.worker_id), now, self.settings)
+                    last_seen = None if lease.worker_id is None else seen.get(lease.worker_id)
+                    why = _why_gone(lease, last_seen, now, self.settings)
                     end(s, lease, LeaseState.EXPIRED, now)
                     event(s, "lease_expired", lease, why)
                     if lease.worker_id is not None:
