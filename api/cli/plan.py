@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from api.cli.client import study_app
-from api.cli.common import DEFAULT_API_URL, ApiUrl, Token, call, fail, say
+from api.cli.common import DEFAULT_API_URL, ApiUrl, Token, call, fail, read_yaml, say
 from api.estimate import DEFAULT_DRAWS, estimate
 from optimizer.errors import SpecError
 from optimizer.spec import StudySpec, parse_spec
@@ -16,14 +16,7 @@ from optimizer.spec import StudySpec, parse_spec
 
 def read_spec(file: Path) -> StudySpec:
     """The spec file, validated as `POST /v1/studies` validates it; a one-line error otherwise."""
-    import yaml
-
-    try:
-        data = yaml.safe_load(file.read_text())
-    except OSError as e:
-        fail(f"cannot read {file}: {e.strerror}")
-    except yaml.YAMLError as e:
-        fail(f"{file} is not valid YAML/JSON: {e}")
+    data = read_yaml(file)
     try:
         return parse_spec(data)
     except SpecError as e:
