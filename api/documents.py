@@ -271,6 +271,55 @@ class FlaggedTrial(_Document):
     problems: list[str]
 
 
+class Spread(_Document):
+    """The median of the rehearsals and the 80% range (10th to 90th percentile)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    expected: float
+    low: float
+    high: float
+
+    def covers(self, value: float) -> bool:
+        return self.low <= value <= self.high
+
+
+class Estimate(_Document):
+    """`spectune study plan`: what the study will likely spend, before any GPU is used."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    workers: int = Field(description="hosts the study was rehearsed at (the eligible workers, or --workers)")
+    draws: int = Field(description="rehearsals: engines drawn from the prior, each a whole study")
+    launches: Spread = Field(description="server launches: baselines, search, confirmations, failed starts")
+    gpu_hours: Spread = Field(description="GPU-hours: start-up, warm-up and benchmark x the spec's GPUs")
+    wall_hours: Spread = Field(description="hours from the first launch to the answer")
+    engines: str = Field(description="what the engines were drawn from, in words")
+
+    def lines(self) -> list[str]:
+        def row(name: str, s: Spread, fmt: str) -> str:
+            return f"{name:<12} {format(s.expected, fmt):>8}   80% range {format(s.low, fmt)} - {format(s.high, fmt)}"
+
+        return [
+            f"estimate at {self.workers} worker(s), from {self.draws} rehearsals of this study on engines drawn "
+            f"from the prior ({self.engines}):",
+            row("launches", self.launches, ".0f"),
+            row("GPU-hours", self.gpu_hours, ".2f"),
+            row("wall hours", self.wall_hours, ".2f"),
+        ]
+
+
+class PlanCheck(_Document):
+    """The estimate the study was created with (`spectune study plan`), and what it took once finished."""
+
+    estimate: Estimate
+    actual_launches: int | None = None
+    actual_gpu_hours: float | None = None
+    actual_wall_hours: float | None = Field(default=None, description="first launch to the answer")
+    launches_inside: bool | None = Field(default=None, description="the launches fell in the estimate's 80% range")
+    summary: str
+
+
 class StudyDocument(_Document):
     """`GET /v1/studies/{name}`: state, counts, baselines, the best and the winner, the answer to deploy."""
 
@@ -304,6 +353,14 @@ class StudyDocument(_Document):
     refused_by: list[Refusal]
     flagged_trials: list[FlaggedTrial] = Field(description="`spectune db repair-trial` removes their bad values")
     eligibility: Eligibility | None = Field(description="running studies only")
+    plan: PlanCheck | None = Field(
+        default=None, description="the estimate made at creation, against the actual once finished"
+    )
+    waiting: str | None = Field(
+        default=None,
+        description="a running study that runs nothing because its last lease was lost: what was lost, when, "
+        "and that it is being reassigned (None while something runs)",
+    )
     speculation_pays: bool | None = Field(description="None until something was measured")
     deployment: Deployment | None
 

@@ -20,6 +20,12 @@ class Settings(BaseSettings):
     # Within what workers accept (spectune_protocol.MIN_HEARTBEAT_S..MAX_HEARTBEAT_S).
     heartbeat_interval_s: float = Field(default=30.0, ge=0.05, le=3600.0)
     lease_ttl_s: float = Field(default=120.0, gt=0)
+    # A worker holding a lease is lost once it has sent nothing for this many heartbeat intervals
+    # (database clock): its lease is reclaimed and reassigned then, not at the TTL
+    # (docs/leases.md "Lost workers").  1.5: one missed beat plus half an interval for a late one
+    # (the worker retries a beat within half an interval, workers/heartbeat.py), so another worker
+    # can start the work within 2 intervals of the loss (issue 33).
+    lost_after_beats: float = Field(default=1.5, ge=1.0, le=100.0)
     # A trial Optuna handed out without a recorded lease (the API died in between) is told FAIL
     # after this long; asks take milliseconds.
     orphan_grace_s: float = Field(default=30.0, ge=0)
@@ -51,6 +57,12 @@ class Settings(BaseSettings):
     # /healthz is answered, for the GIL (benchmarks/README.md, "Many studies").
     protocol_threads: int = Field(default=12, ge=1, le=256)
     request_threads: int = Field(default=12, ge=1, le=256)
+    # Rehearsals behind the estimate a study is created with (api.estimate, `spectune study plan`
+    # in a child process): each is a whole study simulated, 1-3 s of one core, spent in the create
+    # request.  0: none.  A create waits at most `estimate_timeout_s` for it (then: no estimate);
+    # 20 s stays below the CLI's 30 s request time-out (api.cli.common.client).
+    estimate_draws: int = Field(default=8, ge=0, le=200)
+    estimate_timeout_s: float = Field(default=20.0, gt=0)
     # Folder for trial artifacts (server logs, benchmark JSON); optuna-dashboard reads the same.
     artifact_dir: str = "./spectune-artifacts"
     # The key of the dashboard's session cookies (api.sessions).  Never stored in the database, so

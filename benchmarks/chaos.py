@@ -280,6 +280,8 @@ def start_cluster(plan: ChaosPlan, root: Path, db_url: str) -> Cluster:
         "SPECTUNE_MAX_ATTEMPTS": str(plan.max_attempts),
         # Chaos kills many workers: a worker must not be quarantined for being killed.
         "SPECTUNE_QUARANTINE_AFTER": "1000",
+        # No estimate at creation: its rehearsals are not what chaos tests.
+        "SPECTUNE_ESTIMATE_DRAWS": "0",
         # Artifacts and the session secret stay in the run's folder, never the checkout.
         "SPECTUNE_ARTIFACT_DIR": str(root / "artifacts"),
     }

@@ -112,6 +112,10 @@ class HostView:
     # Meets the study's requirements (models, placement, GPUs) and did not refuse it.
     eligible: bool = True
     refused: bool = False
+    # Its lease was reclaimed because it went silent (missed heartbeats, or the lease's deadline)
+    # and it has not been heard from since: not waited for, however recently it was seen
+    # (docs/leases.md "Lost workers").
+    lost: bool = False
 
 
 @dataclass(frozen=True)
@@ -164,7 +168,12 @@ class Snapshot:
         return [
             h
             for h in self.hosts
-            if h.eligible and not h.refused and not h.quarantined and h.last_seen is not None and h.last_seen >= since
+            if h.eligible
+            and not h.refused
+            and not h.quarantined
+            and not h.lost
+            and h.last_seen is not None
+            and h.last_seen >= since
         ]
 
 

@@ -126,6 +126,11 @@ def make_settings(db_url: str, **overrides: Any) -> Any:
         "database_url": db_url,
         "heartbeat_interval_s": 1.0,
         "lease_ttl_s": 30.0,
+        # In-process tests play workers that never heartbeat: their worker is lost at the lease's
+        # TTL (30 beats of 1 s), as before; tests of the loss itself ask for the service's 1.5.
+        "lost_after_beats": 30.0,
+        # No estimate at creation (seconds of rehearsals per study); tests/test_estimate.py asks for one.
+        "estimate_draws": 0,
         "session_secret": "test-session-secret-" + "x" * 32,
     }
     base.update(overrides)

@@ -59,6 +59,7 @@ def write_worker_config(
     *,
     startup_s: float = 60,
     prompt_files: dict[str, str] | None = None,
+    idle_poll_max_s: float = 1,
 ) -> WorkerProc:
     """`root/name/worker.toml` for a worker on the simulator; `models` maps registry names to landscapes;
     `prompt_files` (name -> content) fill its prompt folder."""
@@ -79,7 +80,8 @@ def write_worker_config(
             api_url=api_url,
             worker_id=name,
             models=registry,
-            top={"outbox_dir": "outbox", "prompt_dir": "prompts", "idle_poll_s": 0.2, "idle_poll_max_s": 1},
+            top={"outbox_dir": "outbox", "prompt_dir": "prompts", "idle_poll_s": min(0.2, idle_poll_max_s),
+                 "idle_poll_max_s": idle_poll_max_s},
             engine={"log_dir": "logs"},
             engine_env={**SIM_ENV, "SPECTUNE_SIM_HOST_ID": name, **(env or {})},
             timeouts={
@@ -204,9 +206,22 @@ class Cluster:
 
 
 @contextmanager
-def cluster(root: Path, db_url: str, *, lease_ttl_s: float = 6.0) -> Iterator[Cluster]:
+def cluster(
+    root: Path,
+    db_url: str,
+    *,
+    lease_ttl_s: float = 6.0,
+    heartbeat_interval_s: float = 1.0,
+    lost_after_beats: float = 3.0,
+) -> Iterator[Cluster]:
+    """`lost_after_beats` 3 by default: 1 s beats leave a loaded test host 2 s for a late beat
+    before its worker counts as lost (the service's 1.5 is for 30 s beats)."""
     c = Cluster(root=root, db_url=db_url, tokens=make_tokens(db_url), api_log=root / "api.log", api_port=free_port())
-    c.api_env = {"SPECTUNE_HEARTBEAT_INTERVAL_S": "1", "SPECTUNE_LEASE_TTL_S": str(lease_ttl_s)}
+    c.api_env = {
+        "SPECTUNE_HEARTBEAT_INTERVAL_S": str(heartbeat_interval_s),
+        "SPECTUNE_LEASE_TTL_S": str(lease_ttl_s),
+        "SPECTUNE_LOST_AFTER_BEATS": str(lost_after_beats),
+    }
     c.start_api()
     try:
         yield c

@@ -140,7 +140,8 @@ def spawn_api(
     artifacts = str(log_path.parent / "artifacts")
     argv = [sys.executable, "-m", "api.cli", "server", "--database-url", db_url]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--workers", str(workers)]
-    proc = spawn(argv, log_path, {"SPECTUNE_ARTIFACT_DIR": artifacts, **(env or {})})
+    # No estimate at creation unless asked (seconds of rehearsals per study created).
+    proc = spawn(argv, log_path, {"SPECTUNE_ARTIFACT_DIR": artifacts, "SPECTUNE_ESTIMATE_DRAWS": "0", **(env or {})})
     try:
         wait_serving(f"http://127.0.0.1:{port}/healthz", proc, log_path, timeout)
     except BaseException:

@@ -453,6 +453,8 @@ def test_the_host_that_found_a_candidate_confirms_it_when_no_other_live_host_can
         host("w2", quarantined=True),
         host("w2", eligible=False),
         host("w2", last_seen=T0 - timedelta(hours=1)),
+        # Seen a minute ago, but its lease was reclaimed since: lost, not waited for (issue 33).
+        host("w2", last_seen=T0 - timedelta(minutes=1), lost=True),
     ):
         s = replace(busy_w2, hosts=(host("w1"), other))
         assert c.next_action(s, "w1") == c.Confirm("c0", "w1", 7, fresh_baseline=True), other

@@ -15,6 +15,7 @@ from typing import Annotated
 import typer
 
 from api.cli import admin, bench, client, fleet
+from api.cli import plan as _plan  # noqa: F401 - registers `study plan` on the study commands
 from api.cli.bench import bench_spec
 from api.cli.client import EXIT_NO_SPECULATION
 from api.cli.common import version

@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 from pydantic import TypeAdapter
 
-from api.cli.common import DEFAULT_API_URL, ApiUrl, Token, call, client, ensure_utc, fail, say
+from api.cli.common import DEFAULT_API_URL, ApiUrl, Token, call, client, ensure_utc, fail, read_yaml, say
 from api.documents import StudyBrief, StudyDocument, StudySummary, TrialRow
 
 # `stop` answers the study document, or a brief one for a study whose stored spec this version cannot read.
@@ -43,14 +43,7 @@ def study_create(
     token: Token = None,
 ) -> None:
     """Create a study from a spec file."""
-    import yaml
-
-    try:
-        data = yaml.safe_load(file.read_text())
-    except OSError as e:
-        fail(f"cannot read {file}: {e.strerror}")
-    except yaml.YAMLError as e:
-        fail(f"{file} is not valid YAML/JSON: {e}")
+    data = read_yaml(file)
     out = StudyDocument.model_validate(call("POST", "/v1/studies", api_url, token, data))
     typer.echo(f"created study {out.name} ({out.state})")
 

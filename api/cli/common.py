@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
@@ -24,6 +25,18 @@ def fail(message: str) -> NoReturn:
     """Print `error: message` in red and exit with status 2 (an error the user can fix)."""
     typer.secho(f"error: {printable(message, keep_newlines=True)}", err=True, fg=typer.colors.RED)
     raise typer.Exit(2)
+
+
+def read_yaml(file: Path) -> Any:
+    """A spec file's data (YAML or JSON); a one-line error when it cannot be read or parsed."""
+    import yaml
+
+    try:
+        return yaml.safe_load(file.read_text())
+    except OSError as e:
+        fail(f"cannot read {file}: {e.strerror}")
+    except yaml.YAMLError as e:
+        fail(f"{file} is not valid YAML/JSON: {e}")
 
 
 def say(text: str) -> None:

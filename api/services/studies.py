@@ -24,8 +24,9 @@ from api.db import db_now
 from api.errors import ConflictError, LimitReachedError
 from api.models import BaselineRow, EventRow, LeaseRow, StudyRow, TrialConfigRow, WorkerRow
 from api.optuna_tables import empty_counts, trial_counts
-from api.services import adaptive_answer, launch_noise, study_life, trial_records
+from api.services import adaptive_answer, estimates, launch_noise, study_life, trial_records
 from api.services import eligibility as elig
+from api.services.leasing.expiry import lost_work_note
 from api.services.leasing.records import DEPLOY_FAILED, DEPLOY_RETRY
 from api.services.refusals import active_refusals
 from api.services.study_specs import runnable_spec, stored_spec
@@ -80,6 +81,10 @@ class StudyService:
     def create(self, spec: StudySpec, owner: int | None = None) -> D.StudyDocument:
         """Store a new study; `owner` (a token id) is held to `max_running_studies_per_user`."""
         validate_spec(spec, max_configs=self.ctx.settings.max_space_configs)
+        with self.ctx.sessions() as s:
+            eligible = len(study_eligibility(s, spec).eligible_workers)
+        # Before anything is stored: the rehearsals take seconds, and no lock is held meanwhile.
+        planned = estimates.make(spec, eligible, self.ctx.settings)
         # One owner's creations are serialised, so two at once cannot both pass the limit.
         with self.ctx.unit(lock=None if owner is None else f"studies-of-token:{owner}") as u:
             if owner is not None:
@@ -87,7 +92,9 @@ class StudyService:
                     self._check_running_limit(s, owner)
             # Optuna's unique study name is the arbiter of "name taken": it is checked first, and
             # our row follows.  (On SQLite our transaction must not hold the write lock meanwhile.)
-            opt.create_study(self.ctx.storage, spec, prior=self.prior_best(spec))
+            created = opt.create_study(self.ctx.storage, spec, prior=self.prior_best(spec))
+            if planned is not None:
+                estimates.keep(created, planned)
             with u.step() as s:
                 s.add(
                     StudyRow(
@@ -246,14 +253,17 @@ class StudyService:
                     .order_by(EventRow.at)
                 )
             ]
-            cost = study_cost(s, name)
+            cost = D.StudyCost(**study_cost(s, name).as_json())
+            plan = estimates.against_actual(s, optuna.load_study(study_name=name, storage=self.ctx.storage), row, cost)
             refusals = [
                 # Names, not host paths (rows stored before the API redacted them too).
                 D.Refusal(worker_id=e.worker_id, at=e.at, message=paths_to_names(e.detail or ""))
                 for e in active_refusals(s, study=name)
             ]
             waiting = None
+            lost_note = None
             if row.state == StudyState.RUNNING:
+                lost_note = lost_work_note(s, name, db_now(s))
                 waiting = D.Eligibility(**study_eligibility(s, spec).as_json())
                 if waiting.warning is None:
                     # A confirmation no host can take now says so (optimizer.conductor).
@@ -369,7 +379,8 @@ class StudyService:
             # Hosts whose baselines of the same server disagree beyond the noise seen (None: they agree).
             host_check=hosts_note,
             # Launches and GPU-hours spent, by kind, next to SGLang's grid (optimizer.costs).
-            cost=D.StudyCost(**cost.as_json()),
+            cost=cost,
+            plan=plan,
             # Workers that refused what this study asks (a study fault: they are not offered it
             # again, and it counts nothing against them).
             refused_by=refusals,
@@ -382,6 +393,7 @@ class StudyService:
             ],
             # Running studies: which workers can take it, and a warning naming the requirement none meets.
             eligibility=waiting,
+            waiting=lost_note,
             # None until something was measured; then whether the deployed command speculates.
             speculation_pays=None if winner is None else pays or adaptive.proven is not None,
             deployment=None if deployment is None else D.Deployment(**deployment.as_json()),

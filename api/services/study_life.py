@@ -25,7 +25,7 @@ from api.errors import ConflictError
 from api.models import BaselineRow, EventRow, LeaseRow, StudyRow, TrialConfigRow, WorkerIdentity, WorkerRow
 from api.services.eligibility import requirements_unmet
 from api.services.launch_noise import confirm_measurement
-from api.services.lease_rows import LeaseKind, lease_payload, new_lease_row
+from api.services.lease_rows import LeaseKind, LeaseState, lease_payload, new_lease_row
 from api.services.refusals import active_refusals
 from api.services.study_specs import baseline_key_of
 from api.settings import Settings
@@ -129,6 +129,15 @@ def snapshot(
         for b in s.scalars(select(BaselineRow).where(BaselineRow.baseline_key == key).order_by(BaselineRow.measured_at))
     ]
     refused = {e.worker_id for e in active_refusals(s, study=spec.name)}
+    # When each worker last had a lease reclaimed unreported (any study): one not heard from since
+    # is lost, and no confirmation waits for it (api.services.leasing.expiry).
+    lost_at = dict(
+        s.execute(
+            select(LeaseRow.worker_id, func.max(LeaseRow.finished_at))
+            .where(LeaseRow.state == LeaseState.EXPIRED, LeaseRow.worker_id.is_not(None))
+            .group_by(LeaseRow.worker_id)
+        ).all()
+    )
     hosts = [
         c.HostView(
             w.id,
@@ -136,6 +145,7 @@ def snapshot(
             quarantined=w.quarantined,
             eligible=not requirements_unmet(spec, w.inventory or {}),
             refused=w.id in refused,
+            lost=_lost(lost_at.get(w.id), w.last_seen),
         )
         for w in s.scalars(select(WorkerRow))
     ]
@@ -169,6 +179,11 @@ def snapshot(
         ending=ending_of(row),
         search_done=search_done,
     )
+
+
+def _lost(reclaimed: datetime | None, last_seen: datetime | None) -> bool:
+    """A lease of the worker was reclaimed unreported, and nothing was heard from it since."""
+    return reclaimed is not None and (last_seen is None or reclaimed >= last_seen)
 
 
 def _deployment(r: LeaseRow) -> dict[str, Any]:
