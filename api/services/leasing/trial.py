@@ -337,9 +337,10 @@ class TrialLeases:
                     raise ConflictError("no baseline of this worker for this study; it must measure one first")
                 m = body.metrics
                 measured = {lv.concurrency: base[lv.concurrency] for lv in m.levels if lv.concurrency in base}
+                level_docs = [lv.model_dump(mode="json") for lv in m.levels]
                 common = {
                     A.BASELINE_TOK_S: {str(k): v for k, v in measured.items()},
-                    A.LEVELS: [lv.model_dump(mode="json") for lv in m.levels],
+                    A.LEVELS: level_docs,
                     A.STARTUP_S: m.startup_s,
                     A.EFFECTIVE: m.effective,
                     A.SGLANG_VERSION: m.sglang_version,
@@ -352,7 +353,7 @@ class TrialLeases:
                     return ConfigState.PRUNED, None
                 # By the objective's figure, against the same host's baseline levels (its passes too).
                 base_levels = [lv for lv in attrs.get(A.BASELINE_LEVELS) or [] if int(lv["concurrency"]) in measured]
-                sc = score_levels(spec.objective, common[A.LEVELS], base_levels)
+                sc = score_levels(spec.objective, level_docs, base_levels)
                 attrs |= common | {A.SPEEDUP_BY_LEVEL: {str(k): v for k, v in sc.speedups.items()}}
                 opt.tell_value(study, number, sc.value, sc.violation, attrs)
                 return ConfigState.DONE, sc.value
