@@ -24,18 +24,20 @@ pytestmark = pytest.mark.slow
 
 MODEL = {"target": "dense-8b-h100", "draft": "dense-8b-h100-eagle3"}
 MODELS = {"dense-8b-h100": "dense-8b-h100", "dense-8b-h100-eagle3": "dense-8b-h100-eagle3"}
-# The simulated engine at twice the calibrated speed, without noise: a user decodes at 317 tok/s
-# without speculation, and SGLang's default chain gives that user about 1.9x (spectune_sim's model).
-ENGINE = {"SPECTUNE_SIM_SPEED": "2", "SPECTUNE_SIM_NOISE": "0"}
+# The simulated engine at its calibrated speed (slow enough that a loaded test host's CPU does not
+# set the pace), without noise: a user decodes at 158 tok/s without speculation, and SGLang's
+# default chain gives that user about 1.9x (spectune_sim's model).
+ENGINE = {"SPECTUNE_SIM_SPEED": "1", "SPECTUNE_SIM_NOISE": "0"}
 ONE_CONFIG = [{"num_steps": 3, "topk": 1, "num_draft_tokens": 4}]
-# 2 requests/s of 32 tokens against a server that decodes one request in ~0.1 s: about 0.2 in
+# 2 requests/s of 32 tokens against a server that decodes one request in ~0.2 s: about 0.4 in
 # flight on average, at most 8 admitted: far below saturation, so output tok/s is the arrival rate.
 OPEN_LOOP = {
     "request_rate": 2.0, "concurrency": [8], "num_prompts": 8, "output_len": 32, "repeats": 3,
     "warmup_requests": 1,
 }  # fmt: skip
-# 3.2 ms a token without speculation, ~1.7 ms with the chain: the limit sits between them.
-TPOT_LIMIT_MS = 2.4
+# 6.3 ms a token without speculation, ~3.4 ms with the chain (6.4 and 3.4 measured on a loaded
+# 2-core host): the limit sits between them, about 30% from either.
+TPOT_LIMIT_MS = 4.8
 
 
 def open_loop_study(name: str, objective: dict[str, Any] | None) -> dict[str, Any]:
@@ -78,7 +80,7 @@ def test_an_open_loop_study_is_judged_by_what_speculation_can_move(pg_cluster: C
     assert per_user["spec"]["objective"]["metric"] == "per_user"
     assert per_user["objective"].startswith("objective: per-user tok/s speedup")
     assert goodput["objective"].startswith(
-        "objective: goodput speedup (requests/s of requests with time per output token <= 2.4 ms"
+        "objective: goodput speedup (requests/s of requests with time per output token <= 4.8 ms"
     )
     log = c.workers[0].log_text()[-3000:]
     assert per_user["verdict"].startswith("speculation pays on per-user tok/s"), (per_user["verdict"], log)
