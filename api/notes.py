@@ -7,6 +7,7 @@ rewritten only when its text changed, so refreshing it on every dashboard poll c
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import optuna
@@ -44,8 +45,8 @@ def baseline_lines(ctx: ServiceContext, baseline_key: str) -> list[str]:
     return lines
 
 
-def objective_text(objective: Objective) -> str:
-    text = describe(objective).removeprefix("objective: ")
+def objective_text(objective: Objective, levels: Sequence[int] = ()) -> str:
+    text = describe(objective, levels).removeprefix("objective: ")
     limits = [
         f"{k.removeprefix('max_')} ≤ {v}"
         for k, v in objective.model_dump().items()
@@ -62,7 +63,7 @@ def render_note(shown: StudyDocument, baselines: list[str]) -> str:
     out = [
         f"# {shown.name}",
         "",
-        f"**Objective:** {objective_text(spec.objective)}",
+        f"**Objective:** {objective_text(spec.objective, spec.workload.concurrency)}",
         "",
         f"**State:** {shown.state}" + (f" — {shown.finish_reason}" if shown.finish_reason else ""),
         "",

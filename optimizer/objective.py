@@ -116,12 +116,12 @@ def metric_words(objective: Objective) -> str:
     return {"per_user": "per-user tok/s", "goodput": "goodput"}.get(name, "output throughput")
 
 
-def describe(objective: Objective) -> str:
-    """The objective in words, for the first line of the verdict, report, Pareto view and dashboard."""
+def describe(objective: Objective, levels: Sequence[int] = ()) -> str:
+    """The objective in words, for the first line of the verdict, report, Pareto view and dashboard;
+    `levels`: the workload's concurrency levels (one level is named, not called a mean)."""
     name = objective.name
-    where = (
-        "the geometric mean over levels" if objective.concurrency is None else f"concurrency {objective.concurrency}"
-    )
+    level = objective.concurrency if objective.concurrency is not None else (levels[0] if len(levels) == 1 else None)
+    where = "the geometric mean over levels" if level is None else f"concurrency {level}"
     if name == "per_user":
         what = "per-user tok/s speedup"
     elif name in ("ttft", "itl"):

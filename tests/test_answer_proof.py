@@ -117,7 +117,7 @@ def test_the_printed_command_is_the_server_a_confirmation_started(api: Api, caps
     assert "speedup (objective; confirmation)" in printed["report"]
     assert "speedup in the search (one launch before the confirmation)" in printed["report"]
     assert f"- workload: {shown['workload']}" in note and "×** the baseline (confirmation)" in note
-    assert note.splitlines()[2] == "**Objective:** output-throughput speedup, at the geometric mean over levels"
+    assert note.splitlines()[2] == "**Objective:** output-throughput speedup, at concurrency 16"
     # Every renderer prints the proven command with the lease that started it, and only it.
     for where, text in printed.items():
         assert dep["launch_command"].splitlines()[-1] in text, where

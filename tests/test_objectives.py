@@ -72,6 +72,8 @@ def test_the_objective_is_named_and_goodput_studies_share_baselines_only_under_o
     assert describe(Objective(metric="ttft", percentile=90, concurrency=4)).startswith(
         "objective: p90 TTFT ratio (baseline / trial), at concurrency 4"
     )
+    assert describe(Objective(), [1, 8]).endswith("at the geometric mean over levels")
+    assert describe(Objective(), [8]).endswith("at concurrency 8")
     one = parse_spec(spec_with({"metric": "goodput", "max_p99_itl_ms": 10.0}, **OPEN_LOOP))
     other = parse_spec(spec_with({"metric": "goodput", "max_p99_itl_ms": 20.0}, **OPEN_LOOP))
     per_user = parse_spec(spec_with(**OPEN_LOOP))

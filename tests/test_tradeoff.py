@@ -109,6 +109,6 @@ def test_the_winner_is_on_the_front_unless_a_runner_up_beats_it_on_the_same_base
         assert found[0].points[0].per_user_tok_s == 1689
         assert found[2].points[0].per_user_tok_s == pytest.approx(1689 * runner_up)
     text = tradeoff_table(*two_hosts(1.03))
-    assert text is not None and text.startswith("objective: output-throughput speedup")
+    assert text is not None and text.startswith("objective: output-throughput speedup, at concurrency 1;")
     row = next(line for line in text.splitlines() if line.startswith("winner #3"))
     assert "confirmation" in row and row.split()[-2] == "*"

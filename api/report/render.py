@@ -244,7 +244,7 @@ def build_report(data: StudyData, *, generated_at: datetime | None = None) -> Re
 <html lang="en"><head><meta charset="utf-8"><title>spectune report: {_e(shown.name)}</title>
 <style>{CSS}</style></head><body>
 <h1>spectune report: {_e(shown.name)}</h1>
-<p class="objective">{_e(describe(shown.spec.objective))}</p>
+<p class="objective">{_e(describe(shown.spec.objective, shown.spec.workload.concurrency))}</p>
 <p class="sub">{_e(model.target)} with draft {_e(model.draft)}, tp {_e(model.tp_size)} ·
 state {_e(state)} · trials: {_e(counts)} · generated {when}</p>
 <p class="verdict">{_e(shown.verdict)}</p>

@@ -197,6 +197,6 @@ def tradeoff_table(shown: StudyDocument, trials: Sequence[TrialRow]) -> str | No
     ]
     limits = limits_text(shown)
     note = f"\n(latency limits: {limits}; a level over one is not on the front)" if limits else ""
-    head = f"{describe(shown.spec.objective)}; every point scaled by its own host's baseline onto the baseline shown\n"
+    head = f"{describe(shown.spec.objective, shown.spec.workload.concurrency)}; every point scaled by its own host's baseline onto the baseline shown\n"
     columns = ["configuration", "measured in", "level", "tok/s per user", "tok/s per GPU", "front", "over limit"]
     return head + table(columns, rows) + note

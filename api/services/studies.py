@@ -335,7 +335,7 @@ class StudyService:
             spec=spec,
             # The traffic every baseline and trial of this study measured, in words.
             workload=describe_workload(spec.workload),
-            objective=describe(spec.objective),
+            objective=describe(spec.objective, spec.workload.concurrency),
             trials=D.TrialCounts(**counts),
             configurations_launched=launched or 0,
             baselines_measured=baselines_measured or 0,
