@@ -331,6 +331,7 @@ class StudyDocument(_Document):
     finished_at: UtcDatetime | None
     spec: StudySpec
     workload: str = Field(description="the traffic every baseline and trial of this study measured, in words")
+    objective: str = Field(default="", description="what the study is judged by, in words (its verdict's metric)")
     trials: TrialCounts
     configurations_launched: int
     baselines_measured: int

@@ -7,6 +7,7 @@ rewritten only when its text changed, so refreshing it on every dashboard poll c
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import optuna
@@ -18,6 +19,7 @@ from api.documents import StudyDocument
 from api.models import BaselineRow, StudyRow
 from api.services.studies import StudyService
 from optimizer.errors import StudyNotFoundError
+from optimizer.objective import describe
 from optimizer.spec import Objective
 
 log = logging.getLogger("spectune.api.notes")
@@ -43,13 +45,12 @@ def baseline_lines(ctx: ServiceContext, baseline_key: str) -> list[str]:
     return lines
 
 
-def objective_text(objective: Objective) -> str:
-    level = objective.concurrency
-    text = f"speedup at concurrency {level}" if level else "geometric-mean speedup over the concurrency levels"
+def objective_text(objective: Objective, levels: Sequence[int] = ()) -> str:
+    text = describe(objective, levels).removeprefix("objective: ")
     limits = [
         f"{k.removeprefix('max_')} ≤ {v}"
         for k, v in objective.model_dump().items()
-        if k.startswith("max_") and v is not None
+        if k.startswith("max_") and v is not None and objective.name != "goodput"  # goodput's own SLO: said above
     ]
     return text + (f" with {', '.join(limits)}" if limits else "")
 
@@ -57,10 +58,12 @@ def objective_text(objective: Objective) -> str:
 def render_note(shown: StudyDocument, baselines: list[str]) -> str:
     """The markdown note for a study, from its document and the baseline lines."""
     spec = shown.spec
-    model, space, workload = spec.model, spec.search_space, spec.workload
+    model, space = spec.model, spec.search_space
     counts = shown.trials.model_dump()
     out = [
         f"# {shown.name}",
+        "",
+        f"**Objective:** {objective_text(spec.objective, spec.workload.concurrency)}",
         "",
         f"**State:** {shown.state}" + (f" — {shown.finish_reason}" if shown.finish_reason else ""),
         "",
@@ -71,9 +74,9 @@ def render_note(shown: StudyDocument, baselines: list[str]) -> str:
         f"attention backend `{model.attention_backend}`",
         f"- search: steps {space.num_steps.low}–{space.num_steps.high}, topk {space.topk}, "
         f"draft tokens {space.num_draft_tokens.low}–{space.num_draft_tokens.high}",
-        f"- workload: concurrency {workload.concurrency}, output {workload.output_len} tokens, "
-        f"{workload.num_prompts} prompts × {workload.repeats} repeats",
-        f"- objective: {objective_text(spec.objective)}; sampler `{spec.sampler}`",
+        # The workload's real lengths, as the study document states them (a dataset's, a range's).
+        f"- workload: {shown.workload}",
+        f"- sampler `{spec.sampler}`",
         "- budget: " + ", ".join(f"{k} {v}" for k, v in spec.budget.model_dump().items() if v is not None),
         "",
         "## Baseline (no speculation)",
@@ -88,7 +91,8 @@ def render_note(shown: StudyDocument, baselines: list[str]) -> str:
     if best is None:
         out.append("- none yet")
     else:
-        out.append(f"- {best.label()} → **{_fmt(best.speedup)}×** the baseline")
+        measured = "confirmation" if best.confirmed else "search, not confirmed"
+        out.append(f"- {best.label()} → **{_fmt(best.speedup)}×** the baseline ({measured})")
         for level, iv in best.speedup_interval_by_level.items():
             out.append(f"- concurrency {level}: 95% interval {iv.low:.3f}–{iv.high:.3f}")
         if best.confirmed:

@@ -27,7 +27,8 @@ from typing import Any
 from optuna.trial import FrozenTrial
 
 from optimizer import attrs as A
-from optimizer.analysis import Interval, level_intervals
+from optimizer.analysis import Interval
+from optimizer.objective import objective_intervals
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 
@@ -68,7 +69,7 @@ def best_by_level(
         config = r.config.canonical()
         if chains_only and config.topk != 1:
             continue
-        ivs = level_intervals(r.levels, r.baseline_levels, extra_var)
+        ivs = objective_intervals(spec.objective, r.levels, r.baseline_levels, extra_var)
         for level in spec.workload.concurrency:
             v = r.speedup_at(level)
             if v is None:

@@ -699,7 +699,7 @@ def next_deployment(
     return next(((t, e) for t, e in deploy.envelopes_to_try(spec, config, failed, trials) if t > after), None)
 
 
-def resolve_order(snap: Snapshot, lease: LeaseView, base: Baseline) -> Resolve:
+def resolve_order(snap: Snapshot, lease: LeaseView, base: Baseline) -> Resolve | None:
     """What the confirmation's worker measures more passes for while the answer is undecided.
 
     The thresholds: 1.0 (pays at all), 1.0 + min_gain (pays enough to matter), and the speedups
@@ -707,6 +707,10 @@ def resolve_order(snap: Snapshot, lease: LeaseView, base: Baseline) -> Resolve:
     (`launch_noise`); the cap: EXTRA_PASSES_PER_REPEAT x the workload's repeats per level.
     """
     spec = snap.spec
+    if spec.objective.name != "throughput":
+        # The worker's extra passes decide on output tok/s (workers/resolve.py); another
+        # objective's confirmation is judged on its levels' passes as measured.
+        return None
     others = [
         confirm.confirm_result(spec, le.measurement[0], le.measurement[1]).value
         for le in snap.leases
@@ -739,6 +743,7 @@ def launch_noise(snap: Snapshot) -> LaunchNoise:
             for le in snap.leases
             if le.kind == "confirm" and le.state == "completed" and le.measurement is not None
         ],
+        snap.spec.objective,
     )
 
 
@@ -1182,7 +1187,9 @@ def pays(answer: Answer | None) -> bool:
     return confirm.pays(answer.speedup, answer.interval)
 
 
-def verdict(answer: Answer | None, measured: int, adaptive: str | None = None) -> str:
+def verdict(
+    answer: Answer | None, measured: int, adaptive: str | None = None, metric: str = "output throughput"
+) -> str:
     """The one-line answer (optimizer.confirmation.verdict).
 
     `adaptive`: the reason of an adaptive deployment (no configuration pays over every level, but
@@ -1202,5 +1209,6 @@ def verdict(answer: Answer | None, measured: int, adaptive: str | None = None) -
         where=where,
         saturated=answer.saturated,
         fresh=answer.fresh_baseline,
+        metric=metric,
     )
     return f"{text}; {answer.tie_note}" if answer.tie_note else text

@@ -28,12 +28,11 @@ from optimizer.analysis import (
     LaunchNoise,
     Relaunch,
     launch_noise,
-    level_intervals,
     log_mean_variance,
 )
-from optimizer.objective import LevelResult, score
+from optimizer.objective import objective_intervals, objective_view, score_levels
 from optimizer.space import SpecConfig
-from optimizer.spec import StudySpec
+from optimizer.spec import Objective, StudySpec
 
 CANDIDATE_WINDOW = 0.05
 
@@ -41,7 +40,7 @@ CANDIDATE_WINDOW = 0.05
 def search_interval(spec: StudySpec, t: FrozenTrial, extra_var: float = 0.0) -> Interval | None:
     """The 95% interval of a trial's objective as measured in the search."""
     r = A.TrialRecord(t)
-    ivs = level_intervals(r.levels, r.baseline_levels, extra_var)
+    ivs = objective_intervals(spec.objective, r.levels, r.baseline_levels, extra_var)
     return objective_interval(spec, float(r.value or 0.0), ivs, extra_var)
 
 
@@ -49,6 +48,7 @@ def study_relaunches(
     trials: Sequence[FrozenTrial],
     baselines: Sequence[tuple[str, Sequence[Mapping[str, Any]]]],
     confirmations: Sequence[tuple[str, Sequence[Mapping[str, Any]], Sequence[Mapping[str, Any]]]],
+    objective: Objective | None = None,
 ) -> list[Relaunch]:
     """The re-launches a study made anyway, as `launch_noise` reads them.
 
@@ -56,21 +56,26 @@ def study_relaunches(
     `confirmations`: (configuration key, levels, paired baseline levels) of every completed
     confirmation.  Each host's baselines group by level (x2: a speedup holds two launches);
     each configuration's speedups (search and confirmations) group by level.  Saturated levels
-    say nothing about launches and are left out.
+    say nothing about launches and are left out.  `objective`: read each level's figure of it
+    (`objective.objective_view`); None reads output tok/s.
     """
+
+    def view(levels: Sequence[Mapping[str, Any]]) -> Sequence[Mapping[str, Any]]:
+        return levels if objective is None else objective_view(objective, levels)
+
     out: list[Relaunch] = []
     for host, levels in baselines:
-        for lv in levels:
+        for lv in view(levels):
             runs = lv.get("output_tok_s_runs") or []
             w = log_mean_variance(runs)
             if w is not None and not lv.get("saturated"):
                 out.append(Relaunch(f"base:{host}:{int(lv['concurrency'])}", float(lv["output_tok_s"]), w, 2.0))
     speedups: list[tuple[str, Sequence[Mapping[str, Any]], Sequence[Mapping[str, Any]]]] = [
-        (r.config_key, r.levels, r.baseline_levels)
+        (r.config_key, view(r.levels), view(r.baseline_levels))
         for r in A.records(A.measured_feasible(trials, A.LEVELS))
         if r.config_key and r.baseline_levels
     ]
-    for key, levels, base_levels in [*speedups, *confirmations]:
+    for key, levels, base_levels in [*speedups, *((k, view(lv), view(b)) for k, lv, b in confirmations)]:
         base = {int(b["concurrency"]): b for b in base_levels}
         for lv in levels:
             b = base.get(int(lv["concurrency"]))
@@ -80,7 +85,7 @@ def study_relaunches(
                 log_mean_variance(lv.get("output_tok_s_runs") or []),
                 log_mean_variance(b.get("output_tok_s_runs") or []),
             )
-            if vt is None or vb is None or float(b["output_tok_s"]) <= 0:
+            if vt is None or vb is None or not b["output_tok_s"] or not lv["output_tok_s"]:
                 continue
             ratio = float(lv["output_tok_s"]) / float(b["output_tok_s"])
             out.append(Relaunch(f"speedup:{key}:{int(lv['concurrency'])}", ratio, vt + vb, 1.0))
@@ -91,9 +96,10 @@ def study_noise(
     trials: Sequence[FrozenTrial],
     baselines: Sequence[tuple[str, Sequence[Mapping[str, Any]]]],
     confirmations: Sequence[tuple[str, Sequence[Mapping[str, Any]], Sequence[Mapping[str, Any]]]],
+    objective: Objective | None = None,
 ) -> LaunchNoise:
     """The study's launch-to-launch noise (`optimizer.analysis.launch_noise`) from its own re-launches."""
-    return launch_noise(study_relaunches(trials, baselines, confirmations))
+    return launch_noise(study_relaunches(trials, baselines, confirmations, objective))
 
 
 def overlaps(a: Interval | None, b: Interval | None, value_a: float, value_b: float) -> bool:
@@ -248,13 +254,8 @@ def confirm_result(
 
     `extra_var`: the study's launch-to-launch noise (`study_noise`), which one launch cannot show.
     """
-    base = {int(b["concurrency"]): float(b["output_tok_s"]) for b in baseline_levels}
-    results = [
-        LevelResult(int(lv["concurrency"]), float(lv["output_tok_s"]), lv.get("itl_ms_p99"), lv.get("ttft_ms_p99"))
-        for lv in levels
-    ]
-    sc = score(spec.objective, [r for r in results if r.concurrency in base], base)
-    ivs = level_intervals(levels, baseline_levels, extra_var)
+    sc = score_levels(spec.objective, levels, baseline_levels)
+    ivs = objective_intervals(spec.objective, levels, baseline_levels, extra_var)
     return Confirmed(sc.value, objective_interval(spec, sc.value, ivs, extra_var), sc.speedups, ivs, sc.violation)
 
 
@@ -349,8 +350,11 @@ def verdict(
     where: str = "",
     saturated: Mapping[int, str] | None = None,
     fresh: bool = True,
+    metric: str = "output throughput",
 ) -> str:
     """The one-line answer.  Says "speculation does not pay here" unless the interval clears 1.
+
+    `metric`: what the study is judged by (`objective.metric_words`), named in the answer's first words.
 
     A result resting on a saturated level is no answer: the verdict says so and why.
     `fresh`: the confirmation's baseline was one measured for it; "fresh" is said only then.
@@ -360,7 +364,7 @@ def verdict(
     if saturated:
         c, why = min(saturated.items())
         return (
-            f"no answer: {label} read {value:.3f}x, but the measurement at concurrency "
+            f"no answer on {metric}: {label} read {value:.3f}x, but the measurement at concurrency "
             f"{', '.join(map(str, sorted(saturated)))} is saturated ({why}); that figure is the host's load, "
             "not the configuration's: measure on a host with room (fewer tenants, or a slower simulated engine)"
         )
@@ -372,15 +376,15 @@ def verdict(
     else:
         how = "measured once in the search, not yet confirmed against a fresh baseline"
     if pays(value, interval) and interval is not None:
-        return f"speculation pays: {label} runs at {value:.3f}x the baseline{band}, {how}"
+        return f"speculation pays on {metric}: {label} runs at {value:.3f}x the baseline{band}, {how}"
     if pays(value, interval):
-        return f"speculation pays: {label} runs at {value:.3f}x the baseline ({how}; no spread to bound it)"
+        return f"speculation pays on {metric}: {label} runs at {value:.3f}x the baseline ({how}; no spread to bound it)"
     if value > 1.0:
         evidence = f"its {value:.3f}x{band} does not clear 1.0 beyond noise"
     else:
         evidence = f"it reaches only {value:.3f}x the baseline{band}"
     return (
-        f"speculation does not pay here: the best of {measured} configurations measured is {label}, and "
+        f"speculation does not pay here on {metric}: the best of {measured} configurations measured is {label}, and "
         f"{evidence} ({how}); run without speculation"
     )
 

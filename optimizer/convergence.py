@@ -41,9 +41,9 @@ from scipy.stats import norm
 from optimizer import attrs as A
 from optimizer import ranking
 from optimizer import stop_rules as R
-from optimizer.analysis import level_intervals
 from optimizer.confirmation import objective_interval
 from optimizer.model_sampler import OpenPool, gain_over, local_moves, objective_levels, observations_of, open_pool
+from optimizer.objective import objective_intervals
 from optimizer.perf_model import Candidates, FittedModel, fit
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
@@ -130,7 +130,9 @@ def assess(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Assessment:
     bar_value = max(best_value, 1.0)
     best_r = A.TrialRecord(best)
     label = best_r.config_key
-    iv = objective_interval(spec, best_value, level_intervals(best_r.levels, best_r.baseline_levels))
+    iv = objective_interval(
+        spec, best_value, objective_intervals(spec.objective, best_r.levels, best_r.baseline_levels)
+    )
     # A believed launch (optimizer.believer) has no passes to show its spread: never tight.
     tight = not best_r.has(A.BELIEVED) and (iv is None or (iv.high / iv.low) ** 0.5 - 1.0 <= TIGHT)
     if pays_now and not tight and spec.confirmation.top <= 0:

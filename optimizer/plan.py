@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 
+from optimizer.objective import slo_of
 from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec, Workload
@@ -76,4 +77,8 @@ def baseline_key(spec: StudySpec) -> str:
         "server": server_settings(spec, None).model_dump(mode="json"),
         "workload": workload_doc(spec.workload),
     }
+    slo = slo_of(spec.objective)
+    if slo is not None:
+        # A goodput baseline counts the requests meeting this SLO: shared only with the same SLO.
+        doc["slo"] = slo
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]

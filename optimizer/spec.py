@@ -223,22 +223,50 @@ def describe_workload(w: Workload) -> str:
     else:
         load = (
             f"open loop: Poisson arrivals at {w.request_rate:g} req/s, at most {levels} in flight "
-            "(speedups compare output tok/s at this rate, equal wherever the server keeps up; "
-            "per-user tok/s and latencies show the rest)"
+            "(output tok/s equals the rate wherever the server keeps up; per-user tok/s and latencies show the rest)"
         )
     return f"{w.prompts}; {inp}; {out}; {load}; {w.num_prompts} requests x {w.repeats} passes"
+
+
+# What a server is judged by (optimizer/objective.py computes each as a ratio over the same host's
+# baseline, > 1 better): output tok/s of all requests together, the per-user decode rate, TTFT or
+# inter-token latency at a percentile (baseline / trial), or goodput: the requests (or their
+# tokens) per second that meet the p99 TTFT / ITL limits.  "speedup" is the old name of
+# "throughput".  None: "throughput" for a closed-loop workload, "per_user" for an open-loop one
+# (below saturation its output tok/s is the arrival rate whatever the configuration).
+MetricName = Literal["throughput", "per_user", "ttft", "itl", "goodput"]
+OPEN_LOOP_METRIC: MetricName = "per_user"
 
 
 class Objective(BaseModel):
     model_config = _STRICT
 
-    metric: Literal["speedup"] = "speedup"
+    metric: Literal["throughput", "per_user", "ttft", "itl", "goodput", "speedup"] | None = None
+    # The percentile a "ttft" or "itl" objective compares.
+    percentile: Literal[50, 90, 99] = 99
+    # What "goodput" counts: requests/s or output tok/s of the requests meeting the limits.
+    goodput_unit: Literal["req_s", "tok_s"] = "req_s"
     # One level, or None: geometric mean of the speedups over all levels.
     concurrency: int | None = None
     # Optional limits; a trial over one is told to Optuna as a violated constraint.  Finite, and
     # at most a day: a violation is computed from them.
     max_p99_itl_ms: float | None = Field(default=None, gt=0, le=86_400_000)
     max_p99_ttft_ms: float | None = Field(default=None, gt=0, le=86_400_000)
+
+    @property
+    def name(self) -> MetricName:
+        """The metric, once the study resolved the default (`StudySpec`): "speedup" reads "throughput"."""
+        if self.metric is None or self.metric == "speedup":
+            return "throughput"
+        return self.metric
+
+    @model_validator(mode="after")
+    def _goodput_needs_limits(self) -> Objective:
+        if self.metric == "goodput" and self.max_p99_ttft_ms is None and self.max_p99_itl_ms is None:
+            raise ValueError(
+                "metric 'goodput' counts the requests meeting the SLO: set max_p99_ttft_ms and/or max_p99_itl_ms"
+            )
+        return self
 
 
 class Budget(BaseModel):
@@ -303,6 +331,14 @@ class StudySpec(BaseModel):
     # The production envelope of the exported launch command (None: SGLang's own defaults).
     serving: Serving | None = None
 
+    @model_validator(mode="after")
+    def _default_metric(self) -> StudySpec:
+        # Resolved once, when the spec is first read, and stored so: the study keeps its objective.
+        if self.objective.metric is None:
+            metric: MetricName = "throughput" if self.workload.request_rate is None else OPEN_LOOP_METRIC
+            self.objective = self.objective.model_copy(update={"metric": metric})
+        return self
+
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
@@ -355,6 +391,14 @@ def validate_spec(spec: StudySpec, max_configs: int = MAX_SPACE_CONFIGS) -> Stud
         raise SpecError(
             "objective.concurrency",
             f"{spec.objective.concurrency} is not one of the workload's concurrency levels {levels}",
+        )
+    if spec.workload.request_rate is not None and spec.objective.name == "throughput":
+        raise SpecError(
+            "objective.metric",
+            f"an open-loop workload (request_rate {spec.workload.request_rate:g} req/s) serves its arrival rate: "
+            "below saturation its output tok/s equals the rate times the output length whatever the configuration, "
+            "so a throughput speedup cannot move; use metric 'per_user' (the default here: each user's tok/s), "
+            "'itl' or 'ttft', or 'goodput' with max_p99_ttft_ms / max_p99_itl_ms",
         )
     if spec.search_space.cuda_graph_max_bs is not None:
         if max(spec.search_space.cuda_graph_max_bs) < 1:

@@ -71,7 +71,9 @@ def create_study(storage: BaseStorage, spec: StudySpec, prior: Sequence[SpecConf
     except optuna.exceptions.DuplicatedStudyError as e:
         raise StudyExistsError(spec.name) from e
     study.set_user_attr(SPEC_ATTR, spec.model_dump(mode="json"))
-    study.set_metric_names(METRIC_NAMES)
+    # optuna-dashboard labels its plots with it: the objective's metric, where it is not throughput.
+    name = spec.objective.name
+    study.set_metric_names(METRIC_NAMES if name == "throughput" else [f"{name} speedup"])
     if spec.sampler == "grid":
         # The grid is the valid, canonical set in a stable order; the sampler behind it is never
         # consulted while enqueued trials remain.

@@ -70,6 +70,18 @@ _IN = ConfigDict(extra="forbid", allow_inf_nan=False)
 _OUT = ConfigDict(allow_inf_nan=False)
 
 LeaseKind = Literal["baseline", "trial", "confirm"]
+# The LevelMetrics figures a worker reports pass by pass (`LevelMetrics.runs`).
+RunKey = Literal[
+    "per_user_tok_s",
+    "ttft_ms_p50",
+    "ttft_ms_p90",
+    "ttft_ms_p99",
+    "itl_ms_p50",
+    "itl_ms_p90",
+    "itl_ms_p99",
+    "goodput_req_s",
+    "goodput_tok_s",
+]
 # `refused`: the worker will not run what the *study* asks on this host (a model not in its
 # registry, a flag outside its allowlist, a prompt file it lacks, a lease it cannot read).  A
 # study fault, never counted against the host: the study is not offered to that worker again.
@@ -122,6 +134,19 @@ class Resolve(BaseModel):
     max_passes: int = Field(ge=0, le=1000)
 
 
+class Slo(BaseModel):
+    """The limits a request must meet to count towards goodput (a study whose objective is goodput).
+
+    A request meets them when its time to first token is at most `ttft_ms` and its time per
+    output token after the first (its mean inter-token latency, DistServe's TPOT) at most
+    `itl_ms`; either may be None: no limit.  Per request the mean, not a percentile of its own
+    gaps: speculation streams a cycle's tokens together, so one request's gaps are bursty by design.
+    """
+
+    ttft_ms: float | None = Field(default=None, gt=0, le=MAX_MS)
+    itl_ms: float | None = Field(default=None, gt=0, le=MAX_MS)
+
+
 class LeaseOut(BaseModel):
     """A unit of work: one server launch and benchmark."""
 
@@ -138,6 +163,8 @@ class LeaseOut(BaseModel):
     workload: Workload
     config: SpecConfig | None = None
     resolve: Resolve | None = None
+    # Set when the study's objective is goodput: the worker counts the requests meeting it.
+    slo: Slo | None = None
 
 
 class HeartbeatOut(BaseModel):
@@ -172,10 +199,19 @@ class LevelMetrics(BaseModel):
     output_tok_s_runs: list[Annotated[float, Field(ge=0, le=MAX_TOK_S)]] = Field(default_factory=list, max_length=1000)
     per_user_tok_s: float | None = Field(default=None, ge=0, le=MAX_TOK_S)
     ttft_ms_p50: Millis | None = None
+    ttft_ms_p90: Millis | None = None
     ttft_ms_p99: Millis | None = None
     itl_ms_p50: Millis | None = None
     itl_ms_p90: Millis | None = None
     itl_ms_p99: Millis | None = None
+    # Goodput (LeaseOut.slo): requests/s and output tok/s of the requests meeting the SLO, mean over repeats.
+    goodput_req_s: float | None = Field(default=None, ge=0, le=MAX_TOK_S)
+    goodput_tok_s: float | None = Field(default=None, ge=0, le=MAX_TOK_S)
+    # The per-pass values of the figures above, for the intervals of objectives other than output
+    # tok/s (whose passes are `output_tok_s_runs`): per_user_tok_s, ttft_ms_p50 ... goodput_tok_s.
+    runs: dict[RunKey, Annotated[list[Annotated[float, Field(ge=0, le=MAX_MS)]], Field(max_length=1000)]] = Field(
+        default_factory=dict, max_length=16
+    )
     accept_length: float | None = Field(default=None, ge=0, le=10_000)
     completion_tokens: Count | None = None
     spec_verify_ct: Count | None = None

@@ -99,13 +99,27 @@ def test_the_printed_command_is_the_server_a_confirmation_started(api: Api, caps
     from api.report.tables import study_summary
 
     document = StudyDocument.model_validate(shown)
-    assert f"launched exactly as printed by confirmation lease {dep['proven_by']}" in study_summary(document)
+    summary = study_summary(document)
+    assert f"launched exactly as printed by confirmation lease {dep['proven_by']}" in summary
+    (best_line,) = [line for line in summary.splitlines() if line.startswith("best ")]
+    assert best_line.endswith(" (confirmation)") and "judged   by output-throughput speedup" in summary
     from api.notes import render_note
 
     note = render_note(document, [])
     assert f"launched exactly as printed (lease {dep['proven_by']})" in note and dep["launch_command"] in note
+    # One set of numbers: the winner table shows the settings as launched (the command pins graphs
+    # to 16 where the configuration says nothing) and says which measurement each figure is; the
+    # note states the workload as measured and the objective first.
+    printed = _printed(document, capsys)
+    assert winner["config"]["cuda_graph_max_bs"] is None
+    assert "<th>cuda_graph_max_bs (as launched)</th><td>16</td>" in printed["report"]
+    assert "<th>max_running_requests (as launched)</th><td>48</td>" in printed["report"]
+    assert "speedup (objective; confirmation)" in printed["report"]
+    assert "speedup in the search (one launch before the confirmation)" in printed["report"]
+    assert f"- workload: {shown['workload']}" in note and "×** the baseline (confirmation)" in note
+    assert note.splitlines()[2] == "**Objective:** output-throughput speedup, at concurrency 16"
     # Every renderer prints the proven command with the lease that started it, and only it.
-    for where, text in _printed(document, capsys).items():
+    for where, text in printed.items():
         assert dep["launch_command"].splitlines()[-1] in text, where
         assert dep["proven_by"] in text, where
     # The search's best trial is not the answer: it prints no command of its own.

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from api.documents import StudyDocument, TrialRow, Winner
+import pytest
+
+from api.documents import Confirmation, MeasuredLevel, StudyDocument, TrialRow, Winner
 from api.report import plots
 from api.report.tradeoff import pareto, series, tradeoff_table
 from optimizer.spec import StudySpec
@@ -29,7 +31,7 @@ def shown(max_itl: float | None = None) -> StudyDocument:
     """The parts of a study document the trade-off reads: the spec (tp 2) and the winner's trial."""
     model = {"target": "moe-pcie", "draft": "moe-pcie-eagle3", "tp_size": 2}
     spec = StudySpec.model_validate(small_spec("t", model=model, objective={"max_p99_itl_ms": max_itl}))
-    return StudyDocument.model_construct(spec=spec, winner=Winner.model_construct(trial_number=3))
+    return StudyDocument.model_construct(spec=spec, winner=Winner.model_construct(trial_number=3), confirmation=[])
 
 
 TRIALS = [
@@ -68,3 +70,45 @@ def test_the_front_leaves_out_dominated_points_and_those_over_a_latency_limit() 
 
 def test_nothing_measured_draws_nothing() -> None:
     assert series(shown(), []) == [] and tradeoff_table(shown(), []) is None
+
+
+# Two hosts whose baselines of the same server differ by 6% (1,792 and 1,689 tok/s at concurrency 1).
+HOST_A, HOST_B = [level(1, 1792, 1792, 10)], [level(1, 1689, 1689, 10)]
+WINNER_CONFIRMED = 1.064  # the winner, confirmed on host B next to a fresh baseline
+
+
+def two_hosts(runner_up: float) -> tuple[StudyDocument, list[TrialRow]]:
+    """Winner #3 searched on host A (1.13x) and confirmed on host B; runner-up #2 searched on A only."""
+    confirmed = Confirmation.model_validate(dict.fromkeys(Confirmation.model_fields) | {
+        "trial_number": 3, "state": "completed", "attempt": 1, "lease_id": "c3", "envelope_note": "",
+        "extra_passes": 0, "saturated": {}, "adaptive": False, "launches": 1,
+        "levels": [level(1, 1689 * WINNER_CONFIRMED, 1689 * WINNER_CONFIRMED, 10)], "baseline_levels": HOST_B,
+    })  # fmt: skip
+    doc = shown()
+    doc = doc.model_copy(update={"confirmation": [confirmed]})
+    trials = [
+        trial(3, 1.13, [level(1, 1792 * 1.13, 1792 * 1.13, 10)]),
+        trial(2, runner_up, [level(1, 1792 * runner_up, 1792 * runner_up, 10)]),
+    ]
+    for t in trials:
+        t.baseline_levels = [MeasuredLevel.model_validate(b) for b in HOST_A]
+    return doc, trials
+
+
+def test_the_winner_is_on_the_front_unless_a_runner_up_beats_it_on_the_same_baseline() -> None:
+    for runner_up in (1.03, 0.97, 1.0, 1.05, 1.06, 1.07, 1.09):  # 1.03: the runner-up of the issue
+        doc, trials = two_hosts(runner_up)
+        found = series(doc, trials)
+        on_front = ("winner #3 3/1/4", 1) in pareto(found)
+        assert on_front == (runner_up <= WINNER_CONFIRMED), runner_up
+        assert [(s.role, s.source) for s in found] == [
+            ("baseline", "confirmation"), ("winner", "confirmation"), ("runner-up", "search")
+        ]  # fmt: skip
+        # The baseline drawn is the confirmation's (host B); the runner-up, measured on host A, is
+        # scaled onto it: 1.03x of host A reads 1.03 x 1,689, not 1,846 (which would beat 1,797).
+        assert found[0].points[0].per_user_tok_s == 1689
+        assert found[2].points[0].per_user_tok_s == pytest.approx(1689 * runner_up)
+    text = tradeoff_table(*two_hosts(1.03))
+    assert text is not None and text.startswith("objective: output-throughput speedup, at concurrency 1;")
+    row = next(line for line in text.splitlines() if line.startswith("winner #3"))
+    assert "confirmation" in row and row.split()[-2] == "*"

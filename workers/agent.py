@@ -435,6 +435,7 @@ class Agent:
                 request_timeout_s=self.settings.request_timeout_s,
                 # The host check: did the engine wait for a CPU (workers/loadgen/saturation.py)?
                 engine_pids=lambda: sorted(group_members(server.pgid)),
+                slo=lease.slo,
             )
         except LoadgenCancelled:
             log.info("lease %s: benchmark cancelled", lid)

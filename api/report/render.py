@@ -19,6 +19,8 @@ from api.documents import StudyDocument, TrialRow
 from api.report import analysis as an
 from api.report import plots, tradeoff
 from api.report.source import StudyData
+from optimizer.objective import describe, metric_words
+from optimizer.sglang import ServerSettings
 
 
 @dataclass(frozen=True)
@@ -47,9 +49,27 @@ def _objective_text(shown: StudyDocument) -> str:
     spec = shown.spec
     level = spec.objective.concurrency
     levels = spec.workload.concurrency
+    metric = metric_words(spec.objective)
     if level or len(levels) == 1:
-        return f"speedup at concurrency {level or levels[0]}"
-    return f"geometric-mean speedup over concurrency {', '.join(map(str, levels))}"
+        return f"{metric} speedup at concurrency {level or levels[0]}"
+    return f"geometric-mean {metric} speedup over concurrency {', '.join(map(str, levels))}"
+
+
+def _launched(shown: StudyDocument) -> ServerSettings | None:
+    """The server the answer's numbers and command stand for, as launched: the deployment's when it
+    runs speculation, else the launch that measured the winner (its confirmation's, where confirmed)."""
+    dep = shown.deployment
+    if dep is not None and dep.speculation:
+        return dep.server
+    return None if shown.best is None else shown.best.server
+
+
+def _graphs(server: ServerSettings | None) -> str:
+    if server is None:
+        return "not recorded"
+    if server.cuda_graph_bs:
+        return f"captures {', '.join(map(str, server.cuda_graph_bs))}"
+    return str(server.cuda_graph_max_bs) if server.cuda_graph_max_bs is not None else "SGLang's default"
 
 
 def _plots(data: StudyData, pts: list[an.Point], level: int) -> list[Plot]:
@@ -109,7 +129,9 @@ def _plots(data: StudyData, pts: list[an.Point], level: int) -> list[Plot]:
              "Each curve is one configuration across the concurrency levels measured (c=…): per-user tok/s "
              "falls and total tok/s per GPU rises with concurrency.  Baseline (no speculation) dashed, the "
              "winner bold, the runner-ups thin; ringed points are the Pareto front (no other point is better "
-             "in both)" + (f"; crossed points break the objective's latency limits ({limits})." if limits else "."),
+             "in both).  A confirmed configuration is drawn from its confirmation, any other from its search "
+             "launch, and every point is scaled by its own host's baseline onto the baseline drawn, so host "
+             "offsets do not move the front" + (f"; crossed points break the objective's latency limits ({limits})." if limits else "."),
              plots.tradeoff(found, tradeoff.pareto(found), limits))
         )  # fmt: skip
     kinds = an.failures_by_kind(data.trials)
@@ -123,16 +145,22 @@ def _winner(shown: StudyDocument) -> str:
     if best is None:
         return "<p>No configuration has been measured yet.</p>"
     c = best.config
+    server = _launched(shown)
+    # Every figure says which measurement it is: the confirmation's (next to a fresh baseline) or the search's.
+    source = "confirmation" if best.confirmed else "search: measured once, not confirmed"
     rows: list[tuple[str, Any]] = ([("answer", best.label())] if best.adaptive else [("trial", best.trial_number)]) + [
         ("num_steps / topk / num_draft_tokens", f"{c.num_steps} / {c.topk} / {c.num_draft_tokens}"),
-        ("cuda_graph_max_bs", c.cuda_graph_max_bs or "default"),
-        ("speedup (objective)", _num(best.speedup)),
+        ("cuda_graph_max_bs (as launched)", _graphs(server)),
+        ("max_running_requests (as launched)", "not recorded" if server is None else server.max_running_requests),
+        (f"speedup (objective; {source})", _num(best.speedup)),
     ]
+    if best.confirmed and best.search_speedup is not None:
+        rows.append(("speedup in the search (one launch before the confirmation)", _num(best.search_speedup)))
     intervals = best.speedup_interval_by_level
     for level, value in sorted((best.speedup_by_level or {}).items(), key=lambda kv: int(kv[0])):
         iv = intervals.get(level)
         band = f" (95% interval {iv.low:.3f}–{iv.high:.3f})" if iv else " (no interval: fewer than 2 repeats)"
-        rows.append((f"speedup at concurrency {level}", f"{value:.3f}{band}"))
+        rows.append((f"speedup at concurrency {level} ({source.split(':')[0]})", f"{value:.3f}{band}"))
     rows += [("measured on", best.worker_id or "—"), ("SGLang", best.sglang_version or "—")]
     if best.lease_id:
         rows.append(("launch (lease)", best.lease_id))
@@ -216,6 +244,7 @@ def build_report(data: StudyData, *, generated_at: datetime | None = None) -> Re
 <html lang="en"><head><meta charset="utf-8"><title>spectune report: {_e(shown.name)}</title>
 <style>{CSS}</style></head><body>
 <h1>spectune report: {_e(shown.name)}</h1>
+<p class="objective">{_e(describe(shown.spec.objective, shown.spec.workload.concurrency))}</p>
 <p class="sub">{_e(model.target)} with draft {_e(model.draft)}, tp {_e(model.tp_size)} ·
 state {_e(state)} · trials: {_e(counts)} · generated {when}</p>
 <p class="verdict">{_e(shown.verdict)}</p>

@@ -35,6 +35,8 @@ def study_summary(shown: StudyDocument) -> str:
         f"verdict  {shown.verdict}",
     ]
     lines.append(f"workload {shown.workload}")
+    if shown.objective:
+        lines.append(f"judged   by {shown.objective.removeprefix('objective: ')}")
     warning = None if shown.eligibility is None else shown.eligibility.warning
     if warning:
         lines.append(f"WARNING  {warning}")
@@ -45,7 +47,8 @@ def study_summary(shown: StudyDocument) -> str:
     if best:
         iv = best.speedup_interval
         band = f" [{iv.low:.3f}-{iv.high:.3f}]" if iv else ""
-        lines.append(f"best     {best.label()} -> {best.speedup or 0.0:.3f}x{band}")
+        measured = "confirmation" if best.confirmed else "search, not confirmed"
+        lines.append(f"best     {best.label()} -> {best.speedup or 0.0:.3f}x{band} ({measured})")
         if best.confirmed:
             # One record: the launch the answer's numbers come from (issue 17 item 5).
             lines.append(f"         measured by lease {best.lease_id} on {best.confirmed_on}")

@@ -37,6 +37,7 @@ def study_noise(s: Session, spec: StudySpec, trials: Sequence[FrozenTrial]) -> L
         trials,
         [(b.worker_id, b.metrics.get("levels") or []) for b in baselines],
         [c for c in (confirm_measurement(r) for r in rows) if c is not None],
+        spec.objective,
     )
 
 

@@ -14,6 +14,7 @@ from enum import StrEnum
 from typing import Any
 
 from api.models import LeaseRow
+from optimizer.objective import slo_of
 from optimizer.plan import server_settings, workload_doc
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
@@ -40,6 +41,8 @@ def lease_payload(spec: StudySpec, config: SpecConfig | None, **extra: Any) -> d
         "server": server_settings(spec, config).model_dump(mode="json"),
         "workload": workload_doc(spec.workload),
         "config": None if config is None else config.model_dump(mode="json"),
+        # Only a goodput objective sends one: every other lease's payload is as before.
+        **({"slo": slo} if (slo := slo_of(spec.objective)) is not None else {}),
         **extra,
     }
 

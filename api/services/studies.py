@@ -35,8 +35,9 @@ from optimizer import attrs as A
 from optimizer import conductor as cond
 from optimizer import confirmation as confirm
 from optimizer import study as opt
-from optimizer.analysis import Interval, level_intervals
+from optimizer.analysis import Interval
 from optimizer.errors import StudyNotFoundError
+from optimizer.objective import describe, metric_words, objective_intervals
 from optimizer.plan import baseline_key
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec, describe_workload, validate_spec
@@ -344,6 +345,7 @@ class StudyService:
             spec=spec,
             # The traffic every baseline and trial of this study measured, in words.
             workload=describe_workload(spec.workload),
+            objective=describe(spec.objective, spec.workload.concurrency),
             trials=D.TrialCounts(**counts),
             configurations_launched=launched or 0,
             baselines_measured=baselines_measured or 0,
@@ -372,6 +374,7 @@ class StudyService:
                         answer,
                         measured,
                         adaptive=deployment.reason if deployment and deployment.mode == "adaptive" else None,
+                        metric=metric_words(spec.objective),
                     ),
                 ),
                 hosts_note,
@@ -483,7 +486,7 @@ class StudyService:
             speedup_by_level=r.speedup_by_level,
             speedup_interval_by_level={
                 str(c): D.Interval(low=iv.low, high=iv.high)
-                for c, iv in level_intervals(r.levels, r.baseline_levels, extra_var).items()
+                for c, iv in objective_intervals(spec.objective, r.levels, r.baseline_levels, extra_var).items()
             },
             levels=_levels(r.levels if r.has(A.LEVELS) else None),
             worker_id=r.worker_id,

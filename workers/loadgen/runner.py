@@ -22,7 +22,7 @@ from time import perf_counter
 import httpx
 
 from optimizer.spec import Workload
-from spectune_protocol import LevelMetrics
+from spectune_protocol import LevelMetrics, Slo
 from workers.loadgen.http1 import CONNECT_TIMEOUT_S, make_client
 from workers.loadgen.passes import CANCEL_POLL_S, in_request_order, raise_if_cancelled, run_workers
 from workers.loadgen.plan import arrival_offsets
@@ -143,6 +143,7 @@ def run_workload(
     processes: int | None = None,
     engine_pids: Callable[[], Sequence[int]] | None = None,
     output_lens: Sequence[int] | None = None,
+    slo: Slo | None = None,
 ) -> list[LevelMetrics]:
     """Measure every concurrency level of ``workload`` in order; blocking (runs its own event loop).
 
@@ -160,6 +161,8 @@ def run_workload(
     processes are started before its warm-up and kept for the following levels.
 
     ``engine_pids``: the engine's processes, for the host check of every level (saturation.py).
+
+    ``slo``: count each pass's requests meeting it (goodput, a study whose objective is goodput).
     """
     if processes is not None and processes < 1:
         raise ValueError(f"processes must be >= 1, got {processes}")
@@ -180,6 +183,7 @@ def run_workload(
             per_level=per_level,
             engine_pids=engine_pids,
             output_lens=output_lens,
+            slo=slo,
         )
     )
 
@@ -195,6 +199,7 @@ async def _run_workload(
     per_level: Callable[[int], int],
     engine_pids: Callable[[], Sequence[int]] | None = None,
     output_lens: Sequence[int] | None = None,
+    slo: Slo | None = None,
 ) -> list[LevelMetrics]:
     if output_lens is not None and (len(output_lens) != len(prompts) or min(output_lens, default=1) < 1):
         raise ValueError("output_lens needs one positive length per prompt")
@@ -241,6 +246,7 @@ async def _run_workload(
                     watch=_watch(
                         client, base_url, concurrency, pool if procs > 1 else None, engine_pids, open_loop=open_loop
                     ),
+                    slo=slo,
                 )
                 results.append(metrics)
                 if on_level is not None and not on_level(index, metrics):
@@ -258,6 +264,7 @@ async def _measure_level(
     warmup_requests: int,
     repeats: int,
     watch: Callable[[], LevelWatch] | None = None,
+    slo: Slo | None = None,
 ) -> LevelMetrics:
     """Warm up, run the timed passes; a level the load checks fail is measured once more.
 
@@ -280,7 +287,7 @@ async def _measure_level(
         if check.saturated is None:
             break
         log.warning("concurrency %d: saturated measurement (%s)%s", concurrency, check.saturated, again)
-    metrics = summarize_level(concurrency, passes)
+    metrics = summarize_level(concurrency, passes, slo)
     if check is None:
         return metrics
     return metrics.model_copy(

@@ -54,6 +54,7 @@ def lease_out(lease: LeaseRow, settings: Settings) -> LeaseOut:
             "workload": p["workload"],
             "config": p.get("config"),
             "resolve": p.get("resolve"),
+            "slo": p.get("slo"),
         }
     )
 

@@ -255,6 +255,9 @@ class LeaseService:
                 number = lease.trial_number
         if base is None or body.concurrency not in base or base[body.concurrency] <= 0:
             return ProgressOut(action="continue")
+        if spec.objective.name != "throughput":
+            # Progress carries output tok/s only: a trial is pruned only on the throughput objective.
+            return ProgressOut(action="continue")
         return self.trials.progress(spec, lease_id, number, body, body.output_tok_s / base[body.concurrency])
 
     # ------------------------------------------------------------------ complete

@@ -40,7 +40,7 @@ from optimizer import pruning
 from optimizer import study as opt
 from optimizer.errors import TrialStateError
 from optimizer.infeasible import known_to_fail, oom_points
-from optimizer.objective import CONSTRAINT_KEY, LevelResult, score
+from optimizer.objective import CONSTRAINT_KEY, score_levels
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 from spectune_protocol import CompleteIn, CompleteOut, LeaseOut, ProgressIn, ProgressOut
@@ -335,26 +335,25 @@ class TrialLeases:
                 assert body.metrics is not None
                 if base is None:
                     raise ConflictError("no baseline of this worker for this study; it must measure one first")
-                levels = [
-                    LevelResult(lv.concurrency, lv.output_tok_s, lv.itl_ms_p99, lv.ttft_ms_p99)
-                    for lv in body.metrics.levels
-                ]
-                measured = {lv.concurrency: base[lv.concurrency] for lv in levels if lv.concurrency in base}
                 m = body.metrics
+                measured = {lv.concurrency: base[lv.concurrency] for lv in m.levels if lv.concurrency in base}
+                level_docs = [lv.model_dump(mode="json") for lv in m.levels]
                 common = {
                     A.BASELINE_TOK_S: {str(k): v for k, v in measured.items()},
-                    A.LEVELS: [lv.model_dump(mode="json") for lv in m.levels],
+                    A.LEVELS: level_docs,
                     A.STARTUP_S: m.startup_s,
                     A.EFFECTIVE: m.effective,
                     A.SGLANG_VERSION: m.sglang_version,
                 }
-                if {lv.concurrency for lv in levels} < set(spec.workload.concurrency):
+                if {lv.concurrency for lv in m.levels} < set(spec.workload.concurrency):
                     # Stopped early (pruned): a partial workload must not pose as a measured value.
-                    partial = {str(lv.concurrency): lv.output_tok_s / measured[lv.concurrency] for lv in levels
+                    partial = {str(lv.concurrency): lv.output_tok_s / measured[lv.concurrency] for lv in m.levels
                                if lv.concurrency in measured}  # fmt: skip
                     opt.tell_pruned(study, number, attrs | common | {A.PARTIAL_SPEEDUP_BY_LEVEL: partial})
                     return ConfigState.PRUNED, None
-                sc = score(spec.objective, levels, measured)
+                # By the objective's figure, against the same host's baseline levels (its passes too).
+                base_levels = [lv for lv in attrs.get(A.BASELINE_LEVELS) or [] if int(lv["concurrency"]) in measured]
+                sc = score_levels(spec.objective, level_docs, base_levels)
                 attrs |= common | {A.SPEEDUP_BY_LEVEL: {str(k): v for k, v in sc.speedups.items()}}
                 opt.tell_value(study, number, sc.value, sc.violation, attrs)
                 return ConfigState.DONE, sc.value
