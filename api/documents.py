@@ -20,6 +20,7 @@ from optimizer.model_sampler import Move
 from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
+from optimizer.study_state import Outcome
 from spectune_protocol import LevelMetrics
 
 StudyState = Literal["running", "stopped", "finished"]
@@ -299,6 +300,11 @@ class StudyDocument(_Document):
     launch_noise: LaunchNoise
     adaptive_spec: AdaptiveExport | None
     verdict: str
+    outcome: Outcome = Field(
+        default=Outcome.NO_ANSWER,
+        description="the verdict in one word: pays | does_not_pay | cannot_tell_apart | no_answer "
+        "(`spectune study best` exits 0, 3, 5 or 4 on them)"
+    )
     host_check: str | None = Field(description="hosts whose baselines of the same server disagree beyond the noise")
     cost: StudyCost
     refused_by: list[Refusal]

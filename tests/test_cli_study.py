@@ -40,7 +40,7 @@ def test_study_commands_end_to_end(server: tuple[str, dict[str, str]], tmp_path:
 
     # Nothing measured yet: `best` says so, `watch` gives up after its timeout with exit 1.
     r = cli(base, user, "study", "best", "from-cli")
-    assert r.returncode == 2 and "no measured configuration yet" in r.stderr
+    assert r.returncode == 4 and r.stderr.startswith("# no answer: nothing measured yet") and r.stdout == ""
     r = cli(base, user, "study", "watch", "from-cli", "--timeout", "0", "--interval", "0.2")
     assert r.returncode == 1 and "still running" in r.stderr
     assert "running  [" in r.stdout and "0/3 launched" in r.stdout

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from api.documents import StudyDocument, TrialRow
+from api.outcomes import headline
 from api.report import analysis as an
 from optimizer.space import SpecConfig
 
@@ -31,6 +32,8 @@ def study_summary(shown: StudyDocument) -> str:
     model = shown.spec.model
     state = shown.state + (f" ({shown.finish_reason})" if shown.finish_reason else "")
     lines = [
+        # The outcome first, the line a reader (and `study best`'s exit status) acts on.
+        f"answer   {headline(shown)}",
         f"study    {shown.name}: {model.target} + {model.draft}, {state}",
         f"verdict  {shown.verdict}",
     ]
