@@ -303,7 +303,7 @@ class StudyDocument(_Document):
     outcome: Outcome = Field(
         default=Outcome.NO_ANSWER,
         description="the verdict in one word: pays | does_not_pay | cannot_tell_apart | no_answer "
-        "(`spectune study best` exits 0, 3, 5 or 4 on them)"
+        "(`spectune study best` exits 0, 3, 5 or 4 on them)",
     )
     host_check: str | None = Field(description="hosts whose baselines of the same server disagree beyond the noise")
     cost: StudyCost
