@@ -260,6 +260,9 @@ class Deployment(_Document):
     adaptive_file: str | None
     proven_levels: list[int] = Field(description="the concurrency levels this command was measured at")
     load_note: str = Field(description="what the command admits beyond the measured levels")
+    load_line: str = Field(
+        default="", description="printed right above the command: the loads it was proven at and what it admits"
+    )
     proven_by: str | None = Field(description="the confirmation lease that started exactly this server")
     proof_note: str
     launch_command: str

@@ -126,7 +126,8 @@ def study_watch(
             say(shown.verdict)
             say(f"cost: {shown.cost.summary}")
             command = shown.printed_command()
-            if command is not None:
+            if command is not None and shown.deployment is not None:
+                say(f"# {shown.deployment.load_line}")
                 say(command)
             if shown.deployment is not None and shown.printed_command_note():
                 say(f"# {shown.printed_command_note()}")
@@ -238,6 +239,7 @@ def study_best(
             typer.echo(f"# {shown.printed_command_note()}", err=True)
         if deployment.load_note:
             typer.echo(f"# {deployment.load_note}", err=True)
+        typer.echo(f"# {deployment.load_line()}", err=True)  # right above the command it sizes
         typer.echo(command)
     else:
         out = {

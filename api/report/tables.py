@@ -58,9 +58,11 @@ def study_summary(shown: StudyDocument) -> str:
     dep = shown.deployment
     if dep:
         lines.append(f"deploy   ({dep.mode.replace('_', ' ')}: {dep.reason})")
+        # The load it was proven at right above the command, where it is copied from.
+        lines.append(f"load     {dep.load_line}")
         lines += [f"         {line}" for line in dep.launch_command.splitlines()]
         if dep.load_note:
-            lines.append(f"load     {dep.load_note}")
+            lines.append(f"note     {dep.load_note}")
         if dep.proven_by:
             lines.append(f"proven   launched exactly as printed by confirmation lease {dep.proven_by}")
         elif dep.proof_note:
