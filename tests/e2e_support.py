@@ -204,9 +204,11 @@ class Cluster:
 
 
 @contextmanager
-def cluster(root: Path, db_url: str, *, lease_ttl_s: float = 6.0) -> Iterator[Cluster]:
+def cluster(
+    root: Path, db_url: str, *, lease_ttl_s: float = 6.0, api_env: dict[str, str] | None = None
+) -> Iterator[Cluster]:
     c = Cluster(root=root, db_url=db_url, tokens=make_tokens(db_url), api_log=root / "api.log", api_port=free_port())
-    c.api_env = {"SPECTUNE_HEARTBEAT_INTERVAL_S": "1", "SPECTUNE_LEASE_TTL_S": str(lease_ttl_s)}
+    c.api_env = {"SPECTUNE_HEARTBEAT_INTERVAL_S": "1", "SPECTUNE_LEASE_TTL_S": str(lease_ttl_s), **(api_env or {})}
     c.start_api()
     try:
         yield c
