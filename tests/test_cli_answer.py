@@ -65,6 +65,10 @@ def test_best_honours_the_serving_envelope_and_resolves_models_on_a_worker_host(
     assert shown["speculation_pays"] is True and shown["deployment"]["mode"] == "static"
     # A finished study says why it finished, not what it was doing before.
     assert "confirming" not in shown["finish_reason"] and "confirmed" in shown["finish_reason"]
+    # Resuming it says that it finished, why, and how to search further (not "its budget is used").
+    r = cli(base, tokens["user"], "study", "resume", "pays")
+    assert r.returncode == 2 and r.stderr.startswith("error: 409: study 'pays' "), r.stderr
+    assert shown["finish_reason"] in r.stderr and "create a new study of the same model with " in r.stderr
 
     r = cli(base, tokens["user"], "study", "best", "pays")
     assert r.returncode == EXIT_PAYS == 0, r.stderr
