@@ -85,7 +85,7 @@ def load_note(spec: StudySpec, speculation: bool) -> str:
     if not speculation:
         return proven
     if spec.serving is not None:
-        return f"{proven}, on servers with the serving envelope ({spec.serving.max_running_requests} running requests)"
+        return f"{proven}, on servers with the serving envelope ({plural(spec.serving.max_running_requests, 'running request')})"
     top = max(spec.workload.concurrency)
     return (
         f"{proven}; no serving section, so the command admits at most {plural(top, 'running request')}, the most the "
