@@ -76,7 +76,11 @@ def study_show(
     token: Token = None,
     as_json: Annotated[bool, typer.Option("--json", help="the raw study document instead of tables")] = False,
 ) -> None:
-    """The study, its best configuration, and a table of its trials with the key metrics."""
+    """The study, its best configuration, and a table of its trials with the key metrics.
+
+    The first line is the outcome: pays, does not pay, cannot tell apart or no answer, with the
+    status `spectune study best` exits with on it (0, 3, 5, 4).
+    """
     from api.report.tables import failures_table, levels_table, study_summary, trials_table
     from api.report.tradeoff import tradeoff_table
 
@@ -123,10 +127,12 @@ def study_watch(
             say(f"{time.strftime('%H:%M:%S', time.gmtime())}  {line}")
             last = line
         if shown.state != "running":
+            say(headline(shown))
             say(shown.verdict)
             say(f"cost: {shown.cost.summary}")
             command = shown.printed_command()
-            if command is not None and shown.deployment is not None:
+            # As `best`: no answer prints no command a reader could deploy.
+            if command is not None and shown.deployment is not None and shown.outcome != Outcome.NO_ANSWER:
                 say(f"# {shown.deployment.load_line}")
                 say(command)
             if shown.deployment is not None and shown.printed_command_note():
