@@ -3,15 +3,48 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup test test-fast lint format typecheck conformance demo server dist clean
+.PHONY: setup demo-setup torch-cpu test test-fast lint format typecheck conformance demo server dist clean
 
-setup: $(BIN)/spectune
+# Three installs, each a stamp in the venv (the `spectune` script alone cannot tell them apart):
+#   demo-setup: `.[server,sim]`, what `make demo` runs on: no torch, nothing for CUDA;
+#   torch-cpu:  torch for the `gp` sampler, as a CPU build (the local `+cpu` wheel or PyTorch's
+#               CPU index); never the default index's Linux build, which is the CUDA one and pulls
+#               cuDNN, NCCL, cuBLAS and Triton (several GB);
+#   setup:      both, and the `gp` and `dev` extras: what `make test` and `make lint` need.
+# README "Install" lists what each downloads (sizes measured there).
+TORCH_VERSION ?= 2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+VENV_STAMP := $(VENV)/.spectune-venv
+DEMO_STAMP := $(VENV)/.spectune-demo
+TORCH_STAMP := $(VENV)/.spectune-torch-cpu
+DEV_STAMP := $(VENV)/.spectune-dev
 
-$(BIN)/spectune: pyproject.toml
+setup: $(DEV_STAMP)
+demo-setup: $(DEMO_STAMP)
+torch-cpu: $(TORCH_STAMP)
+
+$(VENV_STAMP):
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# The CPU build of torch first (for GPSampler), so pip never pulls a multi-GB CUDA build.
-	$(BIN)/pip install -q torch==2.13.0 || $(BIN)/pip install -q --index-url https://download.pytorch.org/whl/cpu torch
+	touch $@
+
+$(DEMO_STAMP): pyproject.toml $(VENV_STAMP)
+	$(BIN)/pip install -q -e '.[server,sim]'
+	touch $@
+
+# The `+cpu` local version exists only as a CPU build, so no index can answer it with CUDA; off
+# Linux the plain version is the CPU build (PyTorch publishes CUDA builds for Linux and Windows
+# only, and `+cpu` for both).  The configured indexes and find-links are asked first (a machine
+# with the `+cpu` wheel on disk installs it offline); PyTorch's CPU index only when they lack it.
+$(TORCH_STAMP): $(VENV_STAMP)
+	case "$$(uname -s)" in \
+	  Linux|MINGW*|MSYS*|CYGWIN*) $(BIN)/pip install -q 'torch==$(TORCH_VERSION)+cpu' 2>/dev/null \
+	    || $(BIN)/pip install -q --extra-index-url $(TORCH_CPU_INDEX) 'torch==$(TORCH_VERSION)+cpu' ;; \
+	  *) $(BIN)/pip install -q 'torch==$(TORCH_VERSION)' ;; \
+	esac
+	touch $@
+
+$(DEV_STAMP): pyproject.toml $(TORCH_STAMP)
 	$(BIN)/pip install -q -e '.[server,gp,sim,dev]'
 	touch $@
 
@@ -44,7 +77,7 @@ typecheck: setup
 conformance: setup
 	$(BIN)/python -m spectune.conformance
 
-demo: setup
+demo: demo-setup
 	TZ=UTC $(BIN)/spectune demo
 
 server: setup

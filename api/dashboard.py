@@ -38,6 +38,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api import dashboard_readonly as readonly
 from api.artifacts import make_artifact_store
 from api.auth import Principal, authenticate
 from api.context import ServiceContext
@@ -126,7 +127,10 @@ class DashboardGate:
         if "accept-encoding" not in headers:
             # optuna-dashboard's static routes read the header without a default (KeyError, 500).
             scope = {**scope, "headers": [*scope["headers"], (b"accept-encoding", b"identity")]}
-        await self._app(scope, receive, self._hide_errors(scope, send))
+        out = self._hide_errors(scope, send)
+        if scope["method"] == "GET" and scope["path"].startswith("/dashboard"):
+            out = _readonly_page(out)
+        await self._app(scope, receive, out)
 
     def _hide_errors(self, scope: Scope, send: Send) -> Send:
         """optuna-dashboard's framework answers its own exceptions with an HTML 500 page; send the
@@ -162,6 +166,35 @@ class DashboardGate:
             await _send(send, 401, page.encode(), "text/html; charset=utf-8", bearer=True)
             return
         await _send(send, 401, _json_error("unauthorized", message), "application/json", bearer=True)
+
+
+def _readonly_page(send: Send) -> Send:
+    """Sends optuna-dashboard's HTML page with the read-only additions (api.dashboard_readonly);
+    anything else passes as it is."""
+    start: Message | None = None
+    body = b""
+
+    async def rewrite(message: Message) -> None:
+        nonlocal start, body
+        if message["type"] == "http.response.start":
+            types = [v for k, v in message.get("headers", []) if k.lower() == b"content-type"]
+            if not any(t.startswith(b"text/html") for t in types):
+                await send(message)
+                return
+            start = message
+            return
+        if start is None or message["type"] != "http.response.body":
+            await send(message)
+            return
+        body += message.get("body", b"")
+        if message.get("more_body", False):
+            return
+        page = readonly.inject(body)
+        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+        await send({**start, "headers": [*headers, (b"content-length", str(len(page)).encode())]})
+        await send({"type": "http.response.body", "body": page})
+
+    return rewrite
 
 
 class _NoteRefresher:

@@ -24,7 +24,9 @@ import httpx
 import typer
 
 from api.documents import StudyDocument, TrialRow
+from api.outcomes import headline
 from optimizer.space import SpecConfig
+from optimizer.study_state import Outcome
 from workers.lifeline import child_env
 
 # The simulated engine runs this much faster than real time (all rates scale equally, so the
@@ -192,6 +194,7 @@ def _print_result(study: StudyDocument, trials: list[TrialRow], db_url: str, wal
         echo("  no configuration finished; see the logs under the demo folder")
         return
     echo("")
+    echo(headline(study))
     echo(study.verdict)
     for row in study.confirmation:
         iv = row.speedup_interval
@@ -216,12 +219,16 @@ def _print_result(study: StudyDocument, trials: list[TrialRow], db_url: str, wal
         echo(f"  concurrency {level}: {lv_speedup:.3f}x the speed without speculation{spread}{al}")
     echo("")
     dep, command, note = study.deployment, study.printed_command(), study.printed_command_note()
-    if dep is None or command is None:
+    if study.outcome == Outcome.NO_ANSWER:
+        # As `spectune study best`: no answer prints no command a reader could deploy.
+        echo(f"No command to launch: {study.verdict if dep is None else 'the study has no answer (above)'}")
+    elif dep is None or command is None:
         echo(f"No command to launch: {note}")
     else:
         echo(f"Launch it ({dep.reason or 'the answer'}; replace the <local path of ...> placeholders):")
         if note:
             echo(f"  # {note}")
+        echo(f"  # {dep.load_line}")  # right above the command: deployed as printed, it admits only this
         for line in command.splitlines():
             echo(f"  {line}")
     echo("")

@@ -20,6 +20,7 @@ from optimizer.model_sampler import Move
 from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
+from optimizer.study_state import Outcome
 from spectune_protocol import LevelMetrics
 
 StudyState = Literal["running", "stopped", "finished"]
@@ -259,6 +260,9 @@ class Deployment(_Document):
     adaptive_file: str | None
     proven_levels: list[int] = Field(description="the concurrency levels this command was measured at")
     load_note: str = Field(description="what the command admits beyond the measured levels")
+    load_line: str = Field(
+        default="", description="printed right above the command: the loads it was proven at and what it admits"
+    )
     proven_by: str | None = Field(description="the confirmation lease that started exactly this server")
     proof_note: str
     launch_command: str
@@ -349,6 +353,11 @@ class StudyDocument(_Document):
     launch_noise: LaunchNoise
     adaptive_spec: AdaptiveExport | None
     verdict: str
+    outcome: Outcome = Field(
+        default=Outcome.NO_ANSWER,
+        description="the verdict in one word: pays | does_not_pay | cannot_tell_apart | no_answer "
+        "(`spectune study best` exits 0, 3, 5 or 4 on them)",
+    )
     host_check: str | None = Field(description="hosts whose baselines of the same server disagree beyond the noise")
     cost: StudyCost
     refused_by: list[Refusal]

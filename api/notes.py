@@ -109,6 +109,8 @@ def render_note(shown: StudyDocument, baselines: list[str]) -> str:
                 out.append(f"- the command below was {note}")
             elif note:
                 out.append(f"- {note}")
+            if shown.deployment is not None:
+                out.append(f"- {shown.deployment.load_line}")
             out += ["", "```", command, "```"]
     return "\n".join(out) + "\n"
 

@@ -38,7 +38,7 @@ from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 from optimizer.study import best_trial_of, is_feasible
-from optimizer.study_state import Ending, FinishReason, Phase, StudyState, confirmed_detail
+from optimizer.study_state import Ending, FinishReason, Outcome, Phase, StudyState, confirmed_detail
 from spectune_protocol import Resolve
 
 # A host's baseline that moved by more than this between two measurements has drifted: its
@@ -1185,6 +1185,16 @@ def pays(answer: Answer | None) -> bool:
     if answer is None or answer.speedup is None or answer.saturated:
         return False
     return confirm.pays(answer.speedup, answer.interval)
+
+
+def outcome(answer: Answer | None) -> Outcome:
+    """The answer's kind (`verdict` in one word): no answer without a clean measurement; pays when
+    the interval clears 1.0; cannot tell apart above 1.0 within noise; else does not pay."""
+    if answer is None or answer.speedup is None or answer.saturated:
+        return Outcome.NO_ANSWER
+    if pays(answer):
+        return Outcome.PAYS
+    return Outcome.CANNOT_TELL_APART if answer.speedup > 1.0 else Outcome.DOES_NOT_PAY
 
 
 def verdict(

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from optimizer.space import SpecConfig
+from optimizer.words import plural
 
 KINDS = ("baselines", "search", "confirmation", "failed")
 GRID_STEPS = (1, 3, 5, 7)
@@ -87,15 +88,18 @@ class Cost:
     def summary(self) -> str:
         n = self.launches
         parts = (
-            f"{self.total_launches} launches, {self.total_gpu_hours:.2f} GPU-hours "
-            f"({n['baselines']} baselines, {n['search']} search, {n['confirmation']} confirmation, "
+            f"{plural(self.total_launches, 'launch', 'launches')}, {self.total_gpu_hours:.2f} GPU-hours "
+            f"({plural(n['baselines'], 'baseline')}, {n['search']} search, {n['confirmation']} confirmation, "
             f"{n['failed']} failed)"
         )
         if self.extra_passes:
-            parts += f"; {self.extra_passes} extra passes on warm servers to resolve the answer"
+            parts += (
+                f"; {plural(self.extra_passes, 'extra pass', 'extra passes')} on warm servers to resolve the answer"
+            )
         grid = self.grid_gpu_hours
         if grid is not None:
-            parts += f"; SGLang's bench_speculative grid: {self.grid_launches} launches, about {grid:.2f} GPU-hours"
+            launches = plural(self.grid_launches, "launch", "launches")
+            parts += f"; SGLang's bench_speculative grid: {launches}, about {grid:.2f} GPU-hours"
         return parts
 
 

@@ -39,6 +39,7 @@ from optimizer.plan import server_settings
 from optimizer.sglang import AdaptiveSteps, ServerSettings, launch_command
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
+from optimizer.words import plural
 
 # SGLang's cap on running requests when speculation is on and the flag is absent (docs/sglang.md).
 SPEC_DEFAULT_MAX_RUNNING_REQUESTS = 48
@@ -84,10 +85,10 @@ def load_note(spec: StudySpec, speculation: bool) -> str:
     if not speculation:
         return proven
     if spec.serving is not None:
-        return f"{proven}, on servers with the serving envelope ({spec.serving.max_running_requests} running requests)"
+        return f"{proven}, on servers with the serving envelope ({plural(spec.serving.max_running_requests, 'running request')})"
     top = max(spec.workload.concurrency)
     return (
-        f"{proven}; no serving section, so the command admits at most {top} running requests, the most the "
+        f"{proven}; no serving section, so the command admits at most {plural(top, 'running request')}, the most the "
         f"study measured (SGLang's default with speculation, {SPEC_DEFAULT_MAX_RUNNING_REQUESTS}, would run "
         "batches nobody measured); add serving.max_running_requests to the spec to tune for more"
     )
@@ -117,6 +118,17 @@ class Deployment:
     @property
     def speculation(self) -> bool:
         return self.mode != "no_speculation"
+
+    def load_line(self) -> str:
+        """The line printed right above the command: the loads it was proven at and what it
+        admits, read from the server it runs (a command proven at concurrency 1 that admits one
+        running request serves one user at a time, and must say so where it is copied from)."""
+        levels = ", ".join(map(str, self.proven_levels)) or "no measured level"
+        if self.pin_max_running_requests:
+            admits = f"admits at most {plural(self.settings.max_running_requests, 'running request')}"
+        else:
+            admits = "admits as many running requests as SGLang sizes from GPU memory (nothing pinned)"
+        return f"proven at concurrency {levels}; {admits}"
 
     def command(
         self,
@@ -158,6 +170,7 @@ class Deployment:
             "adaptive_file": ADAPTIVE_FILE if self.mode == "adaptive" else None,
             "proven_levels": list(self.proven_levels),
             "load_note": self.load_note,
+            "load_line": self.load_line(),
             # The confirmation lease that started exactly this server (None: no launch did).
             "proven_by": self.proven_by,
             "proof_note": self.proof_note,

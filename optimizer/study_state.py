@@ -55,3 +55,13 @@ CONFIRMING_NOTE = "; confirming the best candidates against fresh baselines"
 def confirmed_detail(detail: str, done: int) -> str:
     """The finish_reason of a study whose confirmation is over."""
     return f"{detail}; {done} confirmed"
+
+
+class Outcome(StrEnum):
+    """What the answer says, as a word a script can act on (`spectune study best`'s exit status):
+    each its own value, so "nothing was measured" can never read as "speculation does not pay"."""
+
+    PAYS = "pays"  # the command speculates: its interval clears 1.0 (at part of the load, adaptively)
+    DOES_NOT_PAY = "does_not_pay"  # the best measured reaches at most the baseline
+    CANNOT_TELL_APART = "cannot_tell_apart"  # above the baseline, but its interval does not clear 1.0
+    NO_ANSWER = "no_answer"  # nothing measured, the measurement saturated, or no deployment started

@@ -213,6 +213,7 @@ def cluster(
     lease_ttl_s: float = 6.0,
     heartbeat_interval_s: float = 1.0,
     lost_after_beats: float = 3.0,
+    api_env: dict[str, str] | None = None,
 ) -> Iterator[Cluster]:
     """`lost_after_beats` 3 by default: 1 s beats leave a loaded test host 2 s for a late beat
     before its worker counts as lost (the service's 1.5 is for 30 s beats)."""
@@ -221,6 +222,7 @@ def cluster(
         "SPECTUNE_HEARTBEAT_INTERVAL_S": str(heartbeat_interval_s),
         "SPECTUNE_LEASE_TTL_S": str(lease_ttl_s),
         "SPECTUNE_LOST_AFTER_BEATS": str(lost_after_beats),
+        **(api_env or {}),
     }
     c.start_api()
     try:

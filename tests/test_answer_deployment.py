@@ -81,6 +81,10 @@ def test_without_a_serving_section_the_command_admits_only_the_measured_loads() 
     assert "proven at concurrency 1, 4" in dep.load_note and "at most 4 running requests" in dep.load_note
     assert "serving.max_running_requests" in dep.load_note
     assert Deployment.from_json(dep.as_json()).load_note == dep.load_note
+    # The line printed above the command, read from the server it runs.
+    assert dep.load_line() == "proven at concurrency 1, 4; admits at most 4 running requests"
+    off = plan_deployment(s, TREE, pays=False, exported=None, version="0.5.23")
+    assert off is not None and "admits as many running requests as SGLang sizes" in off.load_line()
     served = plan_deployment(
         spec(serving={"max_running_requests": 64}), TREE, pays=True, exported=None, version="0.5.23"
     )

@@ -7,6 +7,7 @@ not) is reported as out of memory at graph capture, every other one is measured 
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from api.documents import Confirmation, StudyDocument, Winner
@@ -119,9 +120,17 @@ def test_the_printed_command_is_the_server_a_confirmation_started(api: Api, caps
     assert f"- workload: {shown['workload']}" in note and "×** the baseline (confirmation)" in note
     assert note.splitlines()[2] == "**Objective:** output-throughput speedup, at concurrency 16"
     # Every renderer prints the proven command with the lease that started it, and only it.
+    printed = printed | {"show": study_summary(document)}
+    assert dep["load_line"] == "proven at concurrency 16; admits at most 48 running requests"
     for where, text in printed.items():
         assert dep["launch_command"].splitlines()[-1] in text, where
         assert dep["proven_by"] in text, where
+        # The load it was proven at and what it admits, on the last line before the command.
+        # The report's HTML: each element on its own line (the placeholders' <...> stay).
+        plain = re.sub(r"</?(?:p|pre|table|tr|th|td)\b[^>]*>", "\n", text)
+        before = plain[: plain.index(dep["launch_command"].splitlines()[0])].rstrip().splitlines()
+        last = [line for line in before if line.strip() not in ("", "```")][-1]
+        assert last.rstrip(":").endswith(dep["load_line"]), (where, last)
     # The search's best trial is not the answer: it prints no command of its own.
     assert shown["best_measured"]["launch_command"] is None
     # The host is the confirming one everywhere; the search's host is kept apart.

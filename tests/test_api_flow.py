@@ -123,7 +123,8 @@ def test_rest_session_end_to_end(api: Api, db_url: str) -> None:
     # Deployed without a serving section: it admits only the load measured (concurrency 1), and says so.
     assert "--speculative-num-draft-tokens 4" in cmd and "--cuda-graph-max-bs-decode 1" in cmd
     assert "--max-running-requests 1 " in cmd + " "
-    assert "at most 1 running requests" in shown["deployment"]["load_note"]
+    assert "at most 1 running request," in shown["deployment"]["load_note"]  # one request, said in the singular
+    assert shown["deployment"]["load_line"] == "proven at concurrency 1; admits at most 1 running request"
 
     trials = api.get("/v1/studies/e2e/trials", "user").json()
     done = [t for t in trials if t["state"] == "COMPLETE"]

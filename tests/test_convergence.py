@@ -239,7 +239,7 @@ def test_cost_counts_failed_launches_apart_and_prices_the_grid_at_the_median_lau
     assert len(costs.grid_points()) == 47 and c.grid_launches == 48
     assert c.median_launch_gpu_hours == pytest.approx(900 * 8 / 3600)
     assert c.grid_gpu_hours == pytest.approx(48 * 900 * 8 / 3600)
-    assert c.summary().startswith("5 launches, 9.78 GPU-hours (1 baselines, 2 search, 1 confirmation, 1 failed)")
+    assert c.summary().startswith("5 launches, 9.78 GPU-hours (1 baseline, 2 search, 1 confirmation, 1 failed)")
 
 
 def test_launch_cost_is_fitted_from_measured_start_ups() -> None:

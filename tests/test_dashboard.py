@@ -105,6 +105,24 @@ def test_the_dashboard_is_read_only_even_for_admins(dash: Api) -> None:
     assert [s["study_name"] for s in dash.get("/api/studies", "admin").json()["study_summaries"]] == ["dash"]
 
 
+def test_the_page_hides_the_controls_that_would_answer_403(dash: Api) -> None:
+    """Its page carries the read-only style and a script from this origin (its policy allows no
+    inline script); tests/test_dashboard_browser.py sees the buttons hidden in Chromium."""
+    from api.dashboard_readonly import SCRIPT_PATH
+
+    for path in ("/dashboard", "/dashboard/studies/1"):
+        r = dash.get(path, "user")
+        assert r.status_code == 200 and "script-src 'self'" in r.headers["content-security-policy"]
+        head = r.text.split("</head>")[0]
+        assert 'button[aria-label="delete study"]' in head and f'<script defer src="{SCRIPT_PATH}">' in head
+        assert int(r.headers["content-length"]) == len(r.content)
+    script = dash.client.get(SCRIPT_PATH)
+    assert script.status_code == 200 and script.headers["content-type"].startswith("text/javascript")
+    assert '"Create", "Delete"' in script.text
+    # Only the page: the dashboard's JSON is passed as it is.
+    assert "spectune-readonly" not in dash.get("/api/meta", "user").text
+
+
 def test_login_sets_a_strict_httponly_session_cookie(dash: Api) -> None:
     from api.dashboard import SESSION_COOKIE
 

@@ -197,6 +197,17 @@ def test_browser_signs_in_and_sees_trials_and_artifacts(
         # The study list shows the finished study.
         browser.navigate(f"{base}/dashboard")
         browser.wait_for(f"document.body.innerText.includes({json.dumps(STUDY)})")
+        # Read-only: the Create and Delete buttons (each would answer 403) are drawn but hidden,
+        # while Reload stays.
+        shown = "[...document.querySelectorAll('button')].filter(b => b.offsetParent !== null)"
+        browser.wait_for(f"{shown}.some(b => b.textContent.trim() === 'Reload')")
+        browser.wait_for("!!document.querySelector('button[data-spectune-readonly]')")
+        labels = browser.evaluate(
+            f"JSON.stringify({shown}.map(b => b.getAttribute('aria-label') || b.textContent.trim()))"
+        )
+        assert "Reload" in json.loads(labels), labels
+        assert not {"Create", "Delete", "delete study"} & set(json.loads(labels)), labels
+        assert browser.evaluate("!!document.querySelector('button[aria-label=\"delete study\"]')")
 
         # Its trials, with the selected trial's artifact list.
         browser.navigate(f"{base}/dashboard/studies/1/trials")

@@ -212,3 +212,14 @@ def test_argparse_rejecting_a_study_flag_is_the_studys_fault() -> None:
     assert (kind, host_fault) == ("refused", False) and "--moe-runner-backend" in message
     worker_flag = "launch_server.py: error: unrecognized arguments: --cuda-graph-max-bs-decode 8\n"
     assert classify_exit(2, worker_flag, study_flags={"--dtype"})[:2] == ("invalid_config", True)
+
+
+def test_resuming_a_finished_study_says_why_it_finished_and_how_to_search_further() -> None:
+    from api.services.study_life import finished_resume_message
+
+    text = finished_resume_message("s", "converged", "converged: no configuration left is likely to beat 3/1/4")
+    assert text.startswith("study 's' converged (converged: no configuration left")
+    assert "budget.min_gain lower, or budget.converge: false" in text and "its budget is used" not in text
+    assert "budget.max_trials higher" in finished_resume_message("s", "max_trials", "max_trials=8")
+    # A rule this version does not know still gets a plain answer.
+    assert finished_resume_message("s", "later", None).startswith("study 's' is finished; a finished study")

@@ -33,7 +33,18 @@ from typing import Any, Protocol
 
 from optimizer.sglang import ServerSettings, adaptive_refusal
 from optimizer.spec import Workload
-from spectune_protocol import CompleteIn, Failure, FailureKind, Inventory, LeaseOut, LevelMetrics, Metrics, ProgressIn
+from spectune_protocol import (
+    CompleteIn,
+    Failure,
+    FailureKind,
+    Inventory,
+    LeaseOut,
+    LevelMetrics,
+    Metrics,
+    ProgressIn,
+    WorkerStanding,
+)
+from workers import standing
 from workers.client import (
     ApiClient,
     ApiError,
@@ -216,6 +227,7 @@ class Agent:
         self._lock = threading.Lock()
         self.leases_done = 0
         self.leases_refused = 0
+        self._standing = WorkerStanding()  # nothing decided yet: a first quarantine is news
         self.ledger = ledger if ledger is not None else LaunchLedger(outbox.root)
 
     # -- shutdown (called from the signal watcher thread, never from a signal handler) ----------
@@ -289,6 +301,7 @@ class Agent:
             log.error("asking for work failed: %s", e)
             self._wait_idle("lease request refused")
             return
+        self._note_standing(self.client.standing)
         if lease is None:
             self._wait_idle(None)
             return
@@ -300,6 +313,14 @@ class Agent:
         except Exception:  # the loop must survive anything one lease does
             log.exception("lease %s: unexpected worker error", lease.lease_id)
             self._wait_idle("unexpected error")
+
+    def _note_standing(self, now: WorkerStanding | None) -> None:
+        """Log, once per change, what the fleet decided about this host (workers/standing.py)."""
+        if now is None:  # an API that does not say: nothing to compare
+            return
+        for level, text in standing.changes(self._standing, now, self.client.worker_id):
+            log.log(level, "%s", text)
+        self._standing = now
 
     def _wait_idle(self, why: str | None) -> None:
         delay = self._idle.delay(self._idle_attempt)

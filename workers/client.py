@@ -29,7 +29,17 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from spectune_protocol import CompleteIn, CompleteOut, HeartbeatOut, Inventory, LeaseOut, ProgressIn, ProgressOut
+from spectune_protocol import (
+    STANDING_HEADER,
+    CompleteIn,
+    CompleteOut,
+    HeartbeatOut,
+    Inventory,
+    LeaseOut,
+    ProgressIn,
+    ProgressOut,
+    WorkerStanding,
+)
 from workers.errors import WorkerError
 
 log = logging.getLogger("spectune.worker.client")
@@ -116,6 +126,19 @@ def _retry_after(resp: httpx.Response) -> float | None:
         return None  # an HTTP date: rare from our API, and the back-off covers it
 
 
+def _standing_of(resp: httpx.Response) -> WorkerStanding | None:
+    """The fleet's decisions about this worker from a lease answer's header; None when absent or
+    unreadable (an older API): the worker then logs nothing about them, and works as before."""
+    raw = resp.headers.get(STANDING_HEADER)
+    if raw is None:
+        return None
+    try:
+        return WorkerStanding.model_validate_json(raw)
+    except ValueError:
+        log.warning("the API's %s header is unreadable; ignored", STANDING_HEADER)
+        return None
+
+
 class ApiClient:
     """Typed calls of the lease protocol.  Thread-safe (httpx.Client is) for the heartbeat thread.
 
@@ -142,6 +165,12 @@ class ApiClient:
         self._retry_for_s = retry_for_s
         self._wait = wait or threading.Event().wait
         self._clock = clock
+        # What the fleet decided about this worker, from the last lease answer (None: not said).
+        self.standing: WorkerStanding | None = None
+
+    @property
+    def worker_id(self) -> str:
+        return self._worker_id
 
     def __repr__(self) -> str:  # never show the token
         return f"ApiClient(base_url={str(self._http.base_url)!r}, worker_id={self._worker_id!r})"
@@ -152,6 +181,7 @@ class ApiClient:
         """Ask for work: a lease, or None when the API has none for this worker (204)."""
         path = f"/v1/workers/{quote(self._worker_id, safe='')}/lease"
         resp = self._request("POST", path, inventory.model_dump(mode="json"), "lease", retry_for_s)
+        self.standing = _standing_of(resp)
         if resp.status_code == 204:
             return None
         try:

@@ -19,8 +19,9 @@ from api.cli import plan as _plan  # noqa: F401 - registers `study plan` on the 
 from api.cli.bench import bench_spec
 from api.cli.client import EXIT_NO_SPECULATION
 from api.cli.common import version
+from api.outcomes import EXIT_CANNOT_TELL_APART, EXIT_NO_ANSWER, EXIT_PAYS
 
-__all__ = ["EXIT_NO_SPECULATION", "app", "bench_spec", "main"]
+__all__ = ["EXIT_CANNOT_TELL_APART", "EXIT_NO_ANSWER", "EXIT_NO_SPECULATION", "EXIT_PAYS", "app", "bench_spec", "main"]
 
 app = typer.Typer(
     no_args_is_help=True,

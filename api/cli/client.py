@@ -14,6 +14,8 @@ from pydantic import TypeAdapter
 
 from api.cli.common import DEFAULT_API_URL, ApiUrl, Token, call, client, ensure_utc, fail, read_yaml, say
 from api.documents import StudyBrief, StudyDocument, StudySummary, TrialRow
+from api.outcomes import EXIT_DOES_NOT_PAY, EXIT_STATUS, headline
+from optimizer.study_state import Outcome
 
 # `stop` answers the study document, or a brief one for a study whose stored spec this version cannot read.
 _STOPPED: TypeAdapter[StudyDocument | StudyBrief] = TypeAdapter(StudyDocument | StudyBrief)
@@ -32,8 +34,8 @@ def get_trials(name: str, api_url: str, token: str | None) -> list[TrialRow]:
 
 
 # `spectune study best` exits with this status when the verdict is "speculation does not pay here"
-# (it then prints the command without speculation); 2 stays "an error".
-EXIT_NO_SPECULATION = 3
+# (it then prints the command without speculation); every outcome's status is in api.outcomes.
+EXIT_NO_SPECULATION = EXIT_DOES_NOT_PAY
 
 
 @study_app.command("create")
@@ -67,7 +69,11 @@ def study_show(
     token: Token = None,
     as_json: Annotated[bool, typer.Option("--json", help="the raw study document instead of tables")] = False,
 ) -> None:
-    """The study, its best configuration, and a table of its trials with the key metrics."""
+    """The study, its best configuration, and a table of its trials with the key metrics.
+
+    The first line is the outcome: pays, does not pay, cannot tell apart or no answer, with the
+    status `spectune study best` exits with on it (0, 3, 5, 4).
+    """
     from api.report.tables import failures_table, levels_table, study_summary, trials_table
     from api.report.tradeoff import tradeoff_table
 
@@ -114,10 +120,13 @@ def study_watch(
             say(f"{time.strftime('%H:%M:%S', time.gmtime())}  {line}")
             last = line
         if shown.state != "running":
+            say(headline(shown))
             say(shown.verdict)
             say(f"cost: {shown.cost.summary}")
             command = shown.printed_command()
-            if command is not None:
+            # As `best`: no answer prints no command a reader could deploy.
+            if command is not None and shown.deployment is not None and shown.outcome != Outcome.NO_ANSWER:
+                say(f"# {shown.deployment.load_line}")
                 say(command)
             if shown.deployment is not None and shown.printed_command_note():
                 say(f"# {shown.printed_command_note()}")
@@ -185,8 +194,12 @@ def study_best(
 ) -> None:
     """The answer to deploy: SGLang's launch command sized by the study's `serving` section.
 
-    Exit status 0: speculation pays and the command runs it; 3: speculation does not pay here and
-    the command runs the same server without it; 2: an error (e.g. nothing measured yet).
+    The first line (on stderr) names the outcome; the command goes to stdout, the line above it
+    saying the loads it was proven at and what it admits.  Exit status: 0 pays (the command runs
+    speculative decoding); 3 does not pay (the command runs the same server without it);
+    5 cannot tell apart (the best is above the baseline within noise; the command runs without
+    speculation); 4 no answer (nothing measured yet, a saturated measurement, or no deployment
+    started: no command is printed); 2 an error.
     """
     from optimizer.deploy import Deployment
 
@@ -202,36 +215,44 @@ def study_best(
         except ConfigError as e:
             fail(str(e))
     shown = get_study(name, api_url, token)
-    if shown.best is not None and shown.deployment is None:
-        fail(f"study {name}: {shown.verdict}")  # no deployment started: no command to print
-    if shown.best is None or shown.deployment is None:
-        fail(f"study {name} has no measured configuration yet (state {shown.state}); try again later")
-    doc = shown.deployment.model_dump(mode="json")
-    deployment = Deployment.from_json(doc)
-    missing = [m for m in (deployment.settings.target, deployment.settings.draft) if m and models and m not in models]
-    if missing:
-        fail(f"{worker_config} has no [models] entry for {', '.join(missing)}")
-    command = deployment.command(models=models, host=host, port=port)
+    status = EXIT_STATUS[shown.outcome]
+    answer = shown.deployment if shown.outcome != Outcome.NO_ANSWER else None
+    doc = None if answer is None else answer.model_dump(mode="json")
+    deployment = None if doc is None else Deployment.from_json(doc)
+    command = None
+    if deployment is not None:
+        missing = [
+            m for m in (deployment.settings.target, deployment.settings.draft) if m and models and m not in models
+        ]
+        if missing:
+            fail(f"{worker_config} has no [models] entry for {', '.join(missing)}")
+        command = deployment.command(models=models, host=host, port=port)
     if fmt == "sglang":
-        typer.echo(command)
+        typer.echo(f"# {headline(shown)}", err=True)
+        if deployment is None or command is None:
+            typer.echo(f"# study {name} ({shown.state}): {shown.verdict}", err=True)
+            raise typer.Exit(status)
         if not deployment.speculation:
             typer.echo(f"# {shown.verdict}", err=True)
         if shown.printed_command_note():
             typer.echo(f"# {shown.printed_command_note()}", err=True)
         if deployment.load_note:
             typer.echo(f"# {deployment.load_note}", err=True)
+        typer.echo(f"# {deployment.load_line()}", err=True)  # right above the command it sizes
+        typer.echo(command)
     else:
         out = {
             "study": name,
             "state": shown.state,
+            "outcome": shown.outcome.value,
+            "exit_status": status,
             "verdict": shown.verdict,
             "speculation_pays": shown.speculation_pays,
             "winner": None if shown.winner is None else shown.winner.model_dump(mode="json"),
-            "deployment": doc | {"launch_command": command},
+            "deployment": None if doc is None else doc | {"launch_command": command},
         }
         typer.echo(json.dumps(out, indent=2))
-    if not deployment.speculation:
-        raise typer.Exit(EXIT_NO_SPECULATION)
+    raise typer.Exit(status)
 
 
 def report(

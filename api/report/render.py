@@ -172,7 +172,8 @@ def _winner(shown: StudyDocument) -> str:
     if command is None:
         return f'<table class="kv">{table}</table><p>No launch command: {_e(note)}</p>'
     said = f" ({_e(note)})" if note else ""
-    return f'<table class="kv">{table}</table><p>Launch command{said}:</p><pre class="cmd">{_e(command)}</pre>'
+    load = "" if shown.deployment is None else f'<p class="load">{_e(shown.deployment.load_line)}</p>'
+    return f'<table class="kv">{table}</table><p>Launch command{said}:</p>{load}<pre class="cmd">{_e(command)}</pre>'
 
 
 def _trial_table(trials: Sequence[TrialRow], level: int) -> str:

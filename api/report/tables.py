@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from api.documents import StudyDocument, TrialRow
+from api.outcomes import headline
 from api.report import analysis as an
 from optimizer.space import SpecConfig
 
@@ -31,6 +32,8 @@ def study_summary(shown: StudyDocument) -> str:
     model = shown.spec.model
     state = shown.state + (f" ({shown.finish_reason})" if shown.finish_reason else "")
     lines = [
+        # The outcome first, the line a reader (and `study best`'s exit status) acts on.
+        f"answer   {headline(shown)}",
         f"study    {shown.name}: {model.target} + {model.draft}, {state}",
         f"verdict  {shown.verdict}",
     ]
@@ -58,9 +61,11 @@ def study_summary(shown: StudyDocument) -> str:
     dep = shown.deployment
     if dep:
         lines.append(f"deploy   ({dep.mode.replace('_', ' ')}: {dep.reason})")
+        # The load it was proven at right above the command, where it is copied from.
+        lines.append(f"load     {dep.load_line}")
         lines += [f"         {line}" for line in dep.launch_command.splitlines()]
         if dep.load_note:
-            lines.append(f"load     {dep.load_note}")
+            lines.append(f"note     {dep.load_note}")
         if dep.proven_by:
             lines.append(f"proven   launched exactly as printed by confirmation lease {dep.proven_by}")
         elif dep.proof_note:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from functools import partial
 from typing import Annotated, TypeVar
 
@@ -10,7 +11,17 @@ from fastapi import APIRouter, Path, Request, Response, status
 
 from api.deps import LeasesDep, PrincipalDep
 from api.services import grants
-from spectune_protocol import CompleteIn, CompleteOut, HeartbeatOut, Inventory, LeaseOut, ProgressIn, ProgressOut
+from spectune_protocol import (
+    STANDING_HEADER,
+    CompleteIn,
+    CompleteOut,
+    HeartbeatOut,
+    Inventory,
+    LeaseOut,
+    ProgressIn,
+    ProgressOut,
+    WorkerStanding,
+)
 
 router = APIRouter(prefix="/v1", tags=["leases"])
 
@@ -33,17 +44,27 @@ async def _protocol_thread(request: Request, fn: partial[T]) -> T:
     responses={204: {"description": "no work for this worker now; ask again later"}},
 )
 async def lease(
-    request: Request, worker_id: WorkerId, inventory: Inventory, principal: PrincipalDep, leases: LeasesDep
+    request: Request,
+    response: Response,
+    worker_id: WorkerId,
+    inventory: Inventory,
+    principal: PrincipalDep,
+    leases: LeasesDep,
 ) -> LeaseOut | Response:
-    def run() -> LeaseOut | None:
+    def run() -> tuple[LeaseOut | None, WorkerStanding]:
         out = leases.lease(principal, worker_id, inventory)
         if out is not None:
             # Only the token a lease was handed to may act on it (api.services.grants).
             grants.record_grant(leases.ctx.write_sessions, principal, out.lease_id)
-        return out
+        return out, leases.standing(worker_id)
 
-    out = await _protocol_thread(request, partial(run))
-    return Response(status_code=status.HTTP_204_NO_CONTENT) if out is None else out
+    out, standing = await _protocol_thread(request, partial(run))
+    # What the fleet decided about the worker rides on every answer, a 204 too (no body there).
+    headers = {STANDING_HEADER: json.dumps(standing.model_dump(mode="json"), ensure_ascii=True)}
+    if out is None:
+        return Response(status_code=status.HTTP_204_NO_CONTENT, headers=headers)
+    response.headers.update(headers)
+    return out
 
 
 @router.post("/leases/{lease_id}/heartbeat")

@@ -30,7 +30,7 @@ class FleetService:
             workers = s.scalars(select(WorkerRow).order_by(WorkerRow.id)).all()
             out = []
             refused: dict[str, list[dict[str, Any]]] = {}
-            for e in refusals.active_refusals(s):
+            for e in refusals.active_refusals(s, open_studies=True):
                 refused.setdefault(str(e.worker_id), []).append(
                     {"study": e.study_name, "lease_id": e.lease_id, "at": e.at, "message": e.detail}
                 )

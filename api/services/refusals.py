@@ -13,7 +13,8 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from api.db import db_now
-from api.models import EventRow
+from api.models import EventRow, StudyRow
+from optimizer.study_state import StudyState
 
 log = logging.getLogger("spectune.api.refusals")
 
@@ -26,10 +27,14 @@ LEASE_REFUSED = "lease_refused"
 REFUSALS_CLEARED = "refusals_cleared"
 
 
-def active_refusals(s: Session, *, study: str | None = None, worker_id: str | None = None) -> list[EventRow]:
+def active_refusals(
+    s: Session, *, study: str | None = None, worker_id: str | None = None, open_studies: bool = False
+) -> list[EventRow]:
     """The refusals that still stand (no later clear of their worker), oldest first.
 
     Event ids are the order: two events of one database second are still told apart.
+    `open_studies`: only refusals of studies that may still hand out work (running or stopped,
+    not finished): the fleet's view, where a refusal of a finished study decides nothing.
     """
     clears = select(EventRow.worker_id, func.max(EventRow.id)).where(EventRow.kind == REFUSALS_CLEARED)
     if worker_id is not None:
@@ -40,6 +45,9 @@ def active_refusals(s: Session, *, study: str | None = None, worker_id: str | No
         q = q.where(EventRow.study_name == study)
     if worker_id is not None:
         q = q.where(EventRow.worker_id == worker_id)
+    if open_studies:
+        finished = select(StudyRow.name).where(StudyRow.state == StudyState.FINISHED)
+        q = q.where(EventRow.study_name.not_in(finished))
     return [e for e in s.scalars(q.order_by(EventRow.id)) if e.id > cleared_at.get(e.worker_id, 0)]
 
 

@@ -41,7 +41,7 @@ from optimizer.objective import describe, metric_words, objective_intervals
 from optimizer.plan import baseline_key
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec, describe_workload, validate_spec
-from optimizer.study_state import CONFIRMING_NOTE, Phase, StudyState
+from optimizer.study_state import CONFIRMING_NOTE, Outcome, Phase, StudyState
 
 log = logging.getLogger("spectune.api.studies")
 
@@ -397,6 +397,7 @@ class StudyService:
             # Running studies: which workers can take it, and a warning naming the requirement none meets.
             eligibility=waiting,
             waiting=lost_note,
+            outcome=_outcome(answer, deployment),
             # None until something was measured; then whether the deployed command speculates.
             speculation_pays=None if winner is None else pays or adaptive.proven is not None,
             deployment=None if deployment is None else D.Deployment(**deployment.as_json()),
@@ -721,6 +722,17 @@ def _proof(
     else:
         note = ""
     return (deployment if not note else dataclasses.replace(deployment, proof_note=note)), None
+
+
+def _outcome(answer: cond.Answer | None, deployment: deploy.Deployment | None) -> Outcome:
+    """The verdict's kind, as the printed command bears it out: no command is no answer, and a
+    command that speculates (an adaptive one that pays at part of the load too) pays."""
+    kind = cond.outcome(answer)
+    if deployment is None:
+        return Outcome.NO_ANSWER
+    if deployment.speculation and kind != Outcome.NO_ANSWER:
+        return Outcome.PAYS
+    return kind
 
 
 def _after(first: str | None, verdict: str) -> str:

@@ -279,6 +279,37 @@ def stop_by_user(s: Session, name: str, now: datetime) -> StudyRow:
     return row
 
 
+# How to search further, by why the study finished: the spec field that would have let it go on.
+_EXTEND = {
+    FinishReason.CONVERGED: "budget.min_gain lower, or budget.converge: false to spend the whole budget",
+    FinishReason.DOES_NOT_PAY: "budget.converge: false to spend the whole budget anyway",
+    FinishReason.MAX_TRIALS: "budget.max_trials higher",
+    FinishReason.MAX_HOURS: "budget.max_hours higher",
+    FinishReason.PATIENCE: "budget.patience higher, or none",
+    FinishReason.SPACE_EXHAUSTED: "a wider search_space",
+}
+
+
+def finished_resume_message(name: str, rule: str | None, reason: str | None) -> str:
+    """Why a finished study cannot be resumed, why it finished, and how to search further."""
+    why = f" ({reason})" if reason else ""
+    try:
+        ending = FinishReason(rule) if rule else None
+    except ValueError:
+        ending = None
+    head = (
+        f"study {name!r} converged{why}: nothing left was likely to beat its answer by budget.min_gain"
+        if ending == FinishReason.CONVERGED
+        else f"study {name!r} is finished{why}"
+    )
+    change = _EXTEND.get(ending) if ending is not None else None
+    how = f" with {change}" if change else ""
+    return (
+        f"{head}; a finished study is not resumed. To search further, create a new study of the same "
+        f"model{how}: it starts from this one's answers"
+    )
+
+
 def resume(s: Session, name: str, admit: Callable[[StudyRow], None]) -> StudyRow:
     """Stopped -> running; `admit` may refuse it first (the owner's running-study limit).
 
@@ -288,10 +319,7 @@ def resume(s: Session, name: str, admit: Callable[[StudyRow], None]) -> StudyRow
     """
     row = _locked(s, name)
     if row.state == StudyState.FINISHED:
-        raise ConflictError(
-            f"study {name!r} is finished (its budget is used); create a new study of the same model: "
-            "it starts from this one's answers"
-        )
+        raise ConflictError(finished_resume_message(name, row.finish_rule, row.finish_reason))
     if row.state != StudyState.STOPPED:
         return row  # running already
     admit(row)

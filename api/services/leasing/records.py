@@ -17,6 +17,7 @@ from api.db import db_now
 from api.models import BaselineRow, EventRow, LeaseRow, TrialConfigRow, WorkerIdentity, WorkerRow
 from api.services.leasing.states import ConfigState
 from api.settings import Settings
+from optimizer.words import plural
 from spectune_protocol import LeaseOut
 
 log = logging.getLogger("spectune.api.leasing")
@@ -117,7 +118,8 @@ class HostHealth:
         w.consecutive_host_failures += 1
         if w.consecutive_host_failures >= self.settings.quarantine_after and not w.quarantined:
             w.quarantined = True
-            w.quarantine_reason = f"{w.consecutive_host_failures} host failures in a row; last: {reason}"[:512]
+            failures = plural(w.consecutive_host_failures, "host failure")
+            w.quarantine_reason = f"{failures} in a row; last: {reason}"[:512]
             s.add(EventRow(at=db_now(s), kind="worker_quarantined", worker_id=worker_id, detail=w.quarantine_reason))
             log.warning("worker %s quarantined: %s", worker_id, w.quarantine_reason)
 

@@ -41,9 +41,27 @@ from api.services.study_specs import baseline_key_of, running_specs, spec_of, st
 from optimizer import study as opt
 from optimizer.conductor import Ask, Confirm, MeasureBaseline, RetryLease, Wait
 from optimizer.spec import StudySpec
-from spectune_protocol import CompleteIn, CompleteOut, HeartbeatOut, Inventory, LeaseOut, ProgressIn, ProgressOut
+from spectune_protocol import (
+    MAX_STANDING_REFUSALS,
+    CompleteIn,
+    CompleteOut,
+    HeartbeatOut,
+    Inventory,
+    LeaseOut,
+    ProgressIn,
+    ProgressOut,
+    RefusedStudy,
+    WorkerStanding,
+)
+from spectune_protocol.printable import printable
 
 log = logging.getLogger("spectune.api.leasing")
+
+
+def _line(text: str, limit: int = 255) -> str:
+    """One printable line of at most `limit` characters (spectune_protocol's `Plain`)."""
+    text = printable(" ".join(text.split()))
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 class LeaseService:
@@ -122,6 +140,22 @@ class LeaseService:
             if out is not None:
                 return out
         return None
+
+    def standing(self, worker_id: str) -> WorkerStanding:
+        """What the fleet decided about this worker, sent with its lease answer so its own log
+        says it: quarantined (and why), and the open studies it is not offered as it refused them.
+        Texts are made one printable line each (they are logged on the host)."""
+        with self.ctx.sessions() as s:
+            row = s.get(WorkerRow, worker_id)
+            refused = refusals.active_refusals(s, worker_id=worker_id, open_studies=True)
+            reason = None if row is None or not row.quarantined else row.quarantine_reason or "quarantined"
+            return WorkerStanding(
+                quarantined=None if reason is None else _line(reason),
+                refused=[
+                    RefusedStudy(study=str(e.study_name), reason=_line(paths_to_names(e.detail or "")))
+                    for e in refused[-MAX_STANDING_REFUSALS:]
+                ],
+            )
 
     def _trial_running(self, study: str, number: int) -> bool:
         with self.ctx.sessions() as s:
