@@ -3,6 +3,7 @@
     python -m benchmarks.family --engines 200 --jobs 2                 # engines 0-199 of family v1
     python -m benchmarks.family --engines 20 --subfamily seed-like     # the first 20 seed-like ones
     python -m benchmarks.family --engines 10 --per-engine              # one line per engine
+    python -m benchmarks.family --cases all --seeds 20 --jobs 2        # the same figures, hand-written cases
 
 Each engine k runs one study as the service runs it, through search_efficiency's driver
 (`drive`: optimizer.conductor decides every step; every launch counted: baselines, search,
@@ -40,8 +41,11 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from benchmarks.search_efficiency import (
+    CASES,
+    SPEC_HOST_SD,
     WITHIN,
     Answer,
+    Case,
     Host,
     Truth,
     Workload,
@@ -56,6 +60,7 @@ from optimizer.space import SearchSpace
 from optimizer.stop_rules import HOST_SD, measurement_sd
 from optimizer.study_state import FinishReason
 from spectune_sim import family as F
+from spectune_sim.landscapes import LANDSCAPES, Landscape
 from spectune_sim.model import NoiseModel
 
 Z90 = 1.6448536269514722  # the 95th percentile of the standard normal: a two-sided 90% interval
@@ -82,8 +87,9 @@ class Coverage:
 
 @dataclass(frozen=True)
 class EngineResult:
-    index: int
-    subfamily: str
+    seed: int  # the study's seed (a drawn engine's: its index)
+    name: str  # the drawn engine's name, or the hand-written case's label
+    group: str  # its subfamily, or the case's label
     levels: tuple[int, ...]
     optimum: float
     answer: Answer
@@ -148,26 +154,44 @@ def first_losers(trials: Sequence[FrozenTrial]) -> tuple[int, int, tuple[str, ..
 
 
 def run_engine(index: int, workers: int = 2) -> EngineResult:
-    """Engine `index`'s study as the service runs it, and what its model said along the way."""
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    # The study sets its metric names through an API Optuna marks experimental: not news per engine.
-    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    """Engine `index`'s study as the service runs it (study seed = index), with its host offsets."""
     e = F.engine(index)
-    workload = Workload(levels=e.levels)
-    spec = spec_for(workload, "auto", index)
-    plan = spectune_plan(spec)
-    truth = Truth(e.landscape, workload, plan, SearchSpace())
     # The per-host offsets are the engine's, not the default lognormal ones.
     noise = e.noise(NoiseModel(spec_host_sigma=0.0))
-    hosts = [Host(e.landscape, workload, plan, _rng(e, k), index, noise=noise, host_id=f"h{k}") for k in range(workers)]
+    return _study_on(e.landscape, e.levels, index, noise, workers, e.name, e.subfamily)
+
+
+def run_case(case: Case, seed: int, workers: int = 2) -> EngineResult:
+    """A hand-written case's study, exactly as search_efficiency's `default` strategy runs it."""
+    noise = NoiseModel(spec_host_sigma=SPEC_HOST_SD)
+    return _study_on(LANDSCAPES[case.landscape], case.levels, seed, noise, workers, case.label, case.label)
+
+
+def _study_on(
+    landscape: Landscape, levels: tuple[int, ...], seed: int, noise: NoiseModel, workers: int, name: str, group: str
+) -> EngineResult:
+    """One study as the service runs it, and what its model said along the way."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    # The study sets its metric names through an API Optuna marks experimental: not news per study.
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    workload = Workload(levels=levels)
+    spec = spec_for(workload, "auto", seed)
+    plan = spectune_plan(spec)
+    truth = Truth(landscape, workload, plan, SearchSpace())
+    # Host streams named as search_efficiency.simulate_seed names them: the same studies.
+    hosts = [
+        Host(landscape, workload, plan, random.Random(f"{landscape.name}/{seed}/default/{k}"), seed, noise, f"h{k}")
+        for k in range(workers)
+    ]
     store = drive(hosts, spec)
     answer = _study_answer(store, hosts, truth)
     trials = store.study().get_trials(deepcopy=False)
     proposed, lost, moves = first_losers(trials)
     return EngineResult(
-        index,
-        e.subfamily,
-        e.levels,
+        seed,
+        name,
+        group,
+        levels,
         truth.optimum,
         answer,
         spec.budget.min_gain,
@@ -178,11 +202,6 @@ def run_engine(index: int, workers: int = 2) -> EngineResult:
     )
 
 
-def _rng(e: F.DrawnEngine, host: int) -> random.Random:
-    """Host `host`'s noise stream for engine `e` (search_efficiency's naming: name/seed/strategy/host)."""
-    return random.Random(f"{e.name}/{e.index}/default/{host}")
-
-
 def _median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else math.nan
 
@@ -191,15 +210,17 @@ def _share(hits: int, n: int) -> str:
     return f"{hits}/{n} ({100 * hits / n:.0f}%)" if n else "-"
 
 
-def summary(results: Sequence[EngineResult], workers: int) -> list[str]:
-    """Medians and shares over the engines: the whole family, then each subfamily."""
+def summary(results: Sequence[EngineResult], workers: int, title: str = f"Family v{F.FAMILY_VERSION}") -> list[str]:
+    """Medians and shares over the studies: all of them, then each subfamily (or case)."""
     groups: list[tuple[str, list[EngineResult]]] = [("all", list(results))]
     for sub in F.SUBFAMILIES:
-        got = [r for r in results if r.subfamily == sub]
+        got = [r for r in results if r.group == sub]
         if got:
             groups.append((sub, got))
+    for label in dict.fromkeys(r.group for r in results if r.group not in F.SUBFAMILIES):
+        groups.append((label, [r for r in results if r.group == label]))
     rows = [
-        f"### Family v{F.FAMILY_VERSION}, {len(results)} engines, {workers} workers",
+        f"### {title}, {len(results)} studies, {workers} workers",
         "",
         "| engines | n | median launches (baseline/search/confirm/failed) | answer within 2% | "
         "more than min_gain short | to the cap | OOM launches median / max | "
@@ -253,7 +274,7 @@ def per_engine(results: Sequence[EngineResult]) -> list[str]:
         split = "/".join(str(a.by_kind.get(k, 0)) for k in ("baseline", "search", "confirm", "failed"))
         c = r.coverage
         out.append(
-            f"  {F.engine_name(r.index)} [{r.subfamily}] levels {'+'.join(map(str, r.levels))}: optimum "
+            f"  {r.name} [{r.group}] seed {r.seed}, levels {'+'.join(map(str, r.levels))}: optimum "
             f"{r.optimum:.3f}x, {a.launches} launches ({split}), {a.oom} OOM, answer {a.share:.4f}, "
             f"covered {c.inside_model}/{c.inside_stated} of {c.launches}, first-four losers "
             f"{r.first_losers}/{r.first_proposals}; {a.reason[:120]}"
@@ -268,7 +289,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--subfamily", choices=F.SUBFAMILIES, help="only engines of this subfamily")
     ap.add_argument("--workers", type=int, default=2, help="simulated hosts of each study")
     ap.add_argument("--jobs", type=int, default=1, help="processes running engines side by side")
-    ap.add_argument("--per-engine", action="store_true", help="one line per engine")
+    ap.add_argument("--per-engine", action="store_true", help="one line per engine (or case and seed)")
+    ap.add_argument(
+        "--cases",
+        help="instead of the family: search_efficiency's hand-written cases (labels, comma-separated, or 'all')",
+    )
+    ap.add_argument("--seeds", type=int, default=20, help="with --cases: seeds 0..N-1 of each case")
     args = ap.parse_args(argv)
     if args.engines < 1 or args.first < 0:
         ap.error("--engines must be at least 1 and --first at least 0")
@@ -276,8 +302,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"--workers must be 1-{F.HOSTS} (the hosts whose offsets an engine draws)")
     if args.jobs < 1:
         ap.error("--jobs must be at least 1")
-    ks = F.indices(args.engines, args.subfamily, args.first)
     t0 = time.monotonic()
+    if args.cases:
+        return _main_cases(ap, args.cases, args.seeds, args.workers, args.jobs, args.per_engine, t0)
+    ks = F.indices(args.engines, args.subfamily, args.first)
     print(
         f"family v{F.FAMILY_VERSION}: {len(ks)} engines, indices {ks[0]}..{ks[-1]}"
         f"{'' if args.subfamily is None else ' (' + args.subfamily + ')'}, study seed = index, "
@@ -299,6 +327,35 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(job: tuple[int, int]) -> EngineResult:
     return run_engine(*job)
+
+
+def _run_case(job: tuple[Case, int, int]) -> EngineResult:
+    return run_case(*job)
+
+
+def _main_cases(
+    ap: argparse.ArgumentParser, labels: str, seeds: int, workers: int, jobs: int, lines: bool, t0: float
+) -> int:
+    """The same figures on the hand-written cases (the studies of search_efficiency's `default`)."""
+    by_label = {c.label: c for c in CASES}
+    wanted = list(by_label) if labels == "all" else [x for x in labels.split(",") if x]
+    unknown = [x for x in wanted if x not in by_label]
+    if unknown:
+        ap.error(f"no case {', '.join(unknown)}; known: {', '.join(by_label)}")
+    if seeds < 1:
+        ap.error("--seeds must be at least 1")
+    print(f"hand-written cases: {', '.join(wanted)}; seeds 0..{seeds - 1}, {workers} workers", flush=True)
+    todo = [(by_label[x], seed, workers) for x in wanted for seed in range(seeds)]
+    if jobs > 1:
+        with ProcessPoolExecutor(jobs) as pool:
+            results = list(pool.map(_run_case, todo))
+    else:
+        results = [_run_case(j) for j in todo]
+    print("\n".join(summary(results, workers, "Hand-written cases")), flush=True)
+    if lines:
+        print("\n".join(per_engine(results)), flush=True)
+    print(f"({time.monotonic() - t0:.0f} s)")
+    return 0
 
 
 if __name__ == "__main__":

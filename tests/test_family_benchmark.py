@@ -14,11 +14,12 @@ from optuna.distributions import FloatDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from benchmarks import family as bf
+from benchmarks import search_efficiency as se
 from benchmarks.search_efficiency import Host, Plan, Workload
 from optimizer import attrs as A
 from optimizer.space import SpecConfig
 from spectune_sim import family as F
-from spectune_sim.landscapes import DENSE_8B_H100
+from spectune_sim.landscapes import DENSE_8B_H100, LANDSCAPES
 
 T0 = datetime(2026, 12, 4, tzinfo=UTC)
 
@@ -99,7 +100,7 @@ def test_one_engine_runs_through_the_service_study_and_is_reported() -> None:
     k = F.indices(1, "two-level")[0]
     got = bf.run_engine(k, workers=2)
     a = got.answer
-    assert (got.index, got.subfamily, got.levels) == (k, "two-level", F.engine(k).levels)
+    assert (got.seed, got.name, got.group, got.levels) == (k, F.engine_name(k), "two-level", F.engine(k).levels)
     assert a.launches == sum(a.by_kind.values()) and a.by_kind.get("baseline", 0) >= 2
     assert 0 < got.coverage.launches <= a.by_kind.get("search", 0)
     assert got.coverage.inside_model <= got.coverage.inside_stated <= got.coverage.launches
@@ -107,3 +108,12 @@ def test_one_engine_runs_through_the_service_study_and_is_reported() -> None:
     table = "\n".join(bf.summary([got], 2))
     assert "| all | 1 |" in table and "| two-level | 1 |" in table
     assert F.engine_name(k) in bf.per_engine([got])[0]
+
+
+def test_a_hand_written_case_runs_the_study_search_efficiency_runs() -> None:
+    """--cases measures the same studies as search_efficiency's `default` strategy (same seeds)."""
+    case = next(c for c in se.CASES if c.label == "moe-pcie@1")
+    got = bf.run_case(case, 3)
+    ref = se.simulate_seed(LANDSCAPES[case.landscape], Workload(levels=case.levels), 3, strategies=("default",))
+    assert got.answer == ref["default"]
+    assert got.group == got.name == "moe-pcie@1"
