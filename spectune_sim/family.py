@@ -415,16 +415,7 @@ def _scale_to_gain(ls: Landscape, target: float) -> Landscape | None:
     factor's log; the gain falls as the costs grow), or None when no factor in 1/20-20 reaches it."""
 
     def scaled(m: float) -> Landscape:
-        return dataclasses.replace(
-            ls,
-            verify_slope=ls.verify_slope * m,
-            verify_slope_after=ls.verify_slope_after * m,
-            moe_expert_share=ls.moe_expert_share * m,
-            verify_tile_jump=ls.verify_tile_jump * m,
-            draft_step_frac=ls.draft_step_frac * m,
-            draft_step_latency_ms=ls.draft_step_latency_ms * m,
-            draft_width_ms_per_token=ls.draft_width_ms_per_token * m,
-        )
+        return _times(ls, m, _SPEC_COSTS)
 
     lo, hi = math.log(1 / 20), math.log(20.0)
     if _best_gain(scaled(math.exp(lo))) < target or _best_gain(scaled(math.exp(hi))) > target:
@@ -487,13 +478,30 @@ def _memory_cliff(ls: Landscape, levels: tuple[int, ...], out: float) -> Landsca
 
 
 def _per_token_scaled(ls: Landscape, factor: float) -> Landscape:
-    return dataclasses.replace(
-        ls,
-        graph_decode_gb_per_token=ls.graph_decode_gb_per_token * factor,
-        graph_verify_gb_per_token=ls.graph_verify_gb_per_token * factor,
-        graph_extend_gb_per_token=ls.graph_extend_gb_per_token * factor,
-        graph_draft_gb_per_token=ls.graph_draft_gb_per_token * factor,
-    )
+    return _times(ls, factor, _GRAPH_PER_TOKEN)
+
+
+# The speculative costs the seed-like gain is scaled by, and the graph memory per token.
+_SPEC_COSTS: Final = (
+    "verify_slope",
+    "verify_slope_after",
+    "moe_expert_share",
+    "verify_tile_jump",
+    "draft_step_frac",
+    "draft_step_latency_ms",
+    "draft_width_ms_per_token",
+)
+_GRAPH_PER_TOKEN: Final = (
+    "graph_decode_gb_per_token",
+    "graph_verify_gb_per_token",
+    "graph_extend_gb_per_token",
+    "graph_draft_gb_per_token",
+)
+
+
+def _times(ls: Landscape, factor: float, fields: tuple[str, ...]) -> Landscape:
+    """`ls` with each of `fields` multiplied by `factor`."""
+    return dataclasses.replace(ls, **{f: getattr(ls, f) * factor for f in fields})
 
 
 def describe(e: DrawnEngine) -> str:
