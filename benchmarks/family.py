@@ -2,7 +2,8 @@
 
     python -m benchmarks.family --engines 200 --jobs 2                 # engines 0-199 of family v1
     python -m benchmarks.family --engines 20 --subfamily seed-like     # the first 20 seed-like ones
-    python -m benchmarks.family --engines 10 --per-engine              # one line per engine
+    python -m benchmarks.family --engines 10 --per-engine              # one line per engine, as each ends
+    python -m benchmarks.family --engines 200 --jobs 2 --deadline-s 1800   # a bounded run: the prefix done
     python -m benchmarks.family --cases all --seeds 20 --jobs 2        # the same figures, hand-written cases
 
 Each engine k runs one study as the service runs it, through search_efficiency's driver
@@ -33,9 +34,11 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -63,6 +66,7 @@ from spectune_sim import family as F
 from spectune_sim.landscapes import LANDSCAPES, Landscape
 from spectune_sim.model import NoiseModel
 
+J = TypeVar("J")
 Z90 = 1.6448536269514722  # the 95th percentile of the standard normal: a two-sided 90% interval
 # A proposal the model itself expects to lose to the best measured by more than this share.
 LOSE_BY = 0.20
@@ -295,6 +299,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="instead of the family: search_efficiency's hand-written cases (labels, comma-separated, or 'all')",
     )
     ap.add_argument("--seeds", type=int, default=20, help="with --cases: seeds 0..N-1 of each case")
+    ap.add_argument(
+        "--deadline-s", type=float, help="summarise the engines finished (in index order) after this many seconds"
+    )
     args = ap.parse_args(argv)
     if args.engines < 1 or args.first < 0:
         ap.error("--engines must be at least 1 and --first at least 0")
@@ -302,6 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"--workers must be 1-{F.HOSTS} (the hosts whose offsets an engine draws)")
     if args.jobs < 1:
         ap.error("--jobs must be at least 1")
+    if args.deadline_s is not None and args.deadline_s <= 0:
+        ap.error("--deadline-s must be positive")
     t0 = time.monotonic()
     if args.cases:
         return _main_cases(ap, args.cases, args.seeds, args.workers, args.jobs, args.per_engine, t0)
@@ -312,17 +321,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.workers} workers",
         flush=True,
     )
-    jobs = [(k, args.workers) for k in ks]
-    if args.jobs > 1:
-        with ProcessPoolExecutor(args.jobs) as pool:
-            results = list(pool.map(_run, jobs))
-    else:
-        results = [_run(j) for j in jobs]
-    print("\n".join(summary(results, args.workers)), flush=True)
-    if args.per_engine:
-        print("\n".join(per_engine(results)), flush=True)
+    deadline = None if args.deadline_s is None else t0 + args.deadline_s
+    results = _collect(_run, [(k, args.workers) for k in ks], args.jobs, deadline, args.per_engine)
+    if len(results) < len(ks):
+        print(
+            f"stopped at the deadline: the first {len(results)} of {len(ks)} engines "
+            f"(indices {ks[0]}..{ks[len(results) - 1] if results else ks[0]}) are summarised",
+            flush=True,
+        )
+    if results:
+        print("\n".join(summary(results, args.workers)), flush=True)
     print(f"({time.monotonic() - t0:.0f} s)")
     return 0
+
+
+def _collect(
+    fn: Callable[[J], EngineResult], jobs: Sequence[J], procs: int, deadline: float | None, lines: bool
+) -> list[EngineResult]:
+    """`fn` over `jobs` in `procs` processes, in order, each line printed as its result comes;
+    at `deadline` (monotonic seconds) the first results in order are kept and the rest cancelled,
+    so a bounded run summarises a prefix of the family (engines 0..n-1)."""
+    out: list[EngineResult] = []
+    with ProcessPoolExecutor(procs) as pool:
+        futures = [pool.submit(fn, j) for j in jobs]
+        for f in futures:
+            try:
+                r = f.result(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                break
+            out.append(r)
+            if lines:
+                print(per_engine([r])[0], flush=True)
+        pool.shutdown(wait=True, cancel_futures=True)
+    return out
 
 
 def _run(job: tuple[int, int]) -> EngineResult:
@@ -346,14 +377,8 @@ def _main_cases(
         ap.error("--seeds must be at least 1")
     print(f"hand-written cases: {', '.join(wanted)}; seeds 0..{seeds - 1}, {workers} workers", flush=True)
     todo = [(by_label[x], seed, workers) for x in wanted for seed in range(seeds)]
-    if jobs > 1:
-        with ProcessPoolExecutor(jobs) as pool:
-            results = list(pool.map(_run_case, todo))
-    else:
-        results = [_run_case(j) for j in todo]
+    results = _collect(_run_case, todo, jobs, None, lines)
     print("\n".join(summary(results, workers, "Hand-written cases")), flush=True)
-    if lines:
-        print("\n".join(per_engine(results)), flush=True)
     print(f"({time.monotonic() - t0:.0f} s)")
     return 0
 
