@@ -117,3 +117,11 @@ def test_a_hand_written_case_runs_the_study_search_efficiency_runs() -> None:
     ref = se.simulate_seed(LANDSCAPES[case.landscape], Workload(levels=case.levels), 3, strategies=("default",))
     assert got.answer == ref["default"]
     assert got.group == got.name == "moe-pcie@1"
+
+
+def test_the_command_prints_each_engine_then_the_summary(capsys: Any) -> None:
+    assert bf.main(["--engines", "1", "--first", "2", "--per-engine"]) == 0
+    out = capsys.readouterr().out
+    assert "family v1: 1 engines, indices 2..2" in out
+    line, table = out.index(f"  {F.engine_name(2)} [two-level] seed 2"), out.index("| all | 1 |")
+    assert line < table and "two-level objectives: answer within 2% in" in out
