@@ -80,6 +80,8 @@ class Host:
     gpu_by_kind: dict[str, float] = field(default_factory=dict)
     kind: str = "search"
     last_startup_s: float = 0.0
+    # This launch's own speed (Landscape.launch_sigma; 1.0 when the landscape has no launch noise).
+    launch_factor: float = 1.0
     # Every launch in order: (baseline | search | confirm, the configuration's key or None).
     history: list[tuple[str, str | None]] = field(default_factory=list)
 
@@ -100,6 +102,7 @@ class Host:
         )
         if config is not None:
             drift *= self.noise.spec_host_factor(self.seed, self.host_id)
+        drift *= self.launch_factor
         for c in wl.levels:
             pr = predict(
                 ls,
@@ -143,6 +146,8 @@ class Host:
             cuda_graph_bs=p.cuda_graph_bs,
             cuda_graph_max_bs=p.cuda_graph_max_bs,
         )
+        if self.landscape.launch_sigma > 0.0:  # no draw otherwise: the hand-written cases' noise as before
+            self.launch_factor = math.exp(self.rng.gauss(0.0, self.landscape.launch_sigma))
         self._spend(self.last_startup_s + self.workload.warmup_s)
 
     def baseline_levels(self, *, fresh: bool = False) -> list[dict[str, Any]]:

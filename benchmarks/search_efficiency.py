@@ -10,7 +10,9 @@ start-up seconds and memory check of the server launched, throughput and accept 
 concurrency level from `predict`, with the simulator's noise model (per-request lognormal timing
 noise averaged over the workload, scaled by the landscape's `noise_scale`; acceptance sampling
 noise; a per-host offset that cancels against the same host's baseline; a per-host offset of
-the speedup that does not, `--spec-host-sd`; a slow drift over simulated wall time).
+the speedup that does not, `--spec-host-sd`; a slow drift over simulated wall time; each start at
+its own speed where the landscape has launch noise, `Landscape.launch_sigma`: the drawn engines
+of `benchmarks/family.py`, none of the cases here).
 
 Strategies, each on every case (a landscape at a workload; two levels make the objective their
 geometric mean) and seed:

@@ -61,6 +61,23 @@ class Landscape:
     # (tensor-core tile padding); 0 = a smooth cost.
     verify_tile: int = 0
     verify_tile_jump: float = 0.0
+    # MoE expert saturation: a share of the decode step loads expert weights, and N tokens touch
+    # E(1 - (1 - a/E)^N) of the E experts (a active per token), so that share grows with the
+    # experts touched and flattens once most are loaded.  0 experts = no such term.
+    moe_experts: int = 0
+    moe_active: int = 0
+    moe_expert_share: float = 0.0
+    # Rank-dependent tree efficiency: the cut of the rejection probability per doubling of the
+    # tree's width, one value per doubling (1->2, 2->4, 4->8; the last repeats).  Empty: every
+    # doubling cuts by `tree_gain`.
+    tree_gain_by_doubling: tuple[float, ...] = ()
+    # Draft cost beyond a fixed share of the decode: an interconnect latency paid by every draft
+    # step (TP all-reduce of a small model), and a cost per extra drafted token (batch x (topk-1)).
+    draft_step_latency_ms: float = 0.0
+    draft_width_ms_per_token: float = 0.0
+    # Launch-to-launch spread: each server start runs at its own speed, a lognormal factor of this
+    # sd on its throughput for as long as it runs (0 = every launch alike).
+    launch_sigma: float = 0.0
     # Timing noise relative to the calibrated level (spectune_sim.model.NoiseModel): 3.0 = a host
     # three times as noisy as the loadgen measurements the defaults come from.
     noise_scale: float = 1.0
@@ -447,16 +464,28 @@ class UnknownLandscapeError(KeyError):
     def __str__(self) -> str:
         return (
             f"no simulated landscape named {self.name!r}; the last component of --model-path names it, "
-            f"e.g. /models/moe-pcie.  Known: {', '.join(sorted(LANDSCAPES))}"
+            f"e.g. /models/moe-pcie.  Known: {', '.join(sorted(LANDSCAPES))}, and drawn engines "
+            "family-v1-0000, family-v1-0001, ... (spectune_sim.family)"
         )
 
 
 def get_landscape(name: str) -> Landscape:
-    """The landscape called `name` (also accepts a model path whose last component is the name)."""
+    """The landscape called `name` (also accepts a model path whose last component is the name),
+    or a drawn engine of `spectune_sim.family` by its name (`family-v1-0042`)."""
     key = name.rstrip("/").rsplit("/", 1)[-1]
     try:
         return LANDSCAPES[key]
     except KeyError:
+        pass
+    # Imported here: the family draws Landscapes, so it imports this module.
+    from spectune_sim import family
+
+    drawn = family.parse_name(key)
+    if drawn is None:
+        raise UnknownLandscapeError(key)
+    try:
+        return family.engine(drawn[1], drawn[0]).landscape
+    except family.FamilyError:
         raise UnknownLandscapeError(key) from None
 
 

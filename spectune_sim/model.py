@@ -170,9 +170,25 @@ def depth_acceptance(landscape: Landscape, num_steps: int, topk: int, num_draft_
     if depth <= 0:
         return ()
     width = min(float(topk), 1.0 + (num_draft_tokens - 1) / depth)
-    keep = (1.0 - landscape.tree_gain) ** math.log2(width) if width > 1.0 else 1.0
+    keep = rejection_kept(landscape, width)
     rates = landscape.accept_by_depth
     return tuple(1.0 - (1.0 - rates[min(i, len(rates) - 1)]) * keep for i in range(depth))
+
+
+def rejection_kept(landscape: Landscape, width: float) -> float:
+    """The share of each depth's rejection probability a tree of effective `width` leaves: (1-g)
+    per doubling, or each doubling its own cut (`Landscape.tree_gain_by_doubling`)."""
+    if width <= 1.0:
+        return 1.0
+    gains = landscape.tree_gain_by_doubling
+    if not gains:
+        return float((1.0 - landscape.tree_gain) ** math.log2(width))
+    kept, left, j = 1.0, math.log2(width), 0
+    while left > 0.0:
+        kept *= (1.0 - gains[min(j, len(gains) - 1)]) ** min(1.0, left)
+        left -= 1.0
+        j += 1
+    return kept
 
 
 # What is asked changes how often a draft is right (published EAGLE-3 accept lengths for one
@@ -257,7 +273,20 @@ def forward_ms(landscape: Landscape, tokens: int) -> float:
         + landscape.verify_slope * min(extra, knee)
         + landscape.verify_slope_after * max(0, extra - knee)
         + landscape.verify_tile_jump * tiles
+        + _expert_load(landscape, tokens)
     )
+
+
+def _expert_load(landscape: Landscape, tokens: int) -> float:
+    """Extra expert-weight loading over `tokens` tokens, in decode steps (0 without `moe_experts`)."""
+    e, a = landscape.moe_experts, landscape.moe_active
+    if e <= 0 or a <= 0 or tokens <= 1:
+        return 0.0
+
+    def touched(n: int) -> float:
+        return e * (1.0 - (1.0 - a / e) ** n)
+
+    return landscape.moe_expert_share * (touched(tokens) / touched(1) - 1.0)
 
 
 @dataclass(frozen=True)
@@ -381,6 +410,10 @@ def cycle_timing(
         * forward_ms(landscape, b)
         * (1.0 + landscape.draft_topk_slope * (spec.topk - 1))
     )
+    if landscape.draft_step_latency_ms or landscape.draft_width_ms_per_token:
+        draft += spec.num_steps * (
+            landscape.draft_step_latency_ms + landscape.draft_width_ms_per_token * b * (spec.topk - 1)
+        )
     verify = forward_ms(landscape, b * spec.num_draft_tokens)
     over = landscape.overhead_ms
     return CycleTiming((draft + verify + over) * mult, draft * mult, verify * mult, over * mult, graph, b)
