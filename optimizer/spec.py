@@ -37,6 +37,15 @@ MAX_SPACE_CONFIGS = 100_000
 # A grid enqueues every configuration as an Optuna trial at creation; more than a budget can ever
 # measure (max_trials <= 10,000) is never useful.
 MAX_GRID_CONFIGS = 10_000
+# A lease holds a GPU host for its whole benchmark, and heartbeats keep it alive while the worker
+# runs, so the workload itself must end: a level (its warm-up and every pass) may be expected to
+# take at most this long.  Four hours is far past any useful measurement (the default workload's
+# level takes about a minute on an H100) and still returns a host within one working shift.
+MAX_LEVEL_S = 4 * 3600.0
+# The per-request decode rate a level's duration is estimated with: a floor below the slowest
+# baseline in docs/calibration.md (a large MoE at TP8 over PCIe, 90 tok/s at batch 1), with room
+# for the per-request slowdown of larger batches.
+FLOOR_TOK_S_PER_REQUEST = 20.0
 
 # Attention backends SGLang 0.5.23 accepts for `--attention-backend` that matter on GPU hosts.
 ATTENTION_BACKENDS = ("fa3", "flashinfer", "triton", "trtllm_mha", "flashmla", "cutlass_mla", "fa4", "torch_native")
@@ -324,9 +333,46 @@ class StudySpec(BaseModel):
         return v
 
 
+def level_seconds(w: Workload, concurrency: int) -> tuple[float, float]:
+    """A level's expected duration, split into (open-loop arrivals, decoding), in seconds.
+
+    Arrivals: each pass spreads `num_prompts` requests over `num_prompts / request_rate` seconds
+    whatever the server does.  Decoding: the warm-up and every pass's requests, `concurrency` at a
+    time, each `output_len` tokens at FLOOR_TOK_S_PER_REQUEST.  A level takes at least the larger.
+    """
+    arrivals = 0.0 if w.request_rate is None else w.repeats * w.num_prompts / w.request_rate
+    requests = w.warmup_requests + w.repeats * w.num_prompts
+    decoding = math.ceil(requests / concurrency) * w.output_len / FLOOR_TOK_S_PER_REQUEST
+    return arrivals, decoding
+
+
+def check_level_durations(w: Workload) -> None:
+    """Refuse a workload whose levels could hold a host longer than MAX_LEVEL_S (SpecError)."""
+    for c in w.concurrency:
+        arrivals, decoding = level_seconds(w, c)
+        if arrivals > MAX_LEVEL_S:
+            # request_rate >= repeats * num_prompts / MAX_LEVEL_S keeps the arrivals in bounds.
+            least = w.repeats * w.num_prompts / MAX_LEVEL_S
+            raise SpecError(
+                "workload.request_rate",
+                f"{w.request_rate:g} req/s spreads each level's {w.repeats} x {w.num_prompts} requests over "
+                f"{arrivals:,.0f} s, above the limit of {MAX_LEVEL_S:,.0f} s a level may hold a host: raise "
+                f"request_rate to at least {least:.3g} req/s, or lower num_prompts or repeats",
+            )
+        if decoding > MAX_LEVEL_S:
+            raise SpecError(
+                "workload",
+                f"at concurrency {c} a level decodes {w.warmup_requests} + {w.repeats} x {w.num_prompts} requests "
+                f"of {w.output_len} tokens, about {decoding:,.0f} s at {FLOOR_TOK_S_PER_REQUEST:g} tok/s per "
+                f"request, above the limit of {MAX_LEVEL_S:,.0f} s a level may hold a host: lower num_prompts, "
+                "repeats, warmup_requests or output_len, or drop that concurrency level",
+            )
+
+
 def validate_spec(spec: StudySpec, max_configs: int = MAX_SPACE_CONFIGS) -> StudySpec:
     """Cross-field checks that pydantic alone cannot express.  Raises SpecError."""
     spec.search_space.validate_rules()
+    check_level_durations(spec.workload)
     count = spec.search_space.count_configs()
     if count > max_configs:
         raise SpecError(
