@@ -10,7 +10,7 @@ import math
 import re
 from typing import Annotated, Literal
 
-from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from optimizer.errors import SpecError
 from optimizer.space import SearchSpace, SpecConfig
@@ -46,6 +46,14 @@ MAX_LEVEL_S = 4 * 3600.0
 # baseline in docs/calibration.md (a large MoE at TP8 over PCIe, 90 tok/s at batch 1), with room
 # for the per-request slowdown of larger batches.
 FLOOR_TOK_S_PER_REQUEST = 20.0
+
+# Every string and list a spec holds is bounded (tests/test_spec_bounds.py walks the JSON schema):
+# each is stored, sent to workers and shown, so its size is fixed here, not by the request body.
+# The lengths match the patterns that check them below.
+_LabelKey = Annotated[str, StringConstraints(max_length=63)]
+_LabelValue = Annotated[str, StringConstraints(max_length=128)]
+_FlagName = Annotated[str, StringConstraints(max_length=64)]
+_FlagWord = Annotated[str, StringConstraints(max_length=64)]
 
 # Attention backends SGLang 0.5.23 accepts for `--attention-backend` that matter on GPU hosts.
 ATTENTION_BACKENDS = ("fa3", "flashinfer", "triton", "trtllm_mha", "flashmla", "cutlass_mla", "fa4", "torch_native")
@@ -85,16 +93,18 @@ _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
 class ModelSection(BaseModel):
     model_config = _STRICT
 
-    target: str
-    draft: str
+    target: str = Field(max_length=128)
+    draft: str = Field(max_length=128)
     algorithm: Literal["EAGLE3"] = "EAGLE3"
     tp_size: int = Field(default=1, ge=1, le=64)
-    attention_backend: str = "fa3"
+    attention_backend: str = Field(default="fa3", max_length=32)
     page_size: int = Field(default=1, ge=1, le=1024)
     mem_fraction_static: float | None = Field(default=None, gt=0.0, lt=1.0)
     context_length: int | None = Field(default=None, ge=128, le=10_000_000)
     # NaN and Infinity pass the type here only so that `_extra` refuses them naming the flag.
-    extra_args: dict[str, str | int | Annotated[float, AllowInfNan(True)] | bool] = Field(default_factory=dict)
+    extra_args: dict[_FlagName, _FlagWord | int | Annotated[float, AllowInfNan(True)] | bool] = Field(
+        default_factory=dict, max_length=len(EXTRA_ARG_ALLOWLIST)
+    )
 
     @field_validator("target", "draft")
     @classmethod
@@ -150,7 +160,7 @@ class Workload(BaseModel):
 
     # "builtin:<name>" for a prompt set shipped with spectune, or a file name inside the worker's
     # configured prompt folder (never a path chosen here).
-    prompts: str = "builtin:chat"
+    prompts: str = Field(default="builtin:chat", max_length=128)
     output_len: int = Field(default=256, ge=1, le=32768)
     num_prompts: int = Field(default=64, ge=1, le=100_000)
     concurrency: list[int] = Field(default_factory=lambda: [1], max_length=MAX_CONCURRENCY_LEVELS)
@@ -294,7 +304,7 @@ class Serving(BaseModel):
 class StudySpec(BaseModel):
     model_config = _STRICT
 
-    name: str
+    name: str = Field(max_length=63)
     model: ModelSection
     search_space: SearchSpace = Field(default_factory=SearchSpace)
     workload: Workload = Field(default_factory=Workload)
@@ -305,9 +315,11 @@ class StudySpec(BaseModel):
     sampler: SamplerName = "auto"
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     # Labels a worker must carry; a worker reports at most 64 (spectune_protocol.Inventory).
-    placement: dict[str, str] = Field(default_factory=dict, max_length=64)
-    # Configurations to try first, in addition to SGLang's defaults when they fit the space.
-    warm_start: list[SpecConfig] = Field(default_factory=list)
+    placement: dict[_LabelKey, _LabelValue] = Field(default_factory=dict, max_length=64)
+    # Configurations to try first, in addition to SGLang's defaults when they fit the space.  Each
+    # is enqueued as an Optuna trial at creation, as a grid's are, so the grid's cap holds (11,000
+    # took two minutes to create and slowed every lease and report of every study).
+    warm_start: list[SpecConfig] = Field(default_factory=list, max_length=MAX_GRID_CONFIGS)
     confirmation: Confirmation = Field(default_factory=Confirmation)
     # The production envelope of the exported launch command (None: SGLang's own defaults).
     serving: Serving | None = None
