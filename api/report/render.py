@@ -19,6 +19,7 @@ from api.documents import StudyDocument, TrialRow
 from api.report import analysis as an
 from api.report import plots, tradeoff
 from api.report.source import StudyData
+from spectune_protocol.printable import printable
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,9 @@ class Report:
 
 
 def _e(value: Any) -> str:
-    return html.escape(str(value))
+    # Control characters and bidi overrides as visible escapes first (a worker's failure message
+    # may hold them; spectune_protocol.printable is the one escape every output uses), then HTML's.
+    return html.escape(printable(str(value), keep_newlines=True))
 
 
 def _num(value: float | None, digits: int = 3) -> str:
