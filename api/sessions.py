@@ -64,10 +64,10 @@ def load_secret(settings: Settings) -> bytes:
             raise ValueError(f"SPECTUNE_SESSION_SECRET must be at least {MIN_SECRET_CHARS} characters")
         return value.encode()
     path = secret_file_path(settings)
-    value = _read_secret(path)
-    if value is None or len(value) < MIN_SECRET_CHARS:
-        value = _make_secret_file(path)
-    return value.encode()
+    found = _read_secret(path)
+    if found is None or len(found) < MIN_SECRET_CHARS:
+        return _make_secret_file(path).encode()
+    return found.encode()
 
 
 def _read_secret(path: Path) -> str | None:
