@@ -15,10 +15,12 @@ import httpx
 import pytest
 
 from optimizer.spec import MAX_LEVEL_S, StudySpec, level_seconds
-from tests.conftest import Api, small_spec
+from tests.conftest import INVENTORY, Api, small_spec
 from tests.e2e_support import alive, cluster
-from tests.helpers import wait_for
+from tests.helpers import ok_result, wait_for
 from tests.test_e2e import MODELS, spec
+
+PROGRESS = {"step": 0, "concurrency": 1, "output_tok_s": 5.0}
 
 
 @pytest.mark.parametrize(
@@ -84,3 +86,23 @@ def test_stopping_a_study_while_it_benchmarks_releases_the_host_and_stops_the_en
     assert lease["state"] == "superseded", lease
     assert fleet["gpu-a"]["state"] == "ok", fleet["gpu-a"]  # stopping a study is no fault of the host
     assert fleet["gpu-a"]["current_lease"] is None, fleet["gpu-a"]
+
+
+def test_a_stopped_studys_trial_lease_ends_at_its_heartbeat_and_a_resume_measures_it_again(api: Api) -> None:
+    assert api.post("/v1/studies", "user", small_spec("paused")).status_code == 201
+    base = api.post("/v1/workers/w1/lease", "worker", INVENTORY).json()
+    assert api.post(f"/v1/leases/{base['lease_id']}/complete", "worker", ok_result()).status_code == 200
+    trial = api.post("/v1/workers/w1/lease", "worker", INVENTORY).json()
+    assert trial["kind"] == "trial"
+    assert api.post(f"/v1/leases/{trial['lease_id']}/heartbeat", "worker").status_code == 200
+    assert api.post("/v1/studies/paused/stop", "user").status_code == 200
+
+    r = api.post(f"/v1/leases/{trial['lease_id']}/heartbeat", "worker")
+    assert r.status_code == 409 and "stopped" in r.text, r.text  # the worker stops the engine
+    assert api.post(f"/v1/leases/{trial['lease_id']}/progress", "worker", PROGRESS).status_code == 409
+    assert api.post("/v1/workers/w1/lease", "worker", INVENTORY).status_code == 204  # the host is free
+
+    assert api.post("/v1/studies/paused/resume", "user").status_code == 200
+    again = api.post("/v1/workers/w1/lease", "worker", INVENTORY).json()
+    assert again["kind"] == "trial" and again["trial_number"] == trial["trial_number"], again
+    assert again["lease_id"] != trial["lease_id"]
