@@ -24,9 +24,18 @@ def test_demo_runs_a_study_prints_the_answer_and_cleans_up(tmp_path: Path) -> No
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = r.stdout
-    assert "the speed without speculation" in out and "95% interval" in out
-    assert "confirmed" in out  # the answer was re-measured next to a fresh baseline
     result = json.loads((workdir / "result.json").read_text())
+    assert "the speed without speculation" in out, out[-3000:]
+    assert "confirmed" in out, out[-3000:]  # the answer was re-measured next to a fresh baseline
+    answer = result["study"]["winner"] or result["study"]["best"]
+    if any(lv.get("saturated") for lv in answer.get("levels") or []):
+        # A busy machine: the engine waited for a CPU, and the host check (workers/loadgen/
+        # saturation.py) holds the answer back and says why, claiming no interval and no gain
+        # (issue 35: an interval was asserted, and the test failed on a busy 2-core box).
+        assert "no answer:" in out and "saturated" in out, out[-3000:]
+        assert not result["study"]["speculation_pays"]
+    else:
+        assert "95% interval" in out, out[-3000:]
     # The command to launch is the study's deployment: with speculation when it pays, else without.
     launch = next(line for line in out.splitlines() if "python -m sglang.launch_server" in line)
     assert "--tp-size 8" in launch  # the moe-pcie landscape is a 1T MoE at TP8 (it printed 1)
