@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api.db import (
     LOCK_WAIT_MS,
+    Waits,
     engine_kwargs,
     file_lock,
     install_sqlite_transactions,
@@ -52,10 +53,11 @@ class ServiceContext:
     @classmethod
     def open(cls, settings: Settings) -> ServiceContext:
         url = settings.database_url
-        engine = make_engine(url)
+        waits = Waits(settings.db_lock_timeout_ms, settings.db_statement_timeout_ms)
+        engine = make_engine(url, waits=waits)
         # One RDBStorage per process (docs/optuna.md §2: many leak connections).  Tables are
         # created by `spectune db upgrade`, never here, so concurrent first starts cannot race.
-        rdb = optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs(url), skip_table_creation=True)
+        rdb = optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs(url, waits), skip_table_creation=True)
         sqlite = is_sqlite(url)
         lock_dir = None
         if sqlite:
@@ -65,7 +67,7 @@ class ServiceContext:
             path = sqlite_path(url)
             lock_dir = Path(tempfile.gettempdir()) / "spectune-locks" if path is None else Path(f"{path}.locks")
         storage = optuna.storages.get_storage(rdb)
-        read_engine = make_engine(url, immediate=False) if sqlite else engine
+        read_engine = make_engine(url, immediate=False, waits=waits) if sqlite else engine
         return cls(
             settings,
             engine,

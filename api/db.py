@@ -12,6 +12,7 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -29,17 +30,36 @@ def is_sqlite(url: str) -> bool:
     return url.startswith("sqlite")
 
 
-def engine_kwargs(url: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Waits:
+    """How long one Postgres statement may run, and wait for a lock, before it fails.
+
+    Set on every session (ours and Optuna's), so no request waits without limit: a table lock
+    held by hand kept `GET /v1/workers` waiting 28 s.  A statement past either fails, and the
+    error mapping answers 503 with Retry-After (api/errors.py).  `lock_name` raises the lock wait
+    of its own transaction where a report must wait longer.
+    """
+
+    # Ten seconds, as LOCK_WAIT_MS: no row or table is held longer by a healthy request.
+    lock_timeout_ms: int = 10_000
+    # A minute: the slowest statement of a healthy service (a report over a large study) takes
+    # well under a second (benchmarks/README.md); above REPORT_LOCK_WAIT_MS, which is one statement.
+    statement_timeout_ms: int = 60_000
+
+
+def engine_kwargs(url: str, waits: Waits | None = None) -> dict[str, Any]:
     """Engine options shared by our engine and Optuna's RDBStorage for the same URL."""
     if is_sqlite(url):
         return {"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_S, "check_same_thread": False}}
+    w = waits or Waits()
+    options = f"-c lock_timeout={int(w.lock_timeout_ms)} -c statement_timeout={int(w.statement_timeout_ms)}"
     # Postgres: pre-ping so a database restart costs one retried connection, not an error.
-    return {"pool_pre_ping": True, "pool_size": 10, "max_overflow": 20}
+    return {"pool_pre_ping": True, "pool_size": 10, "max_overflow": 20, "connect_args": {"options": options}}
 
 
-def make_engine(url: str, *, immediate: bool = True) -> Engine:
+def make_engine(url: str, *, immediate: bool = True, waits: Waits | None = None) -> Engine:
     """An engine for `url`; on SQLite, `immediate` picks the transaction kind (see below)."""
-    engine = create_engine(url, **engine_kwargs(url))
+    engine = create_engine(url, **engine_kwargs(url, waits))
     if is_sqlite(url):
         install_sqlite_transactions(engine, immediate=immediate)
     return engine

@@ -11,7 +11,8 @@ verifies, its row exists and has not ended or expired, and its token is not revo
   cannot mint or revive a cookie.
 
 The secret comes from `SPECTUNE_SESSION_SECRET`, or from `session_secret_file` (created with a
-random value, mode 0600, on first start).  Cookies that are not exactly this shape (huge or
+random value, mode 0600, on first start, written atomically; one left empty or short by an
+interrupted start is replaced, with a log line).  Cookies that are not exactly this shape (huge or
 non-ASCII numbers, thousands of digits, anything else) are refused with 401 before any lookup.
 """
 
@@ -23,6 +24,7 @@ import logging
 import os
 import re
 import secrets
+import tempfile
 from datetime import timedelta
 from pathlib import Path
 
@@ -30,7 +32,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.auth import Principal
-from api.db import db_now, transaction
+from api.db import db_now, file_lock, transaction
 from api.errors import AuthError
 from api.models import ApiToken, DashboardSession
 from api.settings import Settings
@@ -62,27 +64,66 @@ def load_secret(settings: Settings) -> bytes:
             raise ValueError(f"SPECTUNE_SESSION_SECRET must be at least {MIN_SECRET_CHARS} characters")
         return value.encode()
     path = secret_file_path(settings)
-    try:
-        value = path.read_text(encoding="ascii").strip()
-    except FileNotFoundError:
-        value = _create_secret_file(path)
-    if len(value) < MIN_SECRET_CHARS:
-        raise ValueError(f"{path}: the session secret must be at least {MIN_SECRET_CHARS} characters")
-    return value.encode()
+    found = _read_secret(path)
+    if found is None or len(found) < MIN_SECRET_CHARS:
+        return _make_secret_file(path).encode()
+    return found.encode()
 
 
-def _create_secret_file(path: Path) -> str:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    value = secrets.token_urlsafe(48)
+def _read_secret(path: Path) -> str | None:
+    """The file's secret, "" when it holds none usable (empty, cut short, not text); None when absent."""
     try:
-        # O_EXCL: two processes starting at once agree on the first one's value.
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
         return path.read_text(encoding="ascii").strip()
-    with os.fdopen(fd, "w", encoding="ascii") as f:
-        f.write(value + "\n")
-    log.info("created the dashboard session secret in %s (keep it out of database backups)", path)
+    except FileNotFoundError:
+        return None
+    except UnicodeDecodeError:
+        return ""
+
+
+def _make_secret_file(path: Path) -> str:
+    """Create the secret file, or replace one with no usable secret, and return its secret.
+
+    Written whole or not at all: a temporary file beside it, fsynced, renamed over it.  A full disk
+    at the first start used to leave a 0-byte file that failed every later start ("must be at
+    least 32 characters") until someone deleted it; now such a file is replaced, with a log line.
+    Under a file lock, so processes starting at once agree on one value.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(path.parent, f"session-secret:{path.name}"):
+        found = _read_secret(path)
+        if found is not None and len(found) >= MIN_SECRET_CHARS:
+            return found  # another process wrote it while this one waited
+        value = secrets.token_urlsafe(48)
+        _write_atomically(path, value + "\n")
+    if found is None:
+        log.info("created the dashboard session secret in %s (keep it out of database backups)", path)
+    else:
+        log.warning(
+            "%s held no usable session secret (%d characters, at least %d needed: an interrupted first start, "
+            "e.g. a full disk); replaced it with a new one (dashboard sign-ins made with the old one end)",
+            path, len(found), MIN_SECRET_CHARS,
+        )  # fmt: skip
     return value
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Put `text` in `path` (mode 0600) so that a reader sees the old file or the whole new one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mode 0600
+    try:
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    # The rename itself survives a crash once the folder is synced.
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def _sid_hash(sid: str) -> str:

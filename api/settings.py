@@ -7,6 +7,7 @@ from functools import lru_cache
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from api.db import Waits
 from optimizer.spec import MAX_SPACE_CONFIGS
 
 
@@ -46,6 +47,10 @@ class Settings(BaseSettings):
     # How many worker ids one unbound worker token may speak for (each id is bound to the first
     # token that uses it, api.services.identity).  A fleet gives every host its own token.
     max_worker_ids_per_token: int = Field(default=64, ge=1, le=100_000)
+    # Postgres: how long a statement may wait for a lock, and run, before it fails and the request
+    # is answered 503 with Retry-After (api.db.Waits gives the defaults' sources).
+    db_lock_timeout_ms: int = Field(default=Waits.lock_timeout_ms, ge=1, le=3_600_000)
+    db_statement_timeout_ms: int = Field(default=Waits.statement_timeout_ms, ge=1, le=3_600_000)
     # Requests larger than this are refused with 413 before they are parsed.
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     # Running studies one token may have at once (admins too); creating one more answers 429

@@ -10,7 +10,7 @@ import math
 import re
 from typing import Annotated, Literal
 
-from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from optimizer.errors import SpecError
 from optimizer.space import SearchSpace, SpecConfig
@@ -37,6 +37,23 @@ MAX_SPACE_CONFIGS = 100_000
 # A grid enqueues every configuration as an Optuna trial at creation; more than a budget can ever
 # measure (max_trials <= 10,000) is never useful.
 MAX_GRID_CONFIGS = 10_000
+# A lease holds a GPU host for its whole benchmark, and heartbeats keep it alive while the worker
+# runs, so the workload itself must end: a level (its warm-up and every pass) may be expected to
+# take at most this long.  Four hours is far past any useful measurement (the default workload's
+# level takes about a minute on an H100) and still returns a host within one working shift.
+MAX_LEVEL_S = 4 * 3600.0
+# The per-request decode rate a level's duration is estimated with: a floor below the slowest
+# baseline in docs/calibration.md (a large MoE at TP8 over PCIe, 90 tok/s at batch 1), with room
+# for the per-request slowdown of larger batches.
+FLOOR_TOK_S_PER_REQUEST = 20.0
+
+# Every string and list a spec holds is bounded (tests/test_spec_bounds.py walks the JSON schema):
+# each is stored, sent to workers and shown, so its size is fixed here, not by the request body.
+# The lengths match the patterns that check them below.
+_LabelKey = Annotated[str, StringConstraints(max_length=63)]
+_LabelValue = Annotated[str, StringConstraints(max_length=128)]
+_FlagName = Annotated[str, StringConstraints(max_length=64)]
+_FlagWord = Annotated[str, StringConstraints(max_length=64)]
 
 # Attention backends SGLang 0.5.23 accepts for `--attention-backend` that matter on GPU hosts.
 ATTENTION_BACKENDS = ("fa3", "flashinfer", "triton", "trtllm_mha", "flashmla", "cutlass_mla", "fa4", "torch_native")
@@ -76,16 +93,18 @@ _STRICT = ConfigDict(extra="forbid", allow_inf_nan=False)
 class ModelSection(BaseModel):
     model_config = _STRICT
 
-    target: str
-    draft: str
+    target: str = Field(max_length=128)
+    draft: str = Field(max_length=128)
     algorithm: Literal["EAGLE3"] = "EAGLE3"
     tp_size: int = Field(default=1, ge=1, le=64)
-    attention_backend: str = "fa3"
+    attention_backend: str = Field(default="fa3", max_length=32)
     page_size: int = Field(default=1, ge=1, le=1024)
     mem_fraction_static: float | None = Field(default=None, gt=0.0, lt=1.0)
     context_length: int | None = Field(default=None, ge=128, le=10_000_000)
     # NaN and Infinity pass the type here only so that `_extra` refuses them naming the flag.
-    extra_args: dict[str, str | int | Annotated[float, AllowInfNan(True)] | bool] = Field(default_factory=dict)
+    extra_args: dict[_FlagName, _FlagWord | int | Annotated[float, AllowInfNan(True)] | bool] = Field(
+        default_factory=dict, max_length=len(EXTRA_ARG_ALLOWLIST)
+    )
 
     @field_validator("target", "draft")
     @classmethod
@@ -141,7 +160,7 @@ class Workload(BaseModel):
 
     # "builtin:<name>" for a prompt set shipped with spectune, or a file name inside the worker's
     # configured prompt folder (never a path chosen here).
-    prompts: str = "builtin:chat"
+    prompts: str = Field(default="builtin:chat", max_length=128)
     output_len: int = Field(default=256, ge=1, le=32768)
     num_prompts: int = Field(default=64, ge=1, le=100_000)
     concurrency: list[int] = Field(default_factory=lambda: [1], max_length=MAX_CONCURRENCY_LEVELS)
@@ -313,7 +332,7 @@ class Serving(BaseModel):
 class StudySpec(BaseModel):
     model_config = _STRICT
 
-    name: str
+    name: str = Field(max_length=63)
     model: ModelSection
     search_space: SearchSpace = Field(default_factory=SearchSpace)
     workload: Workload = Field(default_factory=Workload)
@@ -324,9 +343,11 @@ class StudySpec(BaseModel):
     sampler: SamplerName = "auto"
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     # Labels a worker must carry; a worker reports at most 64 (spectune_protocol.Inventory).
-    placement: dict[str, str] = Field(default_factory=dict, max_length=64)
-    # Configurations to try first, in addition to SGLang's defaults when they fit the space.
-    warm_start: list[SpecConfig] = Field(default_factory=list)
+    placement: dict[_LabelKey, _LabelValue] = Field(default_factory=dict, max_length=64)
+    # Configurations to try first, in addition to SGLang's defaults when they fit the space.  Each
+    # is enqueued as an Optuna trial at creation, as a grid's are, so the grid's cap holds (11,000
+    # took two minutes to create and slowed every lease and report of every study).
+    warm_start: list[SpecConfig] = Field(default_factory=list, max_length=MAX_GRID_CONFIGS)
     confirmation: Confirmation = Field(default_factory=Confirmation)
     # The production envelope of the exported launch command (None: SGLang's own defaults).
     serving: Serving | None = None
@@ -360,9 +381,46 @@ class StudySpec(BaseModel):
         return v
 
 
+def level_seconds(w: Workload, concurrency: int) -> tuple[float, float]:
+    """A level's expected duration, split into (open-loop arrivals, decoding), in seconds.
+
+    Arrivals: each pass spreads `num_prompts` requests over `num_prompts / request_rate` seconds
+    whatever the server does.  Decoding: the warm-up and every pass's requests, `concurrency` at a
+    time, each `output_len` tokens at FLOOR_TOK_S_PER_REQUEST.  A level takes at least the larger.
+    """
+    arrivals = 0.0 if w.request_rate is None else w.repeats * w.num_prompts / w.request_rate
+    requests = w.warmup_requests + w.repeats * w.num_prompts
+    decoding = math.ceil(requests / concurrency) * w.output_len / FLOOR_TOK_S_PER_REQUEST
+    return arrivals, decoding
+
+
+def check_level_durations(w: Workload) -> None:
+    """Refuse a workload whose levels could hold a host longer than MAX_LEVEL_S (SpecError)."""
+    for c in w.concurrency:
+        arrivals, decoding = level_seconds(w, c)
+        if arrivals > MAX_LEVEL_S:
+            # request_rate >= repeats * num_prompts / MAX_LEVEL_S keeps the arrivals in bounds.
+            least = w.repeats * w.num_prompts / MAX_LEVEL_S
+            raise SpecError(
+                "workload.request_rate",
+                f"{w.request_rate:g} req/s spreads each level's {w.repeats} x {w.num_prompts} requests over "
+                f"{arrivals:,.0f} s, above the limit of {MAX_LEVEL_S:,.0f} s a level may hold a host: raise "
+                f"request_rate to at least {least:.3g} req/s, or lower num_prompts or repeats",
+            )
+        if decoding > MAX_LEVEL_S:
+            raise SpecError(
+                "workload",
+                f"at concurrency {c} a level decodes {w.warmup_requests} + {w.repeats} x {w.num_prompts} requests "
+                f"of {w.output_len} tokens, about {decoding:,.0f} s at {FLOOR_TOK_S_PER_REQUEST:g} tok/s per "
+                f"request, above the limit of {MAX_LEVEL_S:,.0f} s a level may hold a host: lower num_prompts, "
+                "repeats, warmup_requests or output_len, or drop that concurrency level",
+            )
+
+
 def validate_spec(spec: StudySpec, max_configs: int = MAX_SPACE_CONFIGS) -> StudySpec:
     """Cross-field checks that pydantic alone cannot express.  Raises SpecError."""
     spec.search_space.validate_rules()
+    check_level_durations(spec.workload)
     count = spec.search_space.count_configs()
     if count > max_configs:
         raise SpecError(

@@ -33,7 +33,7 @@ def test_demo_runs_a_study_prints_the_answer_and_cleans_up(tmp_path: Path) -> No
     else:
         assert "the speed without speculation" in out and "95% interval" in out
         _command_is_printed_under_its_load(out, workdir)
-    assert "confirmed" in out  # the answer was re-measured next to a fresh baseline
+        assert "confirmed" in out  # the answer was re-measured next to a fresh baseline
     assert result["study"]["state"] == "finished"
     measured = [t for t in result["trials"] if t["state"] == "COMPLETE" and t["duplicate_of"] is None]
     assert len(measured) == 4

@@ -20,6 +20,7 @@ import psycopg
 import pytest
 from fastapi.testclient import TestClient
 
+from api.db import advisory_lock_key
 from tests.conftest import INVENTORY, Api, make_settings, make_tokens, small_spec
 from tests.helpers import ok_result, study_lock_held
 
@@ -48,12 +49,24 @@ def _lease_in_thread(api: Api) -> tuple[threading.Thread, list[Any]]:
     return thread, answer
 
 
-def _until_answered_or_waiting(conn: psycopg.Connection[Any], thread: threading.Thread) -> bool:
-    """Watch until the lease is answered (False) or waits on an advisory lock (True); bounded."""
+# A lease waiting for the study's lock, in this test's database only: pg_locks lists every
+# database's locks, and on a shared server other tests' leases wait on their own studies' locks
+# (issue 35: this test failed on a busy machine, "the lease queued on the older study's lock").
+_WAITING = """
+    SELECT count(*) FROM pg_locks
+    WHERE locktype = 'advisory' AND NOT granted AND objsubid = 1
+      AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+      AND classid = %s::bigint::oid AND objid = %s::bigint::oid
+"""
+
+
+def _until_answered_or_waiting(conn: psycopg.Connection[Any], thread: threading.Thread, study: str) -> bool:
+    """Watch until the lease is answered (False) or waits on `study`'s lock (True); bounded."""
+    key = advisory_lock_key(f"study:{study}") & 0xFFFFFFFFFFFFFFFF  # bigint key: high, low 32 bits
     for _ in range(1200):  # at most ~60 s
         if not thread.is_alive():
             return False
-        row = conn.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted").fetchone()
+        row = conn.execute(_WAITING, (key >> 32, key & 0xFFFFFFFF)).fetchone()
         if row and int(row[0]) > 0:
             return True
         time.sleep(0.05)
@@ -66,7 +79,7 @@ def test_a_lease_passes_over_a_study_another_request_works_on(pg_api: Api, pg_db
     _measure_baseline(pg_api)
     with study_lock_held(pg_db_url, "older") as holder:
         thread, answer = _lease_in_thread(pg_api)
-        waited = _until_answered_or_waiting(holder, thread)
+        waited = _until_answered_or_waiting(holder, thread, "older")
         # Answered while the older study's lock was still held: from the next study, never queued.
         assert not waited, "the lease queued on the older study's lock"
         thread.join(timeout=60)
@@ -83,7 +96,7 @@ def test_with_one_running_study_a_lease_waits_its_turn(pg_api: Api, pg_db_url: s
     with study_lock_held(pg_db_url, "only") as holder:
         thread, answer = _lease_in_thread(pg_api)
         # No other study has work: it waits for the busy one instead of "no work now" (204).
-        assert _until_answered_or_waiting(holder, thread), "the lease did not wait for the only study"
+        assert _until_answered_or_waiting(holder, thread, "only"), "the lease did not wait for the only study"
     thread.join(timeout=60)
     assert answer[0].status_code == 200 and answer[0].json()["kind"] == "trial", answer[0].text
 
@@ -117,3 +130,26 @@ def test_expiry_takes_the_studys_lock_before_it_writes(pg_api: Api, pg_db_url: s
         assert state() == "active", "expiry wrote a lease of a study whose lock another request holds"
     assert service.reclaim_expired() == 1
     assert state() == "expired"
+
+
+def test_a_protocol_call_closed_under_it_is_a_retryable_503() -> None:
+    """Issue 35: on a busy machine the lease route raised anyio's ClosedResourceError unhandled
+    (a 500 and a traceback); it is a busy answer the worker retries."""
+    from functools import partial
+    from types import SimpleNamespace
+
+    import anyio
+
+    from api.errors import BusyError
+    from api.routes.leases import _protocol_thread
+
+    def closed() -> None:
+        raise anyio.ClosedResourceError
+
+    async def call() -> None:
+        request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(protocol_threads=anyio.CapacityLimiter(1))))
+        await _protocol_thread(request, partial(closed))  # type: ignore[arg-type]
+
+    with pytest.raises(BusyError) as busy:
+        anyio.run(call)
+    assert busy.value.status == 503

@@ -574,26 +574,38 @@ def test_measurements_match_the_simulator_model(config: SpecConfig | None, tmp_p
             timeout=60.0,
             trust_env=False,
         ).json()["meta_info"]
-    for m in levels:
-        want = predict(
-            landscape,
-            config,
-            m.concurrency,
-            cuda_graph_max_bs=SIM_MAX_RUNNING,
-            max_running_requests=SIM_MAX_RUNNING,
+    wants = {
+        m.concurrency: predict(
+            landscape, config, m.concurrency, cuda_graph_max_bs=SIM_MAX_RUNNING, max_running_requests=SIM_MAX_RUNNING
         )
+        for m in levels
+    }
+    # Rates are wall-clock measurements of a paced simulator, which a machine busy on every core
+    # slows as a whole (11-13% on a shared 2-core box, issue 35): each check compares ratios of
+    # rates measured in this one run, which that slowdown leaves alone.  The bugs guarded against
+    # are a lost delayed ACK (per-user rates far too high), a wrong time window, runs that differ.
+    one, four = levels
+    # How throughput grows with concurrency, against the model's growth.
+    assert four.output_tok_s / one.output_tok_s == pytest.approx(
+        wants[4].output_tok_s / wants[1].output_tok_s, rel=RATE_REL
+    ), levels
+    # The engine's own clock for one request of the same length, against the load generator's.
+    engine_per_user = direct["completion_tokens"] / direct["e2e_latency"]
+    assert one.per_user_tok_s is not None
+    assert one.per_user_tok_s / engine_per_user == pytest.approx(1.0, rel=RATE_REL), (one, direct)
+    for m in levels:
+        want = wants[m.concurrency]
         assert m.completion_tokens == 2 * m.concurrency * SIM_OUTPUT_LEN
-        # Rates are wall-clock measurements of a paced simulator: a machine busy on every core
-        # slows it by a few per cent, so 10% (an idle machine reads within 1-2%).  The bugs this
-        # guards against are far larger (a lost delayed ACK, a wrong time window).
-        assert m.output_tok_s / SIM_SPEED == pytest.approx(want.output_tok_s, rel=RATE_REL), m
-        for run in m.output_tok_s_runs:
-            assert run / SIM_SPEED == pytest.approx(want.output_tok_s, rel=RATE_REL), m
-        # Per-user decode rate (first to last token of a request): a server whose sockets lack
-        # TCP_NODELAY holds the first chunks of a request on a reused connection for a delayed ACK
-        # (~40 ms), then bursts them, and this rate comes out far too high.
+        for run in m.output_tok_s_runs:  # the passes of a level agree with each other
+            assert run / m.output_tok_s == pytest.approx(1.0, rel=RATE_REL), m
+        # Per-user decode rate (first to last token of a request) against the level's throughput
+        # per request: a server whose sockets lack TCP_NODELAY holds the first chunks of a request
+        # on a reused connection for a delayed ACK (~40 ms), then bursts them, and the per-user
+        # rate comes out far too high.
         assert m.per_user_tok_s is not None
-        assert m.per_user_tok_s / SIM_SPEED == pytest.approx(want.per_user_tok_s, rel=RATE_REL), m
+        assert m.per_user_tok_s / (m.output_tok_s / m.concurrency) == pytest.approx(
+            want.per_user_tok_s / (want.output_tok_s / m.concurrency), rel=RATE_REL
+        ), m
         if config is None:
             assert m.accept_length is None and m.spec_verify_ct is None
             assert "spec_verify_ct" not in direct

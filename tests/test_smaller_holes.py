@@ -70,21 +70,26 @@ def test_refusals_name_the_file_not_the_hosts_paths(api: Api, tmp_path: Path) ->
     assert "absent.jsonl" in str(missing.value) and str(tmp_path) not in str(missing.value)
 
 
-def test_study_show_prints_escapes_and_export_quotes_formulas(server: tuple[str, dict[str, str]]) -> None:
+def study_with_failures(server: tuple[str, dict[str, str]], study: str, messages: list[str]) -> dict[str, str]:
+    """A study whose trials a worker reported failed with `messages`; the CLI's env to read it."""
     import httpx
 
     base, tokens = server
     user, worker = ({"Authorization": f"Bearer {tokens[r]}"} for r in ("user", "worker"))
     with httpx.Client(base_url=base, timeout=60) as c:
-        assert c.post("/v1/studies", json=small_spec("hostile"), headers=user).status_code == 201
+        assert c.post("/v1/studies", json=small_spec(study), headers=user).status_code == 201
         base_lease = c.post("/v1/workers/w1/lease", json=INVENTORY, headers=worker).json()
         assert c.post(f"/v1/leases/{base_lease['lease_id']}/complete", json=ok([1]), headers=worker).status_code == 200
-        for message in (ESCAPES, FORMULA):
+        for message in messages:
             trial = c.post("/v1/workers/w1/lease", json=INVENTORY, headers=worker).json()
             assert trial["kind"] == "trial"
             r = c.post(f"/v1/leases/{trial['lease_id']}/complete", json=failed("oom", message), headers=worker)
             assert r.status_code == 200, r.text
-    env = {"SPECTUNE_API_URL": base, "SPECTUNE_TOKEN": tokens["user"]}
+    return {"SPECTUNE_API_URL": base, "SPECTUNE_TOKEN": tokens["user"]}
+
+
+def test_study_show_prints_escapes_and_export_quotes_formulas(server: tuple[str, dict[str, str]]) -> None:
+    env = study_with_failures(server, "hostile", [ESCAPES, FORMULA])
     shown = cli("study", "show", "hostile", env=env)
     assert shown.returncode == 0, shown.stderr
     assert "\x1b" not in shown.stdout and "\x07" not in shown.stdout and "\r" not in shown.stdout
@@ -226,3 +231,33 @@ def test_worker_log_lines_cannot_be_forged() -> None:
     lines = out.getvalue().splitlines()
     assert lines[0] == "lease for study demo\\x0a2026-12-01 INFO forged line\\x1b[2J"
     assert lines[1] == "with a traceback: x\\x0ay" and lines[2].startswith("Traceback")
+
+
+# Issue 35, item 8: `spectune study export NAME` (CSV to stdout) printed a worker's raw control
+# characters, though `show` escaped them.  One escape (spectune_protocol.printable) now serves
+# every output: `show`, the CSV (stdout and file), the JSON export and the HTML report.
+HOSTILE = ["\x1b]0;owned\x07title \x1b[2Jcleared", "over\rwritten abc\u202edcba"]
+RAW = ("\x1b", "\x07", "\r", "\u202e")
+
+
+def test_every_output_escapes_a_workers_control_characters(server: tuple[str, dict[str, str]], tmp_path: Path) -> None:
+    from api.report.render import _e
+
+    env = study_with_failures(server, "hostile-csv", HOSTILE)
+    out_file = tmp_path / "export.csv"
+    outputs = {
+        "show": cli("study", "show", "hostile-csv", env=env),
+        "csv": cli("study", "export", "hostile-csv", env=env),
+        "csv file": cli("study", "export", "hostile-csv", "-o", str(out_file), env=env),
+        "json": cli("study", "export", "hostile-csv", "--format", "json", env=env),
+    }
+    # The file as bytes: reading text would turn a raw CR into a newline unseen (as `cli` does).
+    texts = {name: p.stdout for name, p in outputs.items()} | {"csv file": out_file.read_bytes().decode()}
+    for name, p in outputs.items():
+        assert p.returncode == 0, (name, p.stderr)
+    for name, text in texts.items():
+        assert not [ch for ch in RAW if ch in text], (name, text)
+    messages = {row["failure_message"] for row in csv.DictReader(io.StringIO(texts["csv"]))}
+    assert {printable(m) for m in HOSTILE} <= messages, messages  # escaped, not dropped
+    assert texts["csv file"] == texts["csv"]
+    assert _e(HOSTILE[0]) == "\\x1b]0;owned\\x07title \\x1b[2Jcleared" and _e("a\u202eb") == "a\\u202eb"  # HTML

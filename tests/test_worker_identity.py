@@ -184,3 +184,52 @@ def test_the_upgrade_binds_ids_in_use_to_their_tokens(db_url: str) -> None:
             conn.execute(text("SELECT count(*) FROM spectune_worker_identities"))
     engine.dispose()
     command.upgrade(alembic_config(url), "head")
+
+
+def _lease_rows(db_url: str, study: str) -> list[tuple[str, str, int | None, int]]:
+    """(id, state, trial number, attempt) of every lease of `study`, oldest first."""
+    from sqlalchemy import select
+
+    from api.db import make_engine, make_sessionmaker
+    from api.models import LeaseRow
+
+    engine = make_engine(db_url)
+    try:
+        with make_sessionmaker(engine)() as s:
+            q = select(LeaseRow).where(LeaseRow.study_name == study).order_by(LeaseRow.created_at, LeaseRow.id)
+            return [(r.id, r.state, r.trial_number, r.attempt) for r in s.scalars(q)]
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("first", ["old token beats", "new token reports"])
+def test_binding_a_worker_id_ends_other_tokens_leases_on_it(api: Api, db_url: str, first: str) -> None:
+    """Issue 35, item 9.  Seen on cc094f3: unbound W3 leased as gpu-x; an admin then created a
+    token bound to gpu-x: the new token completed W3's lease (200) and W3 still heartbeated it."""
+    assert api.post("/v1/studies", "user", small_spec("rebind")).status_code == 201
+    _, w3 = _token(db_url)
+    base = _ask(api, w3, "gpu-x").json()
+    done = api.client.post(f"/v1/leases/{base['lease_id']}/complete", headers=w3, json=ok_metrics(100.0))
+    assert done.status_code == 200, done.text
+    trial = _ask(api, w3, "gpu-x").json()
+    assert trial["kind"] == "trial"
+    lid = trial["lease_id"]
+    _, bound = _token(db_url, worker_id="gpu-x")
+
+    if first == "old token beats":
+        r = api.client.post(f"/v1/leases/{lid}/heartbeat", headers=w3)
+        assert r.status_code == 409 and "bound to another token" in r.text, r.text  # the worker stops the engine
+    r = api.client.post(f"/v1/leases/{lid}/complete", headers=bound, json=ok_metrics(100.0))
+    assert r.status_code == 404, r.text  # never the new token's to report
+    for call, body in (("heartbeat", None), ("progress", PROGRESS), ("complete", ok_metrics(100.0))):
+        r = api.client.post(f"/v1/leases/{lid}/{call}", headers=w3, json=body)
+        assert r.status_code in (404, 409), (call, r.status_code, r.text)
+
+    rows = _lease_rows(db_url, "rebind")
+    ended = next(r for r in rows if r[0] == lid)
+    assert ended[1] == "superseded", rows
+    # The trial is queued again, and the bound token's worker gets it as a new lease.
+    again = _ask(api, bound, "gpu-x").json()
+    assert again["lease_id"] != lid and again["kind"] == "trial" and again["trial_number"] == trial["trial_number"]
+    r = api.client.post(f"/v1/leases/{again['lease_id']}/heartbeat", headers=bound)
+    assert r.status_code == 200, r.text

@@ -10,6 +10,7 @@ from typing import Any
 
 from api.documents import Confirmation, StudyDocument, TrialRow
 from optimizer.space import SpecConfig
+from spectune_protocol.printable import printable
 
 LEVEL_FIELDS = (
     "output_tok_s",
@@ -93,13 +94,16 @@ def _config_columns(config: SpecConfig | None) -> dict[str, Any]:
 
 
 def cell(value: Any) -> Any:
-    """A CSV cell: text that a spreadsheet would run as a formula gets a leading `'`; numbers
+    """A CSV cell: text with its control characters written as escapes (`printable`: the CSV is
+    printed to a terminal by `study export`, and a worker's message may hold an OSC title or
+    `ESC[2J`), and text that a spreadsheet would run as a formula with a leading `'`; numbers
     (negative ones too) stay numbers."""
     if value is None:
         return ""
-    if isinstance(value, str) and value.startswith(_FORMULA_STARTS):
-        return "'" + value
-    return value
+    if not isinstance(value, str):
+        return value
+    value = printable(value)
+    return "'" + value if value.startswith(_FORMULA_STARTS) else value
 
 
 def confirmation_rows(study: str, confirmations: Sequence[Confirmation] | None) -> list[dict[str, Any]]:

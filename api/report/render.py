@@ -21,6 +21,7 @@ from api.report import plots, tradeoff
 from api.report.source import StudyData
 from optimizer.objective import describe, metric_words
 from optimizer.sglang import ServerSettings
+from spectune_protocol.printable import printable
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,9 @@ class Report:
 
 
 def _e(value: Any) -> str:
-    return html.escape(str(value))
+    # Control characters and bidi overrides as visible escapes first (a worker's failure message
+    # may hold them; spectune_protocol.printable is the one escape every output uses), then HTML's.
+    return html.escape(printable(str(value), keep_newlines=True))
 
 
 def _num(value: float | None, digits: int = 3) -> str:

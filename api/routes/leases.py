@@ -6,10 +6,12 @@ import json
 from functools import partial
 from typing import Annotated, TypeVar
 
+import anyio
 import anyio.to_thread
 from fastapi import APIRouter, Path, Request, Response, status
 
 from api.deps import LeasesDep, PrincipalDep
+from api.errors import BusyError
 from api.services import grants
 from spectune_protocol import (
     STANDING_HEADER,
@@ -34,8 +36,17 @@ T = TypeVar("T")
 
 async def _protocol_thread(request: Request, fn: partial[T]) -> T:
     """Runs a protocol call in the protocol's own threads (api.app: a report may wait for its
-    study's lock, and reads must not queue behind such waits)."""
-    return await anyio.to_thread.run_sync(fn, limiter=request.app.state.protocol_threads)
+    study's lock, and reads must not queue behind such waits).
+
+    A call whose thread or stream was closed under it (the server shutting down while the call
+    waited on a lock: an unhandled ClosedResourceError on a busy machine, issue 35) is answered
+    as busy, 503 with Retry-After: the worker asks again (a lease handed out meanwhile is handed
+    back to it, a report already stored is answered as a repeat).
+    """
+    try:
+        return await anyio.to_thread.run_sync(fn, limiter=request.app.state.protocol_threads)
+    except anyio.ClosedResourceError as e:
+        raise BusyError("the API closed this call while it waited; retry shortly") from e
 
 
 @router.post(

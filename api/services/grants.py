@@ -48,11 +48,35 @@ def may_act(s: Session, principal: Principal, lease: LeaseRow) -> bool:
     if principal.role != "worker":
         return False
     if principal.worker_id is not None:
-        return lease.worker_id == principal.worker_id
+        return lease.worker_id == principal.worker_id and not rebound(s, lease)
     grant = s.get(LeaseGrant, lease.id)
     # The grant, and the worker id's identity (api.services.identity): both must be this token's.
     return (
         grant is not None
         and grant.token_id == principal.token_id
         and identity.may_act_as(s, principal, lease.worker_id)
+        and not rebound(s, lease)
     )
+
+
+def granted_to(s: Session, principal: Principal, lease: LeaseRow) -> bool:
+    """Was `lease` handed to this very token?"""
+    grant = s.get(LeaseGrant, lease.id)
+    return grant is not None and grant.token_id == principal.token_id
+
+
+def rebound(s: Session, lease: LeaseRow) -> bool:
+    """Was `lease` granted to a token other than the live ones its worker id is bound to now?
+
+    An admin bound the id (`token create --worker-id`) after the lease was handed out: neither the
+    token it was handed to nor the new one may act on it; the lease service ends it
+    (leasing/ending.py).  Seen (issue 35): the new token completed the old token's lease (200)
+    and the old one still heartbeated it.
+    """
+    if lease.worker_id is None:
+        return False
+    grant = s.get(LeaseGrant, lease.id)
+    if grant is None:
+        return False  # a lease from before grants: the worker id decides
+    bound = identity.live_bound_tokens(s, lease.worker_id)
+    return bool(bound) and grant.token_id not in bound

@@ -73,6 +73,11 @@ def claim(s: Session, principal: Principal, worker_id: str, limit: int) -> None:
     _move(s, row, principal, db_now(s))
 
 
+def live_bound_tokens(s: Session, worker_id: str) -> set[int]:
+    """The live tokens an admin bound to `worker_id` (usually one)."""
+    return set(s.scalars(select(ApiToken.id).where(ApiToken.worker_id == worker_id, ApiToken.revoked_at.is_(None))))
+
+
 def _live_bound_token(s: Session, worker_id: str) -> int | None:
     return s.scalars(
         select(ApiToken.id).where(ApiToken.worker_id == worker_id, ApiToken.revoked_at.is_(None)).limit(1)

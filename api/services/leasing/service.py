@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 from datetime import UTC, datetime, timedelta
+from typing import NoReturn
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
@@ -26,15 +27,16 @@ from api.auth import Principal, require_role, require_worker
 from api.context import ServiceContext
 from api.db import LOCK_WAIT_MS, REPORT_LOCK_WAIT_MS, db_now, lock_name
 from api.errors import BusyError, ConflictError, InvalidInputError, LeaseGoneError
-from api.models import LeaseRow, WorkerRow
+from api.models import LeaseRow, StudyRow, WorkerRow
 from api.services import grants, identity, refusals, study_life
 from api.services.eligibility import requirements_unmet
 from api.services.leasing import records
 from api.services.leasing.baseline import BaselineLeases
 from api.services.leasing.confirm import ConfirmLeases
+from api.services.leasing.ending import LeaseEnding, study_state
 from api.services.leasing.expiry import Expiry
 from api.services.leasing.records import HostHealth, lease_out
-from api.services.leasing.states import LeaseKind, LeaseState, WorkerHoldsLeaseError
+from api.services.leasing.states import LeaseKind, LeaseState, StudyState, WorkerHoldsLeaseError
 from api.services.leasing.trial import TrialLeases
 from api.services.report_checks import check_report
 from api.services.study_specs import baseline_key_of, running_specs, spec_of, study_trials
@@ -73,6 +75,7 @@ class LeaseService:
         self.trials = TrialLeases(ctx, self.health)
         self.confirms = ConfirmLeases(ctx, self.health)
         self.expiry = Expiry(ctx, self.health, self.trials, self.confirms)
+        self.ending = LeaseEnding(ctx, self.trials, self.confirms)
 
     def reclaim_expired(self) -> int:
         return self.expiry.reclaim_expired()
@@ -88,9 +91,21 @@ class LeaseService:
             worker = self._touch_worker(s, worker_id, inventory, now)
             current = self._active_lease_of(s, worker_id)
             held = None
+            ended = None
+            foreign = False
             if current is not None and current.deadline is not None and current.deadline >= now:
                 held = (current, current.kind, current.study_name, current.trial_number)
+                ended = study_state(s.get(StudyRow, current.study_name))
+                foreign = grants.rebound(s, current)
             quarantined = worker.quarantined
+        if held is not None and foreign:
+            # Handed to a token other than the one this id is bound to now: it ends, never handed on.
+            self.ending.end_rebound(held[0].id, held[2], grants.rebound)
+            held = None
+        elif held is not None and ended is not None:
+            # Its study stopped or finished: the lease ends instead of being handed back.
+            self.ending.end_with_study(held[0].id, held[2], ended)
+            held = None
         if held is not None:
             lease, kind, study, number = held
             if kind != LeaseKind.TRIAL or number is None or self._trial_running(study, number):
@@ -265,28 +280,65 @@ class LeaseService:
         if lease.state != LeaseState.ACTIVE:
             raise ConflictError(f"lease {lease.id} is {lease.state}; stop this work")
 
+    def _study_ended(self, lease_id: str, study: str, state: StudyState) -> NoReturn:
+        """End a lease whose study stopped or finished (ended_study.py) and answer 409, on which
+        the worker cancels its work and stops the engine.  Called outside the unit that read the
+        lease: the lease ends under the study's lock, taken before any row."""
+        self.ending.end_with_study(lease_id, study, state)
+        raise ConflictError(f"study {study!r} is {state}: lease {lease_id} has ended; stop this work")
+
+    def _end_if_rebound(self, principal: Principal, lease_id: str) -> None:
+        """A lease whose worker id was bound to another token since it was granted ends here
+        (grants.rebound); the token it was granted to hears 409 (it stops the engine), any other
+        token then gets the usual 404 from `_owned`."""
+        if principal.role != "worker":
+            return
+        with self.ctx.sessions() as s:
+            lease = s.get(LeaseRow, lease_id)
+            if lease is None or lease.state != LeaseState.ACTIVE or not grants.rebound(s, lease):
+                return
+            mine = grants.granted_to(s, principal, lease)
+            study, worker_id = lease.study_name, lease.worker_id
+        self.ending.end_rebound(lease_id, study, grants.rebound)
+        if mine:
+            raise ConflictError(
+                f"worker id {worker_id!r} is now bound to another token: lease {lease_id} has ended; stop this work"
+            )
+
     def heartbeat(self, principal: Principal, lease_id: str) -> HeartbeatOut:
+        self._end_if_rebound(principal, lease_id)
         with self.ctx.unit() as u, u.step() as s:
             now = db_now(s)
             lease = self._owned(s, principal, lease_id)
             self._require_live(lease, now)
-            lease.deadline = now + timedelta(seconds=self.settings.lease_ttl_s)
-            records.touch_seen(s, lease.worker_id, now)
-            return HeartbeatOut(deadline=lease.deadline.replace(tzinfo=UTC))
+            ended = study_state(s.get(StudyRow, lease.study_name))
+            study = lease.study_name
+            if ended is None:
+                lease.deadline = now + timedelta(seconds=self.settings.lease_ttl_s)
+                records.touch_seen(s, lease.worker_id, now)
+                return HeartbeatOut(deadline=lease.deadline.replace(tzinfo=UTC))
+        self._study_ended(lease_id, study, ended)
 
     def progress(self, principal: Principal, lease_id: str, body: ProgressIn) -> ProgressOut:
+        self._end_if_rebound(principal, lease_id)
         with self.ctx.unit() as u:
             with u.step() as s:
                 now = db_now(s)
                 lease = self._owned(s, principal, lease_id)
                 self._require_live(lease, now)
-                lease.deadline = now + timedelta(seconds=self.settings.lease_ttl_s)
-                if lease.kind != LeaseKind.TRIAL or lease.trial_number is None or lease.worker_id is None:
-                    return ProgressOut(action="continue")
-                spec = spec_of(s, lease.study_name)
-                base_row = records.latest_baseline(s, lease.worker_id, baseline_key_of(spec))
-                base = None if base_row is None else records.baseline_tok_s(base_row)
-                number = lease.trial_number
+                ended = study_state(s.get(StudyRow, lease.study_name))
+                if ended is not None:
+                    study = lease.study_name
+                else:
+                    lease.deadline = now + timedelta(seconds=self.settings.lease_ttl_s)
+                    if lease.kind != LeaseKind.TRIAL or lease.trial_number is None or lease.worker_id is None:
+                        return ProgressOut(action="continue")
+                    spec = spec_of(s, lease.study_name)
+                    base_row = records.latest_baseline(s, lease.worker_id, baseline_key_of(spec))
+                    base = None if base_row is None else records.baseline_tok_s(base_row)
+                    number = lease.trial_number
+        if ended is not None:
+            self._study_ended(lease_id, study, ended)
         if base is None or body.concurrency not in base or base[body.concurrency] <= 0:
             return ProgressOut(action="continue")
         if spec.objective.name != "throughput":
@@ -301,6 +353,7 @@ class LeaseService:
             raise InvalidInputError("metrics: an ok outcome needs metrics", field="metrics")
         if body.outcome == "failed" and body.failure is None:
             raise InvalidInputError("failure: a failed outcome needs a failure with kind and message", field="failure")
+        self._end_if_rebound(principal, lease_id)
         with self.ctx.sessions() as s:
             seen = self._owned(s, principal, lease_id, for_update=False)
             if seen.state in (LeaseState.COMPLETED, LeaseState.FAILED):

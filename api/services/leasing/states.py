@@ -3,7 +3,8 @@
     queued ──claim──▶ active ──report ok──▶ completed
       │                 │ ├──report failed──▶ failed
       │                 │ ├──deadline passed──▶ expired ──late report──▶ completed | failed
-      │                 │ └──its trial finished elsewhere──▶ superseded
+      │                 │ └──its trial finished elsewhere, its study stopped or finished, or its
+      │                 │    worker id was bound to another token (ending.py)──▶ superseded
       └──its trial finished elsewhere──▶ superseded
 
 Every move is a guarded compare-and-set (`UPDATE … WHERE id = :id AND state = :from`) inside the
