@@ -22,7 +22,7 @@ from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
 from api.errors import ConflictError
-from api.models import BaselineRow, EventRow, LeaseRow, StudyRow, TrialConfigRow, WorkerIdentity, WorkerRow
+from api.models import ApiToken, BaselineRow, EventRow, LeaseRow, StudyRow, TrialConfigRow, WorkerIdentity, WorkerRow
 from api.services.eligibility import requirements_unmet
 from api.services.launch_noise import confirm_measurement
 from api.services.lease_rows import LeaseKind, lease_payload, new_lease_row
@@ -106,6 +106,7 @@ def snapshot(
             finished_at=r.finished_at,
             avoid_worker=(r.payload.get("confirm") or {}).get("avoid_worker") if r.kind == LeaseKind.CONFIRM else None,
             measurement=_measurement(r),
+            independent=not ((r.result or {}).get("confirmation") or {}).get("not_independent"),
             **_deployment(r),
         )
         for r in s.scalars(
@@ -129,6 +130,7 @@ def snapshot(
         for b in s.scalars(select(BaselineRow).where(BaselineRow.baseline_key == key).order_by(BaselineRow.measured_at))
     ]
     refused = {e.worker_id for e in active_refusals(s, study=spec.name)}
+    tokens = worker_tokens(s)
     hosts = [
         c.HostView(
             w.id,
@@ -136,6 +138,7 @@ def snapshot(
             quarantined=w.quarantined,
             eligible=not requirements_unmet(spec, w.inventory or {}),
             refused=w.id in refused,
+            token=tokens.get(w.id),
         )
         for w in s.scalars(select(WorkerRow))
     ]
@@ -169,6 +172,16 @@ def snapshot(
         ending=ending_of(row),
         search_done=search_done,
     )
+
+
+def worker_tokens(s: Session) -> dict[str, int]:
+    """The token that speaks for each worker id: bound by an admin, or claimed on first use."""
+    out = {w: t for w, t in s.execute(select(WorkerIdentity.worker_id, WorkerIdentity.token_id))}
+    bound = select(ApiToken.worker_id, ApiToken.id).where(
+        ApiToken.worker_id.is_not(None), ApiToken.revoked_at.is_(None)
+    )
+    out |= {w: t for w, t in s.execute(bound) if w is not None}
+    return out
 
 
 def _deployment(r: LeaseRow) -> dict[str, Any]:
