@@ -76,25 +76,35 @@ def pace_problem(workload: Workload, levels: Sequence[Level], elapsed_s: float) 
 def baseline_problem(
     levels: Sequence[Level], peers: Sequence[Mapping[int, float]], own_earlier: Mapping[int, float] | None
 ) -> str | None:
-    """A baseline far off other tokens' baselines of the same key (their median, per level), or
-    its host's own earlier one: the same server on another host, or earlier on this one."""
+    """A baseline far off other tokens' baselines of the same key, or its host's own earlier one:
+    the same server on another host, or earlier on this one.
+
+    Other tokens speak against it only as a consensus: at least two of them agreeing with each
+    other, none near it.  One token's baseline decides nothing about another's: a liar first on a
+    study once set the reference (1e6 tok/s) that had both honest hosts quarantined.
+    """
     for lv in levels:
         others = [p[lv.concurrency] for p in peers if p.get(lv.concurrency, 0) > 0]
-        if others:
+        if len(others) >= 2 and not any(_near(lv.tok_s, o) for o in others):
             ref = statistics.median(others)
-            if not 1 / BASELINE_FACTOR <= lv.tok_s / ref <= BASELINE_FACTOR:
+            if sum(_near(o, ref) for o in others) >= 2:
                 return (
                     f"baseline {lv.tok_s:g} tok/s at concurrency {lv.concurrency} is more than {BASELINE_FACTOR:g}x "
                     f"off the {ref:g} tok/s other hosts measured for the same server and workload"
                 )
         if own_earlier is not None and own_earlier.get(lv.concurrency, 0) > 0:
             ref = own_earlier[lv.concurrency]
-            if not 1 / BASELINE_FACTOR <= lv.tok_s / ref <= BASELINE_FACTOR:
+            if not _near(lv.tok_s, ref):
                 return (
                     f"baseline {lv.tok_s:g} tok/s at concurrency {lv.concurrency} is more than {BASELINE_FACTOR:g}x "
                     f"off this host's earlier {ref:g} tok/s for the same server and workload"
                 )
     return None
+
+
+def _near(a: float, b: float) -> bool:
+    """Within BASELINE_FACTOR of each other."""
+    return 1 / BASELINE_FACTOR <= a / b <= BASELINE_FACTOR
 
 
 def speedup_problem(config: SpecConfig | None, levels: Sequence[Level], baseline: Mapping[int, float]) -> str | None:

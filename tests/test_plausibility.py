@@ -44,6 +44,9 @@ def test_a_baseline_far_off_other_hosts_or_its_own_is_implausible() -> None:
     peers = [{1: 5992.0}, {1: 6100.0}]
     assert P.baseline_problem([level(5000.0)], peers, None) is None
     assert "other hosts" in (P.baseline_problem([level(0.001)], peers, None) or "")
+    # One other token decides nothing: a liar first on a study must not condemn the honest hosts.
+    assert P.baseline_problem([level(2353.0)], [{1: 1e6}], None) is None
+    assert P.baseline_problem([level(2527.0)], [{1: 1e6}, {1: 2353.0}], None) is None
     assert "earlier" in (P.baseline_problem([level(0.5)], [], {1: 100.0}) or "")
     assert P.baseline_problem([level(90.0)], [], {1: 100.0}) is None
 
