@@ -264,7 +264,9 @@ def run_demo(
     token_path = workdir / "user.token"
     token_path.write_text(user_token + "\n")
     token_path.chmod(0o600)
-    _, worker_token = create_token(factory, "worker", "demo-workers")
+    # One token per host, as a fleet has them: a confirmation counts only from another token than
+    # the one that found its candidate (issue 35).
+    worker_tokens = [create_token(factory, "worker", f"demo-worker-{i}")[1] for i in range(N_WORKERS)]
     engine.dispose()
 
     port = _free_port()
@@ -296,7 +298,7 @@ def run_demo(
         for i in range(N_WORKERS):
             cfg = _write_worker_config(workdir, i, api_url, landscape)
             token_file = cfg.parent / "worker.token"
-            token_file.write_text(worker_token + "\n")
+            token_file.write_text(worker_tokens[i] + "\n")
             token_file.chmod(0o600)
             log_path = cfg.parent / "worker.log"
             proc = stack.enter_context(

@@ -115,6 +115,9 @@ class Winner(BestTrial):
     speedup_interval: Interval | None
     confirmed: bool
     confirmed_on: str | None
+    # Why its re-measurement is no confirmation (the token or host that found it measured it again:
+    # one token serves the study), or None (issue 35).
+    not_independent: str | None = None
     # A confirmed winner is one record of the launch its numbers come from (worker_id and levels are that launch's).
     search_worker_id: str | None = Field(default=None, description="the host the search measured it on")
     lease_id: str | None = Field(default=None, description="the confirmation lease the numbers come from")
@@ -172,6 +175,11 @@ class Confirmation(_Document):
     extra_passes: int
     saturated: dict[str, str] = Field(description="levels whose measurement saturated the host, with why")
     adaptive: bool = Field(default=False, description="the launch of the adaptive answer exactly as printed")
+    not_independent: str | None = Field(
+        default=None,
+        description="why this launch does not confirm its candidate independently (the worker token or host that "
+        "found it measured it again, or its baseline came from another token), or null when it does",
+    )
     launches: int = Field(
         default=1,
         description="completed confirmation launches pooled in its speedup and interval (the conductor orders "

@@ -155,6 +155,10 @@ class LeaseRow(Base):
     # The report as received (metrics or failure) and what we derived from it.
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     speedup: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # The worker token that reported it (only the token it was granted to may: api.services.grants);
+    # None before migration 0007.  Independence is judged by token, not worker id: one unbound
+    # token may speak for several worker ids (issue 35).
+    token_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class BaselineRow(Base):

@@ -7,6 +7,7 @@ rewritten only when its text changed, so refreshing it on every dashboard poll c
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,8 +22,19 @@ from api.services.studies import StudyService
 from optimizer.errors import StudyNotFoundError
 from optimizer.objective import describe
 from optimizer.spec import Objective
+from spectune_protocol.printable import printable
 
 log = logging.getLogger("spectune.api.notes")
+
+
+# Markdown's own characters: escaped in text a worker's report may carry (finish_reason and
+# verdict quote it), so a forged "[click](https://...)" shows as typed and never renders a link.
+_MARKDOWN = re.compile(r"([\\`*_{}\[\]()<>#+\-.!|~])")
+
+
+def md_plain(text: str) -> str:
+    """`text` as plain text inside the markdown note: control characters and markdown escaped."""
+    return _MARKDOWN.sub(r"\\\1", printable(text))
 
 
 def _fmt(x: Any, digits: int = 3) -> str:
@@ -65,9 +77,9 @@ def render_note(shown: StudyDocument, baselines: list[str]) -> str:
         "",
         f"**Objective:** {objective_text(spec.objective, spec.workload.concurrency)}",
         "",
-        f"**State:** {shown.state}" + (f" — {shown.finish_reason}" if shown.finish_reason else ""),
+        f"**State:** {shown.state}" + (f" — {md_plain(shown.finish_reason)}" if shown.finish_reason else ""),
         "",
-        f"**Verdict:** {shown.verdict}",
+        f"**Verdict:** {md_plain(shown.verdict)}",
         "",
         "## Spec",
         f"- model `{model.target}`, draft `{model.draft}`, tp {model.tp_size}, "

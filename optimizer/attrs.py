@@ -143,6 +143,11 @@ class TrialRecord:
         return self._str(WORKER_ID)
 
     @property
+    def lease_id(self) -> str | None:
+        """The lease whose report this trial's value is (its token says who measured it)."""
+        return self._str(LEASE_ID)
+
+    @property
     def sglang_version(self) -> str | None:
         return self._str(SGLANG_VERSION)
 

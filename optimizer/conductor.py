@@ -39,7 +39,8 @@ from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 from optimizer.study import best_trial_of, is_feasible
 from optimizer.study_state import Ending, FinishReason, Outcome, Phase, StudyState, confirmed_detail
-from spectune_protocol import Resolve
+from spectune_protocol import MAX_RESOLVE_THRESHOLD, Resolve
+from spectune_protocol.printable import printable
 
 # A host's baseline that moved by more than this between two measurements has drifted: its
 # confirmations then each get a baseline right before them (optimizer.confirmation).
@@ -81,6 +82,8 @@ class LeaseView:
     tier: int | None = None
     server: ServerSettings | None = None
     failure: str | None = None
+    # A completed confirmation that another token and host than the search's measured (issue 35).
+    independent: bool = True
 
     @property
     def live(self) -> bool:
@@ -116,6 +119,9 @@ class HostView:
     # and it has not been heard from since: not waited for, however recently it was seen
     # (docs/leases.md "Lost workers").
     lost: bool = False
+    # The worker token that speaks for this worker id (api.services.identity), where known: one
+    # unbound token may use several worker ids, and "another host" means another token (issue 35).
+    token: int | None = None
 
 
 @dataclass(frozen=True)
@@ -530,9 +536,13 @@ def settle(snap: Snapshot) -> Action:
         more = relaunches(snap)
         if more is not None:
             return more
-        done = sum(1 for le in snap.leases if le.kind == "confirm" and le.state == "completed")
+        done = [le for le in snap.leases if le.kind == "confirm" and le.state == "completed"]
+        own = sum(1 for le in done if not le.independent)
         why = snap.ending or Ending(FinishReason.MAX_TRIALS, "budget used")
-        return Finish(Ending(why.reason, confirmed_detail(why.detail, done)))
+        detail = confirmed_detail(why.detail, len(done) - own)
+        if own:
+            detail += f"; {own} re-measured only by the worker token or host that found them"
+        return Finish(Ending(why.reason, detail))
     ending = _search_ending(snap, assessment)
     if ending is None:
         return Ask()
@@ -615,24 +625,36 @@ def _unleased_running(snap: Snapshot) -> bool:
 
 # ----------------------------------------------------------------------------------- study faults
 
-# A study whose baseline failed for what it asks on this many hosts is stopped: the fault follows it.
+# A study whose baseline failed for what it asks on this many hosts, each with a worker token of
+# its own, is stopped: the fault follows it.  One token's word is never enough: a stolen unbound
+# token once stopped other users' studies with one forged `invalid_config` (issue 35).
 STOP_AFTER_HOSTS = 2
+# What each study fault means, in the service's own words (the worker's text follows, escaped).
+FAULT_WORDS = {
+    "invalid_config": "the engine rejected its settings",
+    "oom": "out of memory with its settings",
+    "launch_timeout": "its server did not start in time",
+    "request_rejected": "the engine rejected its benchmark requests",
+}
 
 
-def baseline_fault(kind: str, message: str, hosts: int) -> Ending | None:
+def baseline_fault(kind: str, message: str, hosts: int, from_spec: str | None = None) -> Ending | None:
     """Does a baseline that failed for what the study asks stop the study?  (None: not yet.)
 
-    At once for a value the engine rejects (`invalid_config`: wrong on every host); after
-    STOP_AFTER_HOSTS hosts for a fault that depends on the host's GPUs (memory, start-up time).
-    The study is stopped, not finished: fixed and created again, it starts from nothing wrong.
+    After STOP_AFTER_HOSTS hosts with their own tokens agree, or at once where the spec itself
+    proves the fault (`from_spec`, the service's own reading of the spec, e.g. a workload longer
+    than its context length).  The reason shown is the classified one; the worker's text is kept
+    after it, control characters escaped (`printable`).  The study is stopped, not finished: fixed
+    and created again, it starts from nothing wrong.
     """
-    if kind != "invalid_config" and hosts < STOP_AFTER_HOSTS:
+    if from_spec is None and hosts < STOP_AFTER_HOSTS:
         return None
-    where = "the engine rejects its settings" if kind == "invalid_config" else f"on {hosts} hosts"
+    where = from_spec if from_spec is not None else f"on {hosts} hosts with their own worker tokens"
+    said = printable(message[:120])
     return Ending(
         FinishReason.STUDY_FAULT,
-        f"stopped: its baseline failed ({where}): {kind}: {message[:120]}; fix the study's model "
-        "settings and create it again",
+        f"stopped: its baseline failed ({where}): {FAULT_WORDS.get(kind, kind)} ({kind}; the worker said: {said}); "
+        "fix the study's settings and create it again",
     )
 
 
@@ -664,7 +686,9 @@ def candidates(snap: Snapshot) -> tuple[Candidate, ...]:
                 t.number,
                 r.config,
                 t.value,
-                measured_on if capable - {measured_on} else None,
+                measured_on
+                if measured_on is not None and any(not same_token(snap, h, measured_on) for h in capable)
+                else None,
                 *(first if first is not None else (0, None)),
             )
         )
@@ -719,7 +743,9 @@ def resolve_order(snap: Snapshot, lease: LeaseView, base: Baseline) -> Resolve |
         and le.measurement is not None
         and le.trial_number != lease.trial_number
     ]
-    thresholds = sorted({1.0, 1.0 + spec.budget.min_gain, *(v for v in others if v > 0)})
+    # Only speedups a Resolve can carry: a forged 1e12 once made every confirm lease answer 500
+    # (the order failed its own validation), so the study could neither confirm nor move on.
+    thresholds = sorted({1.0, 1.0 + spec.budget.min_gain, *(v for v in others if 0 < v <= MAX_RESOLVE_THRESHOLD)})
     return Resolve(
         levels=list(spec.workload.concurrency),
         objective_concurrency=spec.objective.concurrency,
@@ -1032,8 +1058,16 @@ def _confirming_hosts(snap: Snapshot) -> set[str]:
 
 
 def _may_take(snap: Snapshot, worker_id: str, lease: LeaseView) -> bool:
-    """May this host confirm `lease`?  Not the host that found it, while another host can."""
-    return not (lease.avoid_worker == worker_id and _another_host_can_confirm(snap, worker_id))
+    """May this host confirm `lease`?  Not the host that found it, nor another worker id of its
+    token, while a host of another token can."""
+    found = lease.avoid_worker
+    return not (found is not None and same_token(snap, worker_id, found) and _another_host_can_confirm(snap, found))
+
+
+def same_token(snap: Snapshot, a: str, b: str) -> bool:
+    """Do these worker ids speak for one token (or are they one id)?  Unknown tokens: ids alone."""
+    ha, hb = snap.host(a), snap.host(b)
+    return a == b or (ha is not None and hb is not None and ha.token is not None and ha.token == hb.token)
 
 
 def _holds_fresh_baseline(snap: Snapshot, worker_id: str) -> bool:
@@ -1077,9 +1111,10 @@ def _another_host_takes_all(snap: Snapshot, worker_id: str, queued: Sequence[Lea
 
 
 def _another_host_can_confirm(snap: Snapshot, worker_id: str) -> bool:
-    """Is another live, healthy, eligible host that has not refused the study around to confirm?"""
+    """Is another live, healthy, eligible host of another token that has not refused the study
+    around to confirm?"""
     with_baseline = _with_baseline(snap)
-    return any(h.id != worker_id and h.id in with_baseline for h in snap.live_hosts())
+    return any(not same_token(snap, h.id, worker_id) and h.id in with_baseline for h in snap.live_hosts())
 
 
 def baseline_serves(snap: Snapshot, worker_id: str, base: Baseline) -> bool:
@@ -1177,6 +1212,8 @@ class Answer:
     saturated: Mapping[int, str] = field(default_factory=dict)
     # Confirmed candidates it cannot be told apart from, in words (optimizer.confirmation.choose).
     tie_note: str | None = None
+    # Why its re-measurement is no independent confirmation (api.services.leasing.confirm).
+    not_independent: str | None = None
 
 
 def pays(answer: Answer | None) -> bool:
@@ -1220,5 +1257,6 @@ def verdict(
         saturated=answer.saturated,
         fresh=answer.fresh_baseline,
         metric=metric,
+        not_independent=answer.not_independent,
     )
     return f"{text}; {answer.tie_note}" if answer.tie_note else text

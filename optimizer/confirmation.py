@@ -351,6 +351,7 @@ def verdict(
     saturated: Mapping[int, str] | None = None,
     fresh: bool = True,
     metric: str = "output throughput",
+    not_independent: str | None = None,
 ) -> str:
     """The one-line answer.  Says "speculation does not pay here" unless the interval clears 1.
 
@@ -358,6 +359,7 @@ def verdict(
 
     A result resting on a saturated level is no answer: the verdict says so and why.
     `fresh`: the confirmation's baseline was one measured for it; "fresh" is said only then.
+    `not_independent`: why the re-measurement is no confirmation (the token that found it measured it).
     """
     if value is None:
         return "no result yet"
@@ -369,7 +371,10 @@ def verdict(
             "not the configuration's: measure on a host with room (fewer tenants, or a slower simulated engine)"
         )
     band = "" if interval is None else f" (95% interval {interval.low:.3f}-{interval.high:.3f})"
-    if confirmed and fresh:
+    if not_independent is not None:
+        # Never "confirmed": no second token vouches for it (issue 35).
+        how = f"{not_independent}; no second worker token vouches for it"
+    elif confirmed and fresh:
         how = f"confirmed against a fresh baseline{where}"
     elif confirmed:
         how = f"re-measured{where} against that host's latest baseline, which was not measured for it"

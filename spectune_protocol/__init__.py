@@ -61,6 +61,9 @@ MAX_LABELS = 72  # 64 from the worker's config, plus the derived gpu_model and g
 # What the API may ask of a worker's heartbeat: never a busy loop, never a silence of hours.
 MIN_HEARTBEAT_S = 0.05
 MAX_HEARTBEAT_S = 3600.0
+# The speedups a confirmation's extra passes resolve against (Resolve.thresholds): no real
+# speedup is near it; a larger stored one (a forged report, issue 35) is no threshold to resolve.
+MAX_RESOLVE_THRESHOLD = 1000.0
 
 TokS = Annotated[float, Field(ge=MIN_TOK_S, le=MAX_TOK_S)]
 Millis = Annotated[float, Field(ge=0, le=MAX_MS)]
@@ -85,7 +88,14 @@ RunKey = Literal[
 # `refused`: the worker will not run what the *study* asks on this host (a model not in its
 # registry, a flag outside its allowlist, a prompt file it lacks, a lease it cannot read).  A
 # study fault, never counted against the host: the study is not offered to that worker again.
-FailureKind = Literal["invalid_config", "oom", "launch_timeout", "crash", "benchmark_error", "lost", "refused"]
+# `request_rejected`: the engine answered the study's own benchmark requests with HTTP 4xx (a
+# prompt longer than the context, sampling parameters it refuses): a study fault, with the spec
+# field the engine's answer points at (`SpecField`), never charged to the host (issue 35).
+FailureKind = Literal[
+    "invalid_config", "oom", "launch_timeout", "crash", "benchmark_error", "lost", "refused", "request_rejected"
+]
+# The study's fields an engine's 4xx answer can point at (workers/loadgen/rejection.py reads them).
+SpecField = Literal["workload.input_len", "workload.output_len", "workload.prompts", "workload"]
 
 
 class GpuInfo(BaseModel):
@@ -129,7 +139,7 @@ class Resolve(BaseModel):
     # The objective's level, or None: the geometric mean over `levels`.
     objective_concurrency: int | None = None
     baseline_runs: dict[str, list[Annotated[float, Field(ge=0, le=MAX_TOK_S)]]] = Field(max_length=64)
-    thresholds: list[Annotated[float, Field(gt=0, le=1000)]] = Field(max_length=16)
+    thresholds: list[Annotated[float, Field(gt=0, le=MAX_RESOLVE_THRESHOLD)]] = Field(max_length=16)
     extra_var: float = Field(ge=0, le=10)
     max_passes: int = Field(ge=0, le=1000)
 
@@ -298,6 +308,8 @@ class Failure(BaseModel):
     # True when the host, not the configuration, is at fault (e.g. argparse rejected a flag name
     # for this SGLang version): then the trial is retried elsewhere and never taught to the sampler.
     host_fault: bool = False
+    # `request_rejected`: which of the study's fields the engine's answer points at.
+    spec_field: SpecField | None = None
     # Levels measured before the work was interrupted (e.g. the worker shut down mid-benchmark):
     # kept with the trial if it is given up, so a measurement is never thrown away.
     levels: list[LevelMetrics] = Field(default_factory=list, max_length=64)

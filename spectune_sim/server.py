@@ -617,6 +617,9 @@ def build_app(sim: SimServer) -> Starlette:
         except (TypeError, ValueError):
             return _error(400, "sampling_params.max_new_tokens must be an integer")
         stream = bool(body.get("stream", False))
+        too_long = _context_refusal(sim, prompts, max_new)
+        if too_long is not None:
+            return _error(400, too_long)
         if isinstance(prompts, list):
             if stream:
                 return _error(400, "the simulator streams one prompt per request; send a single text")
@@ -701,6 +704,23 @@ async def _json_body(sim: SimServer, request: HttpRequest) -> Any:
         return await request.json()
     except ValueError:
         return _error(400, "the request body is not JSON")
+
+
+def _context_refusal(sim: SimServer, prompts: int | list[int], max_new: int) -> str | None:
+    """SGLang's 400 for a request that does not fit the context (its tokenizer manager refuses it
+    before scheduling, in these words), or None."""
+    context = int(sim.r.values["context_length"])
+    for n in prompts if isinstance(prompts, list) else [prompts]:
+        if n >= context:
+            return f"The input ({n} tokens) is longer than the model's context length ({context} tokens)."
+        if n + max_new > context:
+            return (
+                f"Requested token count exceeds the model's maximum context length of {context} tokens. You "
+                f"requested a total of {n + max_new} tokens: {n} tokens from the input messages and {max_new} "
+                "tokens for the completion. Please reduce the number of tokens in the input messages or the "
+                "completion to fit within the limit."
+            )
+    return None
 
 
 def _prompt_lengths(prompt: Any, *, is_ids: bool) -> int | list[int] | None:

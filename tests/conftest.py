@@ -138,17 +138,53 @@ def make_settings(db_url: str, **overrides: Any) -> Any:
 
 
 class Api:
-    """A TestClient with one token per role."""
+    """A TestClient with one token per role.
 
-    def __init__(self, client: TestClient, tokens: dict[str, str]) -> None:
+    Role "fleet" is a fleet of worker hosts, each with a token of its own (a confirmation counts
+    only from another token than the one that found its candidate, issue 35): asking as worker id
+    W uses W's token (made on first use), and a lease's heartbeat, progress and report go with the
+    token it was handed to.  Role "worker" is one token for every worker id.
+    """
+
+    def __init__(self, client: TestClient, tokens: dict[str, str], db_url: str | None = None) -> None:
         self.client = client
         self.tokens = tokens
+        self.db_url = db_url
+        self.host_tokens: dict[str, str] = {}
+        self.lease_tokens: dict[str, str] = {}
 
     def h(self, role: str) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.tokens[role]}"}
 
+    def host_token(self, worker_id: str) -> str:
+        if worker_id not in self.host_tokens:
+            from api.auth import create_token
+            from api.db import make_engine, make_sessionmaker
+
+            assert self.db_url is not None, "role 'fleet' needs the Api's db_url"
+            engine = make_engine(self.db_url)
+            try:
+                self.host_tokens[worker_id] = create_token(make_sessionmaker(engine), "worker", f"host-{worker_id}")[1]
+            finally:
+                engine.dispose()
+        return self.host_tokens[worker_id]
+
+    def _fleet_token(self, path: str) -> str:
+        parts = path.split("/")
+        if path.startswith("/v1/workers/") and len(parts) > 4 and parts[4] == "lease":
+            return self.host_token(parts[3])
+        if path.startswith("/v1/leases/") and len(parts) > 3 and parts[3] in self.lease_tokens:
+            return self.lease_tokens[parts[3]]
+        return self.tokens["worker"]
+
     def post(self, path: str, role: str, json: Any = None, **kw: Any) -> Any:
-        return self.client.post(path, headers=self.h(role), json=json, **kw)
+        if role != "fleet":
+            return self.client.post(path, headers=self.h(role), json=json, **kw)
+        token = self._fleet_token(path)
+        r = self.client.post(path, headers={"Authorization": f"Bearer {token}"}, json=json, **kw)
+        if r.status_code == 200 and path.endswith("/lease") and "lease_id" in r.json():
+            self.lease_tokens[r.json()["lease_id"]] = token
+        return r
 
     def get(self, path: str, role: str, **kw: Any) -> Any:
         return self.client.get(path, headers=self.h(role), **kw)
@@ -172,7 +208,7 @@ def api(db_url: str, tmp_path: Path) -> Iterator[Api]:
 
     tokens = make_tokens(db_url)
     with TestClient(create_app(make_settings(db_url, artifact_dir=str(tmp_path / "artifacts")))) as client:
-        yield Api(client, tokens)
+        yield Api(client, tokens, db_url)
 
 
 @pytest.fixture

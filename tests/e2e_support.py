@@ -156,13 +156,33 @@ class Cluster:
             proc, self._api_proc = self._api_proc, None
             stop_process_group(proc)
 
-    def add_worker(self, name: str, models: dict[str, str], env: dict[str, str] | None = None, **kw: Any) -> WorkerProc:
-        w = write_worker_config(
-            self.root, name, f"http://127.0.0.1:{self.api_port}", self.tokens["worker"], models, env, **kw
-        )
+    def add_worker(
+        self,
+        name: str,
+        models: dict[str, str],
+        env: dict[str, str] | None = None,
+        *,
+        shared_token: bool = False,
+        **kw: Any,
+    ) -> WorkerProc:
+        """A worker process with a token of its own, as each host of a fleet has (a confirmation
+        counts only from another token than the search's, issue 35); `shared_token`: the one token
+        the cluster's tests share."""
+        token = self.tokens["worker"] if shared_token else self.new_token("worker", f"worker-{name}")
+        w = write_worker_config(self.root, name, f"http://127.0.0.1:{self.api_port}", token, models, env, **kw)
         self.workers.append(w)
         start_worker(w)
         return w
+
+    def new_token(self, role: str, name: str) -> str:
+        from api.auth import create_token
+        from api.db import make_engine, make_sessionmaker
+
+        engine = make_engine(self.db_url)
+        try:
+            return create_token(make_sessionmaker(engine), role, name)[1]
+        finally:
+            engine.dispose()
 
     def create_study(self, spec: dict[str, Any]) -> None:
         r = httpx.post(f"{self.api_url}/v1/studies", json=spec, headers=self.user, timeout=30)

@@ -80,7 +80,7 @@ OOM = {"outcome": "failed", "failure": {"kind": "oom", "message": "CUDA out of m
 
 
 def lease(api: Api, worker: str, inventory: dict[str, Any] | None = None) -> dict[str, Any] | None:
-    r = api.post(f"/v1/workers/{worker}/lease", "worker", inventory or INVENTORY)
+    r = api.post(f"/v1/workers/{worker}/lease", "fleet", inventory or INVENTORY)
     assert r.status_code in (200, 204), r.text
     return r.json() if r.status_code == 200 else None
 
@@ -112,7 +112,7 @@ def drive(
                 body = OOM
             else:
                 body = ok(sim_levels(landscape, got["config"], levels))
-            r = api.post(f"/v1/leases/{got['lease_id']}/complete", "worker", body)
+            r = api.post(f"/v1/leases/{got['lease_id']}/complete", "fleet", body)
             assert r.status_code == 200, r.text
     raise AssertionError(f"study {study} still running after {max_rounds} rounds")
 

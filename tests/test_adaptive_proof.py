@@ -235,7 +235,7 @@ def _split_load_study(
                 body = ok(_adaptive_levels(got["server"], got["config"], levels)) if starts else OOM
             else:
                 body = ok(sim_levels("split-load", got["config"] if got["kind"] != "baseline" else None, levels))
-            assert api.post(f"/v1/leases/{got['lease_id']}/complete", "worker", body).status_code == 200
+            assert api.post(f"/v1/leases/{got['lease_id']}/complete", "fleet", body).status_code == 200
     raise AssertionError("the study did not finish")
 
 

@@ -44,7 +44,7 @@ def _drive(api: Api, study: str, landscape: str, *, confirm_ooms: bool = False) 
                 body: dict[str, Any] = OOM
             else:
                 body = ok(sim_levels(landscape, got["config"] if got["kind"] != "baseline" else None, levels))
-            assert api.post(f"/v1/leases/{got['lease_id']}/complete", "worker", body).status_code == 200
+            assert api.post(f"/v1/leases/{got['lease_id']}/complete", "fleet", body).status_code == 200
     raise AssertionError("the study did not finish")
 
 
@@ -258,7 +258,7 @@ def test_a_confirmation_whose_every_envelope_is_known_to_run_out_of_memory_is_no
                     "deploy-tight", got["config"] if got["kind"] != "baseline" else None, got["workload"]["concurrency"]
                 )
             )
-        assert api.post(f"/v1/leases/{got['lease_id']}/complete", "worker", body).status_code == 200
+        assert api.post(f"/v1/leases/{got['lease_id']}/complete", "fleet", body).status_code == 200
     else:
         raise AssertionError("the study did not finish")
     assert taught

@@ -249,7 +249,7 @@ def test_the_service_answers_the_candidate_its_model_ranks_first_not_the_luckies
                 truth_of[key_of(got["config"])] = truth(got["config"])
                 luck = 1.04 if got["kind"] == "confirm" and key_of(got["config"]) != best_key else 1.0
                 body = ok(sim_levels(landscape, got["config"], [1], scale=luck))
-            assert api.post(f"/v1/leases/{got['lease_id']}/complete", "worker", body).status_code == 200
+            assert api.post(f"/v1/leases/{got['lease_id']}/complete", "fleet", body).status_code == 200
     shown = api.get("/v1/studies/ranked", "user").json()
     done = [c for c in shown["confirmation"] if c["state"] == "completed"]
     assert shown["state"] == "finished" and len(done) >= 2 and best_key is not None, shown["state"]

@@ -608,12 +608,17 @@ def test_fresh_is_said_only_of_a_fresh_baseline() -> None:
 
 
 def test_a_baseline_the_study_makes_fail_stops_it_when_the_fault_follows_the_study() -> None:
-    rejected = c.baseline_fault("invalid_config", "--mem-fraction-static 1.5: invalid choice", 1)
+    # One token's word is not enough, whatever the kind (issue 35: one forged report stopped studies).
+    assert c.baseline_fault("invalid_config", "--mem-fraction-static 1.5: invalid choice", 1) is None
+    rejected = c.baseline_fault("invalid_config", "--mem-fraction-static 1.5: invalid choice", 2)
     assert rejected is not None and rejected.reason == FinishReason.STUDY_FAULT
-    assert "the engine rejects its settings" in rejected.detail
+    assert "the engine rejected its settings" in rejected.detail and "--mem-fraction-static" in rejected.detail
     assert c.baseline_fault("oom", "CUDA out of memory", 1) is None  # may be this host's GPUs
     on_two = c.baseline_fault("oom", "CUDA out of memory", 2)
     assert on_two is not None and "on 2 hosts" in on_two.detail
+    # The spec's own proof stops it at once.
+    proven = c.baseline_fault("request_rejected", "HTTP 400", 1, "input_len 4096 exceeds context_length 128")
+    assert proven is not None and "input_len 4096 exceeds context_length 128" in proven.detail
 
 
 def test_only_the_conductor_decides_a_studys_life() -> None:

@@ -36,7 +36,7 @@ def test_confirmation_remeasures_the_top_candidates_next_to_fresh_baselines(api:
             handed.append(got)
             config = got["config"]
             body = ok(sim_levels("moe-pcie", None if got["kind"] == "baseline" else config, [1]))
-            assert api.post(f"/v1/leases/{got['lease_id']}/complete", "worker", body).status_code == 200
+            assert api.post(f"/v1/leases/{got['lease_id']}/complete", "fleet", body).status_code == 200
     shown = api.get("/v1/studies/confirm", "user").json()
     assert shown["state"] == "finished" and shown["phase"] == "done"
     assert "confirmed" in shown["finish_reason"]
@@ -114,7 +114,9 @@ def test_confirmation_on_a_single_worker_shares_one_fresh_baseline(api: Api) -> 
     # The host did not drift: the one fresh baseline serves every confirmation after it.
     assert kinds[first:].count("baseline") == 0, kinds
     shown = api.get("/v1/studies/solo", "user").json()
-    assert shown["state"] == "finished" and shown["winner"]["confirmed"] is True
+    # One host, one token: its re-measurement is no confirmation, and the answer says so (issue 35).
+    assert shown["state"] == "finished" and shown["winner"]["confirmed"] is False
+    assert "one token serves this study" in shown["winner"]["not_independent"]
 
 
 def test_a_host_that_drifted_measures_a_baseline_before_each_confirmation(api: Api) -> None:
@@ -139,7 +141,7 @@ def test_a_host_that_drifted_measures_a_baseline_before_each_confirmation(api: A
             first_config = got["config"]
         config = None if got["kind"] == "baseline" else first_config
         body = ok(sim_levels("dense-8b-h100", config, [1], scale=scale))
-        assert api.post(f"/v1/leases/{got['lease_id']}/complete", "worker", body).status_code == 200
+        assert api.post(f"/v1/leases/{got['lease_id']}/complete", "fleet", body).status_code == 200
     assert api.get("/v1/studies/drift", "user").json()["state"] == "finished"
     n = kinds.count("confirm")
     assert n >= 2, kinds
@@ -178,7 +180,7 @@ def test_a_study_stopped_while_confirming_resumes_its_confirmations_and_keeps_it
                 continue
             handed.append(got)
             body = ok(sim_levels("moe-pcie", None if got["kind"] == "baseline" else got["config"], [1]))
-            assert api.post(f"/v1/leases/{got['lease_id']}/complete", "worker", body).status_code == 200
+            assert api.post(f"/v1/leases/{got['lease_id']}/complete", "fleet", body).status_code == 200
     else:
         raise AssertionError("the study did not finish")
     assert stopped and search_reason is not None
@@ -209,7 +211,7 @@ def test_a_confirmation_straddling_one_on_launch_noise_is_relaunched_pooled_and_
             body = ok(sim_levels("dense-8b-h100", None, [1], scale=1.01))
         else:
             body = ok(sim_levels("dense-8b-h100", None if got["kind"] == "baseline" else got["config"], [1]))
-        assert api.post(f"/v1/leases/{got['lease_id']}/complete", "worker", body).status_code == 200
+        assert api.post(f"/v1/leases/{got['lease_id']}/complete", "fleet", body).status_code == 200
     shown = api.get("/v1/studies/relaunch", "user").json()
     assert shown["state"] == "finished", kinds
     confirms = kinds.count("confirm")

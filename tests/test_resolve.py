@@ -91,7 +91,7 @@ def test_a_confirm_lease_carries_the_order_and_the_extra_passes_count_in_cost(ap
             body["metrics"] |= {"extra_passes": 4, "extra_passes_note": "resolved"}
         else:
             assert got["resolve"] is None  # only confirmations resolve on the warm server
-        assert api.post(f"/v1/leases/{got['lease_id']}/complete", "worker", body).status_code == 200
+        assert api.post(f"/v1/leases/{got['lease_id']}/complete", "fleet", body).status_code == 200
     assert confirm is not None
     order = confirm["resolve"]
     assert order["levels"] == [1] and order["thresholds"] == [1.0, 1.02]

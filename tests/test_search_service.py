@@ -69,32 +69,32 @@ def test_a_trial_clearly_worse_after_its_first_level_is_pruned(api: Api) -> None
     api.post("/v1/studies", "user", spec)
     base = lease(api, "w1")
     assert base is not None and base["kind"] == "baseline"
-    api.post(f"/v1/leases/{base['lease_id']}/complete", "worker", ok(sim_levels("moe-pcie", None, [1, 4])))
+    api.post(f"/v1/leases/{base['lease_id']}/complete", "fleet", ok(sim_levels("moe-pcie", None, [1, 4])))
 
     # First trial (SGLang's 3/1/4): measured in full.
     first = lease(api, "w1")
     assert first is not None and first["kind"] == "trial"
     levels = sim_levels("moe-pcie", first["config"], [1, 4])
-    r = api.post(f"/v1/leases/{first['lease_id']}/progress", "worker", _progress(0, levels[0]))
+    r = api.post(f"/v1/leases/{first['lease_id']}/progress", "fleet", _progress(0, levels[0]))
     assert r.json()["action"] == "continue"  # nothing to compare with yet
-    api.post(f"/v1/leases/{first['lease_id']}/complete", "worker", ok(levels))
+    api.post(f"/v1/leases/{first['lease_id']}/complete", "fleet", ok(levels))
 
     # Second trial: as fast as the first at level 1 -> continue (within the noise).
     second = lease(api, "w1")
     assert second is not None
     close = sim_levels("moe-pcie", first["config"], [1, 4], scale=0.99)
-    r = api.post(f"/v1/leases/{second['lease_id']}/progress", "worker", _progress(0, close[0]))
+    r = api.post(f"/v1/leases/{second['lease_id']}/progress", "fleet", _progress(0, close[0]))
     assert r.json()["action"] == "continue"
-    api.post(f"/v1/leases/{second['lease_id']}/complete", "worker", ok(close))
+    api.post(f"/v1/leases/{second['lease_id']}/complete", "fleet", ok(close))
 
     # Third trial: half as fast at level 1; even matching the best at level 4 it cannot win.
     third = lease(api, "w1")
     assert third is not None
     slow = sim_levels("moe-pcie", first["config"], [1, 4], scale=0.5)
-    r = api.post(f"/v1/leases/{third['lease_id']}/progress", "worker", _progress(0, slow[0]))
+    r = api.post(f"/v1/leases/{third['lease_id']}/progress", "fleet", _progress(0, slow[0]))
     assert r.json()["action"] == "prune"
     # The worker stops and reports the level it measured.
-    r = api.post(f"/v1/leases/{third['lease_id']}/complete", "worker", ok(slow[:1]))
+    r = api.post(f"/v1/leases/{third['lease_id']}/complete", "fleet", ok(slow[:1]))
     assert r.status_code == 200 and r.json()["speedup"] is None
 
     trials = {t["number"]: t for t in api.get("/v1/studies/prune/trials", "user").json()}
@@ -116,7 +116,7 @@ def test_a_trial_clearly_worse_after_its_first_level_is_pruned(api: Api) -> None
         repair_trial(ctx.write_sessions, "prune", number, quarantine="forged measurement")
     fourth = lease(api, "w1")
     assert fourth is not None and fourth["kind"] == "trial"
-    r = api.post(f"/v1/leases/{fourth['lease_id']}/progress", "worker", _progress(0, slow[0]))
+    r = api.post(f"/v1/leases/{fourth['lease_id']}/progress", "fleet", _progress(0, slow[0]))
     assert r.json()["action"] == "continue", r.json()
 
 
@@ -148,10 +148,10 @@ def test_a_quarantined_result_is_not_copied_into_its_duplicates(api: Api) -> Non
     assert api.post("/v1/studies", "user", spec).status_code == 201
     base = lease(api, "w1")
     assert base is not None and base["kind"] == "baseline"
-    api.post(f"/v1/leases/{base['lease_id']}/complete", "worker", ok(sim_levels("moe-pcie", None, [1])))
+    api.post(f"/v1/leases/{base['lease_id']}/complete", "fleet", ok(sim_levels("moe-pcie", None, [1])))
     first = lease(api, "w1")
     assert first is not None and first["kind"] == "trial"
-    api.post(f"/v1/leases/{first['lease_id']}/complete", "worker", ok(sim_levels("moe-pcie", first["config"], [1])))
+    api.post(f"/v1/leases/{first['lease_id']}/complete", "fleet", ok(sim_levels("moe-pcie", first["config"], [1])))
     ctx = api.client.app.state.ctx  # type: ignore[attr-defined]
     repair_trial(ctx.write_sessions, "dupq", first["trial_number"], quarantine="forged measurement")
     drive(api, "dupq", ["w1"], "moe-pcie")
@@ -179,7 +179,7 @@ def test_a_fleets_starts_get_predictions_in_flight_through_the_service(api: Api)
         got = lease(api, w)
         assert got is not None and got["kind"] == "baseline"
         levels = got["workload"]["concurrency"]
-        r = api.post(f"/v1/leases/{got['lease_id']}/complete", "worker", ok(sim_levels("moe-pcie", None, levels)))
+        r = api.post(f"/v1/leases/{got['lease_id']}/complete", "fleet", ok(sim_levels("moe-pcie", None, levels)))
         assert r.status_code == 200, r.text
     starts = [lease(api, w) for w in workers]
     assert all(s is not None and s["kind"] == "trial" for s in starts), starts
@@ -191,7 +191,7 @@ def test_a_fleets_starts_get_predictions_in_flight_through_the_service(api: Api)
     for s in starts:
         assert s is not None
         body = ok(sim_levels("moe-pcie", s["config"], s["workload"]["concurrency"]))
-        assert api.post(f"/v1/leases/{s['lease_id']}/complete", "worker", body).status_code == 200
+        assert api.post(f"/v1/leases/{s['lease_id']}/complete", "fleet", body).status_code == 200
     shown = rows()
     made = [shown[s["trial_number"]]["model_prediction"] for s in starts if s is not None]
     # The first result comes in with no model to predict from; the second is not predicted as it

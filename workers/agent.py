@@ -42,6 +42,7 @@ from spectune_protocol import (
     LevelMetrics,
     Metrics,
     ProgressIn,
+    SpecField,
     WorkerStanding,
 )
 from workers import standing
@@ -62,6 +63,7 @@ from workers.launcher.processes import group_members
 from workers.ledger import LaunchLedger
 from workers.loadgen import LoadgenCancelled, LoadgenError, run_workload
 from workers.loadgen.plan import RequestPlan, load_requests
+from workers.loadgen.rejection import rejected_field
 from workers.outbox import Outbox, deliver_pending
 from workers.redact import redact_report
 from workers.resolve import resolve
@@ -137,10 +139,19 @@ class AgentSettings:
     allowed_extra_args: frozenset[str] = frozenset(DEFAULT_ALLOWED_EXTRA_ARGS)
 
 
-def _failed(kind: FailureKind, message: str, *, log_tail: str = "", host_fault: bool = False) -> CompleteIn:
+def _failed(
+    kind: FailureKind,
+    message: str,
+    *,
+    log_tail: str = "",
+    host_fault: bool = False,
+    spec_field: SpecField | None = None,
+) -> CompleteIn:
     if len(message) > _MAX_MESSAGE:
         message = message[: _MAX_MESSAGE - 3] + "..."
-    failure = Failure(kind=kind, message=message, log_tail=log_tail[-_MAX_LOG_TAIL:], host_fault=host_fault)
+    failure = Failure(
+        kind=kind, message=message, log_tail=log_tail[-_MAX_LOG_TAIL:], host_fault=host_fault, spec_field=spec_field
+    )
     return CompleteIn(outcome="failed", failure=failure)
 
 
@@ -468,6 +479,11 @@ class Agent:
             if not server.is_alive():
                 log.warning("lease %s: the server died during the benchmark: %s", lid, e)
                 return _failed("crash", f"server exited during the benchmark: {e}", log_tail=tail)
+            field = rejected_field(e)
+            if field is not None:
+                # The engine refused the study's own requests: the study's fault, naming its field.
+                log.warning("lease %s: the engine rejected the study's requests (%s): %s", lid, field, e)
+                return _failed("request_rejected", f"{field}: {e}", log_tail=tail, spec_field=field)
             log.warning("lease %s: benchmark failed: %s", lid, e)
             return _failed("benchmark_error", str(e), log_tail=tail)
         if run.lost.is_set():

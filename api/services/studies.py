@@ -444,8 +444,10 @@ class StudyService:
                 speedup_interval=top.speedup_interval,
                 speedup_by_level=top.speedup_by_level,
                 speedup_interval_by_level=top.speedup_interval_by_level or {},
-                confirmed=True,
+                # Only a launch by another token and host than the search's confirms (issue 35).
+                confirmed=top.not_independent is None,
                 confirmed_on=top.worker_id,
+                not_independent=top.not_independent,
                 # One record: the launch the answer's numbers come from, its host, what it measured.
                 worker_id=top.worker_id,
                 search_worker_id=doc.worker_id,
@@ -608,6 +610,7 @@ def _confirmations(spec: StudySpec, rows: Sequence[LeaseRow], extra_var: float =
                 speedup_interval_by_level=info.get("speedup_interval_by_level"),
                 violation=info.get("violation"),
                 baseline_measured_at=info.get("baseline_measured_at"),
+                not_independent=info.get("not_independent"),
                 # The launch: its lease, the server it started, what it measured (one record).
                 lease_id=r.id,
                 server=((r.result or {}).get("deployment") or {}).get("server"),
@@ -673,6 +676,7 @@ def _answer_of(winner: D.Winner | None, fresh_by_trial: dict[int, bool]) -> cond
         label=label,
         confirmed=winner.confirmed,
         confirmed_on=winner.confirmed_on,
+        not_independent=winner.not_independent,
         fresh_baseline=fresh_by_trial.get(winner.trial_number, True),
         saturated={int(k): v for k, v in winner.saturated.items()},
         tie_note=winner.tie_note,

@@ -22,7 +22,7 @@ from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
 from api.errors import ConflictError
-from api.models import BaselineRow, EventRow, LeaseRow, StudyRow, TrialConfigRow, WorkerIdentity, WorkerRow
+from api.models import ApiToken, BaselineRow, EventRow, LeaseRow, StudyRow, TrialConfigRow, WorkerIdentity, WorkerRow
 from api.services.eligibility import requirements_unmet
 from api.services.launch_noise import confirm_measurement
 from api.services.lease_rows import LeaseKind, LeaseState, lease_payload, new_lease_row
@@ -106,6 +106,7 @@ def snapshot(
             finished_at=r.finished_at,
             avoid_worker=(r.payload.get("confirm") or {}).get("avoid_worker") if r.kind == LeaseKind.CONFIRM else None,
             measurement=_measurement(r),
+            independent=not ((r.result or {}).get("confirmation") or {}).get("not_independent"),
             **_deployment(r),
         )
         for r in s.scalars(
@@ -138,6 +139,7 @@ def snapshot(
             .group_by(LeaseRow.worker_id)
         ).all()
     )
+    tokens = worker_tokens(s)
     hosts = [
         c.HostView(
             w.id,
@@ -146,6 +148,7 @@ def snapshot(
             eligible=not requirements_unmet(spec, w.inventory or {}),
             refused=w.id in refused,
             lost=_lost(lost_at.get(w.id), w.last_seen),
+            token=tokens.get(w.id),
         )
         for w in s.scalars(select(WorkerRow))
     ]
@@ -184,6 +187,16 @@ def snapshot(
 def _lost(reclaimed: datetime | None, last_seen: datetime | None) -> bool:
     """A lease of the worker was reclaimed unreported, and nothing was heard from it since."""
     return reclaimed is not None and (last_seen is None or reclaimed >= last_seen)
+
+
+def worker_tokens(s: Session) -> dict[str, int]:
+    """The token that speaks for each worker id: bound by an admin, or claimed on first use."""
+    out = {w: t for w, t in s.execute(select(WorkerIdentity.worker_id, WorkerIdentity.token_id))}
+    bound = select(ApiToken.worker_id, ApiToken.id).where(
+        ApiToken.worker_id.is_not(None), ApiToken.revoked_at.is_(None)
+    )
+    out |= {w: t for w, t in s.execute(bound) if w is not None}
+    return out
 
 
 def _deployment(r: LeaseRow) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from workers.loadgen.errors import LoadgenError
+from workers.loadgen.errors import EngineRejected, LoadgenError
 from workers.loadgen.http1 import LoadgenClient
 from workers.loadgen.sse import DONE, SSEDecodeError, SSEDecoder
 
@@ -279,7 +279,7 @@ async def stream_generate(
                 status, body = await client.sse.post(url, json.dumps(payload).encode(), state.on_event)
                 if status != 200:
                     text = body.decode("utf-8", "replace").strip() or "(empty body)"
-                    raise LoadgenError(f"{label}: HTTP {status} from {url}: {text}")
+                    raise http_error(label, url, status, text)
             else:
                 await _stream_with_httpx(client, url, payload, state, label)
     except TimeoutError as e:
@@ -309,7 +309,7 @@ async def _stream_with_httpx(
     async with client.stream("POST", url, json=payload) as response:
         if response.status_code != 200:
             body = await _read_prefix(response)
-            raise LoadgenError(f"{label}: HTTP {response.status_code} from {url}: {body}")
+            raise http_error(label, url, response.status_code, body)
         async for chunk in response.aiter_bytes():
             now = perf_counter()
             for data in decoder.feed(chunk):
@@ -327,3 +327,13 @@ async def _read_prefix(response: httpx.Response) -> str:
         if len(buf) >= _ERROR_BODY_BYTES:
             break
     return bytes(buf[:_ERROR_BODY_BYTES]).decode("utf-8", "replace").strip() or "(empty body)"
+
+
+def http_error(label: str, url: str, status: int, body: str) -> LoadgenError:
+    """A request's non-200 answer: 4xx is the engine refusing what the study asks (EngineRejected,
+    a study fault the worker classifies), anything else a failed measurement.  408 and 429 say
+    the engine was slow or busy, not that the request was wrong."""
+    message = f"{label}: HTTP {status} from {url}: {body}"
+    if 400 <= status < 500 and status not in (408, 429):
+        return EngineRejected(message, status, body)
+    return LoadgenError(message)

@@ -35,8 +35,26 @@ BASELINE_STUDY_FAULT = "baseline_study_fault"
 
 
 def is_study_fault(failure: Failure) -> bool:
-    """Did the study's own settings make the server fail (not the host, not the worker)?"""
-    return failure.kind in CONFIG_FAILURES and not failure.host_fault
+    """Did the study's own settings make the server or its benchmark fail (not the host, not the
+    worker)?  `request_rejected`: the engine answered the study's own requests with HTTP 4xx."""
+    return (failure.kind in CONFIG_FAILURES or failure.kind == "request_rejected") and not failure.host_fault
+
+
+def fault_from_spec(spec: StudySpec, failure: Failure) -> str | None:
+    """The spec's own proof of a rejected request, in the service's words, or None.
+
+    Only what the service can check itself counts: a worker's word that the engine refused a
+    value is not proof (one token's forged report once stopped other users' studies, issue 35).
+    """
+    if failure.kind != "request_rejected" or failure.spec_field not in ("workload.input_len", "workload.output_len"):
+        return None
+    w, context = spec.workload, spec.model.context_length
+    if context is None or w.input_len is None or w.input_len + w.output_len <= context:
+        return None
+    return (
+        f"workload.input_len {w.input_len} + workload.output_len {w.output_len} exceed model.context_length "
+        f"{context}: lower them or raise model.context_length"
+    )
 
 
 class BaselineLeases:
@@ -100,10 +118,9 @@ class BaselineLeases:
           the settings do run: the fault follows this host, and counts against it as any other.
         * Otherwise the study is not offered to this worker again (a refusal, listed under
           `refused_by` with the reason; it ends when the worker's config changes or an admin
-          clears it), and it is stopped, saying why, at once for a value the engine rejects
-          (`invalid_config`: wrong on every host), or once its baseline failed so on
-          two hosts (memory and start-up time depend on the host's GPUs; optimizer.conductor.baseline_fault).  The host's
-          health is untouched.  (Two broken studies in a row on one host once looked like a sick
+          clears it), and it is stopped, saying why, once its baseline failed so on two hosts
+          with their own worker tokens, or at once where the spec itself proves the fault
+          (`fault_from_spec`; optimizer.conductor.baseline_fault).  The host's health is untouched.  (Two broken studies in a row on one host once looked like a sick
           host: what the settings did elsewhere is the evidence, not how many failed here.)
         """
         worker_id = lease.worker_id
@@ -121,13 +138,15 @@ class BaselineLeases:
         event(s, BASELINE_STUDY_FAULT, lease, detail)
         event(s, refusals.LEASE_REFUSED, lease, detail)
         s.flush()
-        hosts = set(
-            s.scalars(
-                select(EventRow.worker_id).where(
-                    EventRow.kind == BASELINE_STUDY_FAULT, EventRow.study_name == spec.name
-                )
+        # Hosts are counted by token: one token's many worker ids are one witness (issue 35).
+        hosts = {
+            token if token is not None else f"worker:{worker}"
+            for worker, token in s.execute(
+                select(EventRow.worker_id, LeaseRow.token_id)
+                .join(LeaseRow, LeaseRow.id == EventRow.lease_id, isouter=True)
+                .where(EventRow.kind == BASELINE_STUDY_FAULT, EventRow.study_name == spec.name)
             )
-        )
-        ending = conductor.baseline_fault(failure.kind, failure.message, len(hosts))
+        }
+        ending = conductor.baseline_fault(failure.kind, failure.message, len(hosts), fault_from_spec(spec, failure))
         if ending is not None and study_life.stop_for_fault(s, spec, ending, now):
             event(s, "study_stopped_by_its_fault", lease, ending.detail)

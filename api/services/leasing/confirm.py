@@ -25,6 +25,7 @@ from api.services.leasing import records
 from api.services.leasing.records import CONFIG_FAILURES, DEPLOY_FAILED, DEPLOY_RETRY, HostHealth, event
 from api.services.leasing.states import LeaseKind, LeaseState, claim, end
 from api.services.study_specs import baseline_key_of, study_trials
+from optimizer import attrs as A
 from optimizer import confirmation as confirm
 from optimizer import deploy
 from optimizer.conductor import Confirm, next_deployment
@@ -135,6 +136,8 @@ class ConfirmLeases:
                         "baseline_measured_at": base_row.measured_at.isoformat(),
                         "baseline_fresh": fresh,
                         "baseline_levels": base_levels,
+                        # Why this launch is no independent confirmation, or None (issue 35).
+                        "not_independent": not_independent(s, lease, base_row, trials),
                     },
                     # The server this launch started: the deployment it proves (issue 17 item 1).
                     "deployment": {
@@ -271,3 +274,29 @@ def deploy_failures(s: Session, study: str) -> list[tuple[SpecConfig, int]]:
         if failure.get("kind") == "oom" and "tier" in info and r.payload.get("config"):
             out.append((SpecConfig.model_validate(r.payload["config"]), int(info["tier"])))
     return out
+
+
+def not_independent(s: Session, lease: LeaseRow, base_row: BaselineRow, trials: Sequence[FrozenTrial]) -> str | None:
+    """Why this confirmation does not vouch for its candidate independently, or None when it does.
+
+    It counts only when another token *and* another worker id than the search launch's measured
+    it, next to a baseline its own token reported: one stolen unbound token once found a forged
+    candidate as `liar-1` and confirmed it as `liar-2` (issue 35).  Leases from before migration
+    0007 carry no token; then the worker ids alone decide.
+    """
+    base_lease = s.get(LeaseRow, base_row.lease_id)
+    base_token = None if base_lease is None else base_lease.token_id
+    if base_token != lease.token_id or base_row.worker_id != lease.worker_id:
+        return "its baseline was reported by another token or host than the confirmation"
+    if lease.trial_number is None:
+        return None  # the adaptive proof: several trials' chains, found by no one host
+    found = next((t for t in trials if t.number == lease.trial_number), None)
+    record = None if found is None else A.TrialRecord(found)
+    finder = None if record is None else record.worker_id
+    trial_lease = None if record is None or record.lease_id is None else s.get(LeaseRow, record.lease_id)
+    finder_token = None if trial_lease is None else trial_lease.token_id
+    if finder_token is not None and finder_token == lease.token_id:
+        return "re-measured only by the worker token that found it (one token serves this study)"
+    if finder == lease.worker_id:
+        return "re-measured only on the host that found it"
+    return None

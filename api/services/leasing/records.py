@@ -34,9 +34,10 @@ def counts_against_host(kind: str) -> bool:
     """Does a failure of this kind count towards quarantining its host?
 
     `lost` is a worker shutting down; `refused` is the worker declining what the *study* asks
-    (a flag outside its allowlist, a model it lacks): neither says the host is sick.
+    (a flag outside its allowlist, a model it lacks); `request_rejected` is the engine refusing
+    the study's own requests (a prompt longer than the context): none says the host is sick.
     """
-    return kind not in ("lost", "refused")
+    return kind not in ("lost", "refused", "request_rejected")
 
 
 def lease_out(lease: LeaseRow, settings: Settings) -> LeaseOut:

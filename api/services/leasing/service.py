@@ -30,7 +30,7 @@ from api.errors import BusyError, ConflictError, InvalidInputError, LeaseGoneErr
 from api.models import LeaseRow, StudyRow, WorkerRow
 from api.services import grants, identity, refusals, study_life
 from api.services.eligibility import requirements_unmet
-from api.services.leasing import records
+from api.services.leasing import plausible, records
 from api.services.leasing.baseline import BaselineLeases
 from api.services.leasing.confirm import ConfirmLeases
 from api.services.leasing.ending import LeaseEnding, study_state
@@ -377,6 +377,15 @@ class LeaseService:
                 late = lease.state == LeaseState.EXPIRED
                 spec = spec_of(s, lease.study_name)
                 kind = lease.kind
+                # Which token reported it: independence is judged by token (issue 35).
+                lease.token_id = principal.token_id
+                # Plausibility before trust: an impossible report is a host fault, never scored.
+                problem = plausible.judge(s, spec, lease, body, db_now(s))
+                original = body
+                if problem is not None:
+                    records.event(s, plausible.IMPLAUSIBLE, lease, problem[:2000])
+                    log.warning("worker %s: implausible report on lease %s: %s", lease.worker_id, lease.id, problem)
+                    body = plausible.quarantined(problem)
                 if body.failure is not None and body.failure.kind == "refused":
                     # A study fault: this worker is not offered the study again (_candidate_studies).
                     # Shown to users in the study's `refused_by`: names, not the host's paths.
@@ -384,7 +393,12 @@ class LeaseService:
                     log.warning("worker %s refused lease %s of study %s: %s", lease.worker_id, lease.id,
                                 lease.study_name, body.failure.message)  # fmt: skip
             if kind == LeaseKind.BASELINE:
-                return self.baselines.complete(u, spec, lease_id, body, late)
-            if kind == LeaseKind.CONFIRM:
-                return self.confirms.complete(u, spec, lease_id, body, late)
-            return self.trials.complete(u, spec, lease_id, body, late)
+                out = self.baselines.complete(u, spec, lease_id, body, late)
+            elif kind == LeaseKind.CONFIRM:
+                out = self.confirms.complete(u, spec, lease_id, body, late)
+            else:
+                out = self.trials.complete(u, spec, lease_id, body, late)
+            if problem is not None:
+                with u.step() as s:
+                    plausible.keep_original(s, lease_id, original, problem)
+            return out
