@@ -24,7 +24,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from api import schema
 from api.context import ServiceContext
 from api.dashboard import DashboardGate, login_router
-from api.dashboard_readonly import readonly_router
 from api.errors import ERROR_RESPONSES, MethodNotAllowedError, NotFoundError, install_error_handlers
 from api.limits import BodyLimitMiddleware
 from api.metrics import ApiMetrics, metrics_router
@@ -178,7 +177,6 @@ def create_app(settings: Settings | None = None, *, check_schema: bool = True) -
     app.include_router(fleet.router)
     install_unknown_api_paths(app)
     app.include_router(login_router())
-    app.include_router(readonly_router())
     app.include_router(metrics_router(metrics))
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     # Outermost, so the latency includes the body-limit check and every route.

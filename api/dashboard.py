@@ -124,6 +124,9 @@ class DashboardGate:
             status, code, message = problem
             await _send(send, status, _json_error(code, message), "application/json")
             return
+        if scope["method"] == "GET" and scope["path"] == readonly.SCRIPT_PATH:
+            await _send(send, 200, readonly.SCRIPT.encode(), "text/javascript; charset=utf-8")
+            return
         if "accept-encoding" not in headers:
             # optuna-dashboard's static routes read the header without a default (KeyError, 500).
             scope = {**scope, "headers": [*scope["headers"], (b"accept-encoding", b"identity")]}

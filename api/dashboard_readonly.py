@@ -4,13 +4,11 @@ Through spectune the dashboard takes GET and HEAD only (api.dashboard.DashboardG
 optuna-dashboard draws its Create study button and its Delete buttons (study, artifact) for
 everyone, and each answers 403 when pressed.  Its page is one HTML file whose policy allows
 scripts from this origin only (`script-src 'self'`), so the gate adds to that page, on its way
-out, a style and a script served here (`SCRIPT_PATH`) that hide them, as the page is redrawn too.
+out, a style and a script that hide them, as the page is redrawn too.  The gate serves the
+script (`SCRIPT_PATH`) behind the dashboard's own authentication, like every page of it.
 """
 
 from __future__ import annotations
-
-from fastapi import APIRouter
-from fastapi.responses import Response
 
 SCRIPT_PATH = "/spectune/dashboard-readonly.js"
 
@@ -41,13 +39,3 @@ def inject(page: bytes) -> bytes:
     """The dashboard's HTML page with the read-only style and script before `</head>`."""
     at = page.find(b"</head>")
     return page if at < 0 else page[:at] + _INJECTED + page[at:]
-
-
-def readonly_router() -> APIRouter:
-    router = APIRouter(tags=["dashboard"], include_in_schema=False)
-
-    @router.get(SCRIPT_PATH)
-    def readonly_script() -> Response:
-        return Response(SCRIPT, media_type="text/javascript", headers={"Cache-Control": "no-cache"})
-
-    return router

@@ -116,7 +116,9 @@ def test_the_page_hides_the_controls_that_would_answer_403(dash: Api) -> None:
         head = r.text.split("</head>")[0]
         assert 'button[aria-label="delete study"]' in head and f'<script defer src="{SCRIPT_PATH}">' in head
         assert int(r.headers["content-length"]) == len(r.content)
-    script = dash.client.get(SCRIPT_PATH)
+    # The script is the dashboard's, behind its authentication like every page of it.
+    assert dash.client.get(SCRIPT_PATH).status_code == 401
+    script = dash.get(SCRIPT_PATH, "user")
     assert script.status_code == 200 and script.headers["content-type"].startswith("text/javascript")
     assert '"Create", "Delete"' in script.text
     # Only the page: the dashboard's JSON is passed as it is.

@@ -111,7 +111,7 @@ def test_a_grid_above_what_a_budget_can_measure_is_refused(api: Api) -> None:
     [
         ("model.extra_args", {"--dtype": "--host"}, "model.extra_args"),
         ("model.extra_args", {"--kv-cache-dtype": "-x"}, "model.extra_args"),
-        ("placement", {"gpu": "h" * 129}, "placement"),
+        ("placement", {"gpu": "h" * 129}, "placement.gpu"),  # the bounded value names its key
         ("placement", {"gpu\n": "h200"}, "placement"),
         ("placement", {"gpu": "h200\n"}, "placement"),
     ],
