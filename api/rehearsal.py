@@ -237,6 +237,9 @@ class SimLease:
     envelope: deploy.Envelope | None = None
     extra_passes: int = 0  # confirm: passes added on the warm server (the conductor's Resolve order)
     failure: str | None = None  # confirm: "oom" when its deployment did not start
+    # confirm: measured on another host than the one that found it (api.services.leasing.confirm
+    # .not_independent; a simulated host is its own token, so the worker id decides).
+    independent: bool = True
 
     def view(self) -> conductor.LeaseView:
         return conductor.LeaseView(
@@ -255,6 +258,7 @@ class SimLease:
             tier=self.tier if self.kind == "confirm" else None,
             server=None if self.envelope is None else self.envelope.settings,
             failure=self.failure,
+            independent=self.independent,
         )
 
 
@@ -560,6 +564,15 @@ def _start_confirm(
         lease.state = "completed" if outcome == "ok" else "failed"
         if outcome == "ok":
             lease.measurement = (levels, base)
+            finder = next(
+                (
+                    t.user_attrs.get(A.WORKER_ID)
+                    for t in store.study().get_trials(deepcopy=False)
+                    if t.number == lease.trial_number
+                ),
+                None,
+            )
+            lease.independent = lease.trial_number is None or finder != h.host_id
         elif outcome == "oom":
             lease.failure = "oom"
             after = conductor.next_deployment(

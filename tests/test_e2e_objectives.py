@@ -53,6 +53,7 @@ def open_loop_study(name: str, objective: dict[str, Any] | None) -> dict[str, An
 def pg_cluster(tmp_path: Path, pg_template: str) -> Iterator[Cluster]:
     with pg_clone(pg_template) as url, cluster(tmp_path, url) as c:
         c.add_worker("sim-1", MODELS, ENGINE)
+        c.add_worker("sim-2", MODELS, ENGINE)  # a confirmation counts only from another host and token
         yield c
 
 

@@ -80,7 +80,7 @@ def test_a_study_is_created_with_its_estimate_and_finishes_against_it(db_url: st
 
     settings = make_settings(db_url, estimate_draws=2, estimate_timeout_s=300, artifact_dir=str(tmp_path / "a"))
     with TestClient(create_app(settings)) as client:
-        api = Api(client, make_tokens(db_url))
+        api = Api(client, make_tokens(db_url), db_url)
         r = api.post("/v1/studies", "user", small_spec("planned", budget={"max_trials": 4, "converge": False}))
         assert r.status_code == 201, r.text
         plan = r.json()["plan"]

@@ -15,7 +15,7 @@ REFUSED = {"outcome": "failed", "failure": {"kind": "refused", "message": "model
 
 
 def _standing(api: Api, worker: str) -> tuple[int, WorkerStanding]:
-    r = api.post(f"/v1/workers/{worker}/lease", "worker", INVENTORY)
+    r = api.post(f"/v1/workers/{worker}/lease", "fleet", INVENTORY)  # each host its own token
     assert r.status_code in (200, 204), r.text
     return r.status_code, WorkerStanding.model_validate(json.loads(r.headers[STANDING_HEADER]))
 
@@ -30,7 +30,7 @@ def test_a_refusal_stands_while_its_study_is_open_and_ends_with_it(api: Api) -> 
     assert api.post("/v1/studies", "user", spec).status_code == 201
     got = lease(api, "w1")
     assert got is not None and got["study"] == "short"
-    assert api.post(f"/v1/leases/{got['lease_id']}/complete", "worker", REFUSED).status_code == 200
+    assert api.post(f"/v1/leases/{got['lease_id']}/complete", "fleet", REFUSED).status_code == 200
     # Told to the worker with its next answer (a 204: nothing else is offered), one line each.
     status, standing = _standing(api, "w1")
     assert status == 204 and standing.quarantined is None
@@ -43,7 +43,7 @@ def test_a_refusal_stands_while_its_study_is_open_and_ends_with_it(api: Api) -> 
             break
         config = None if got["kind"] == "baseline" else got["config"]
         body = ok(sim_levels("moe-pcie", config, got["workload"]["concurrency"]))
-        assert api.post(f"/v1/leases/{got['lease_id']}/complete", "worker", body).status_code == 200
+        assert api.post(f"/v1/leases/{got['lease_id']}/complete", "fleet", body).status_code == 200
     assert api.get("/v1/studies/short", "user").json()["state"] == "finished"
     # A refusal of a finished study decides nothing: neither the fleet nor the worker lists it.
     assert _refusals(api, "w1") == []

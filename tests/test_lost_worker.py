@@ -48,7 +48,7 @@ def _api(db_url: str, tmp_path: Path, interval: float) -> Iterator[Api]:
         artifact_dir=str(tmp_path / "artifacts"),
     )
     with TestClient(create_app(settings)) as client:
-        yield Api(client, make_tokens(db_url))
+        yield Api(client, make_tokens(db_url), db_url)
 
 
 @pytest.fixture
@@ -87,7 +87,7 @@ def test_a_silent_worker_is_lost_before_its_ttl_and_the_study_says_why(quick_los
     ]
     assert "heartbeat intervals of 0.1 s" in doc["waiting"] and "reassigning" in doc["waiting"]
     # Its worker hears the lease is gone (410) and stops; its work goes to the next worker that asks.
-    assert api.post(f"/v1/leases/{first['lease_id']}/heartbeat", "worker").status_code == 410
+    assert api.post(f"/v1/leases/{first['lease_id']}/heartbeat", "fleet").status_code == 410
     second = lease(api, "w2")
     assert second is not None and second["kind"] == "baseline"
     assert api.get("/v1/studies/lost", "user").json()["waiting"] is None
@@ -112,7 +112,7 @@ def _beat_while_others_sweep(api: Api, db_url: str) -> None:
             began = db_now(s)
 
         def swept_long_enough() -> bool:
-            assert api.post(f"/v1/leases/{first['lease_id']}/heartbeat", "worker").status_code == 200
+            assert api.post(f"/v1/leases/{first['lease_id']}/heartbeat", "fleet").status_code == 200
             assert lease(api, "w0", stranger) is None
             with make_sessionmaker(engine)() as s:
                 return (db_now(s) - began).total_seconds() > 3 * 0.75
