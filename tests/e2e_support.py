@@ -190,7 +190,8 @@ class Cluster:
 
     def study(self, name: str) -> dict[str, Any]:
         r = httpx.get(f"{self.api_url}/v1/studies/{name}", headers=self.user, timeout=30)
-        assert r.status_code == 200, r.text
+        # A 5xx names only "the server log has the details": carry its tail into the failure.
+        assert r.status_code == 200, (r.text, self.api_log.read_text(errors="replace")[-6000:])
         return dict(r.json())
 
     def trials(self, name: str) -> list[dict[str, Any]]:
