@@ -54,7 +54,7 @@ $(DEV_STAMP): pyproject.toml $(TORCH_STAMP)
 # each test stays whole in one process (worksteal moves whole tests), and every fixture it needs
 # is its own (fresh databases, free ports, marked processes).
 test: setup
-	TZ=UTC $(BIN)/python -m pytest -q -n 3 --dist worksteal
+	TZ=UTC $(BIN)/python -m pytest -q -n 3 --dist worksteal --durations=25
 
 test-fast: setup
 	TZ=UTC $(BIN)/python -m pytest -q -n 3 --dist worksteal -m "not slow"
