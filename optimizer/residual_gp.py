@@ -38,7 +38,7 @@ FloatArray = NDArray[np.float64]
 # grid: from 0.5% (half the floor the model has always claimed, optimizer.perf_model.MODEL_FLOOR,
 # a fit within measurement noise) to 16% (issue 31: the fixed form's predictions missed by up to
 # 3.8 of their stated sd, ~4%, on engines of other shapes).  A guess bounded by those two.
-AMPLITUDES = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32)
+AMPLITUDES = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16)
 # Lengths in the coordinates' units (optimizer.perf_model: a doubling of verified tokens or of
 # the batch, two draft steps, a doubling of topk): a residual shared by the neighbours only, or
 # by a wider region.  Equal prior weight.
