@@ -286,18 +286,17 @@ class FittedModel:
         what a launch of it would report if the model were right."""
         theta = np.concatenate([self.logits, [self.gain], self.cost])
         cand = Candidates.of([config])
-        out = []
-        for al, r in self._per_level(theta, cand, levels):
-            out.append((float(al[0]), float(r[0])))
+        al_shift = 0.0
         if self.al_gp is not None:
             m, _ = self.al_gp.moments(accept_coords(cand)[:, None, :], np.ones((1, 1)))
-            out = [(al * math.exp(float(m[0])), r) for al, r in out]
-        if self.cost_gp is not None:
-            corrected = []
-            for (al, r), b in zip(out, levels, strict=True):
+            al_shift = float(m[0])
+        out: list[tuple[float, float]] = []
+        for (al, r), b in zip(self._per_level(theta, cand, levels), levels, strict=True):
+            r_shift = 0.0
+            if self.cost_gp is not None:
                 m, _ = self.cost_gp.moments(cost_coords(cand, float(b))[:, None, :], np.ones((1, 1)))
-                corrected.append((al, r * math.exp(float(m[0]))))
-            out = corrected
+                r_shift = float(m[0])
+            out.append((float(al[0]) * math.exp(al_shift), float(r[0]) * math.exp(r_shift)))
         return out
 
     def accept_length(self, config: SpecConfig) -> float:
@@ -397,12 +396,12 @@ def _fit_cost(obs: Sequence[Observation]) -> tuple[FloatArray, float, FloatArray
         if best is None or res.cost < best[0]:
             best = (float(res.cost), res.x.copy(), float(knee), _laplace(res.jac), _leverage(res.jac, len(usable)))
     assert best is not None
-    _, cost, knee, cov, lev = best
-    resid = np.log(ratio) - np.log(cycle_ratios(steps, topk, ndt, batch, cost, knee))
+    _, cost, knee_at, cov, lev = best
+    resid = np.log(ratio) - np.log(cycle_ratios(steps, topk, ndt, batch, cost, knee_at))
     x = np.stack([np.log2(batch * ndt), np.log2(batch), steps / 2.0, np.log2(topk)], axis=1)
     noise = np.full(len(usable), COST_NOISE)
     gp = ResidualGP.fit(x, resid, noise, leverage=lev, hosts=[o.host for o in usable])
-    return cost, knee, cov, gp
+    return cost, knee_at, cov, gp
 
 
 def _laplace(jac: FloatArray) -> FloatArray:

@@ -125,8 +125,8 @@ class ResidualGP:
                             continue
                         z = np.linalg.solve(chol, y_loo)
                         loglik = -0.5 * float(z @ z) - float(np.log(np.diag(chol)).sum())
-                        alpha = np.linalg.solve(chol.T, np.linalg.solve(chol, y))
-                        raw.append((loglik, amp, length, hsd, extra, chol, alpha))
+                        alpha = np.asarray(np.linalg.solve(chol.T, np.linalg.solve(chol, y)), dtype=np.float64)
+                        raw.append((loglik, amp, length, hsd, extra, np.asarray(chol, dtype=np.float64), alpha))
         if not raw:
             return None
         top = max(r[0] for r in raw)
