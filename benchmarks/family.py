@@ -22,7 +22,9 @@ Beside the answers it reads what the model said before each launch (the trial's
   the launch's measurement noise and the host offset it allows, HOST_SD);
 * among the first four proposals of the model (moves other than "start"), how many it predicted
   to lose by more than 20% to the best measured so far (the baseline counts as 1.0x): predicted
-  speedup < 0.8 x that best, by the results in when it was asked.
+  speedup < 0.8 x that best, by the results in when it was asked.  A loser proposed with a
+  stated purpose (the trial's `proposal_purpose`, optimizer.model_sampler.LOSE_BY: resolving a
+  part of the model) is counted apart, as "+N with a purpose".
 """
 
 from __future__ import annotations
@@ -102,6 +104,7 @@ class EngineResult:
     first_proposals: int  # how many the model proposed among the first four (< 4 when fewer)
     first_losers: int  # of those, predicted to lose by more than LOSE_BY
     loser_moves: tuple[str, ...] = field(default_factory=tuple)  # the moves of those losers
+    purposeful_losers: int = 0  # losers proposed with a stated purpose (not among first_losers)
 
     @property
     def within(self) -> bool:
@@ -135,8 +138,9 @@ def coverage_of(trials: Sequence[FrozenTrial]) -> Coverage:
     return Coverage(n, inside_model, inside_stated)
 
 
-def first_losers(trials: Sequence[FrozenTrial]) -> tuple[int, int, tuple[str, ...]]:
-    """(proposals among the first four, those predicted to lose by more than LOSE_BY, their moves)."""
+def first_losers(trials: Sequence[FrozenTrial]) -> tuple[int, int, tuple[str, ...], int]:
+    """(proposals among the first four, those predicted to lose by more than LOSE_BY without a
+    stated purpose, their moves, those with one)."""
     done = [t for t in trials if t.state == TrialState.COMPLETE and t.value and t.datetime_complete and t.value > 0]
     proposals = [
         t
@@ -144,6 +148,7 @@ def first_losers(trials: Sequence[FrozenTrial]) -> tuple[int, int, tuple[str, ..
         if (p := A.TrialRecord(t).model_prediction) is not None and p.get("move") != "start"
     ][:FIRST_PROPOSALS]
     losers: list[str] = []
+    purposeful = 0
     for t in proposals:
         pred = A.TrialRecord(t).model_prediction or {}
         speedup = pred.get("speedup")
@@ -153,8 +158,11 @@ def first_losers(trials: Sequence[FrozenTrial]) -> tuple[int, int, tuple[str, ..
         before = [float(d.value or 0.0) for d in done if d.datetime_complete and d.datetime_complete <= asked]
         best = max([1.0, *before])
         if float(speedup) < (1.0 - LOSE_BY) * best:
-            losers.append(str(pred.get("move")))
-    return len(proposals), len(losers), tuple(losers)
+            if A.TrialRecord(t).proposal_purpose is not None:
+                purposeful += 1
+            else:
+                losers.append(str(pred.get("move")))
+    return len(proposals), len(losers), tuple(losers), purposeful
 
 
 def run_engine(index: int, workers: int = 2) -> EngineResult:
@@ -190,7 +198,7 @@ def _study_on(
     store = drive(hosts, spec)
     answer = _study_answer(store, hosts, truth)
     trials = store.study().get_trials(deepcopy=False)
-    proposed, lost, moves = first_losers(trials)
+    proposed, lost, moves, purposeful = first_losers(trials)
     return EngineResult(
         seed,
         name,
@@ -203,6 +211,7 @@ def _study_on(
         proposed,
         lost,
         moves,
+        purposeful,
     )
 
 
@@ -240,13 +249,15 @@ def summary(results: Sequence[EngineResult], workers: int, title: str = f"Family
         ooms = [r.answer.oom for r in rs]
         proposals = sum(r.first_proposals for r in rs)
         losers = sum(r.first_losers for r in rs)
+        purposeful = sum(r.purposeful_losers for r in rs)
         studies_with = sum(1 for r in rs if r.first_losers)
         rows.append(
             f"| {label} | {len(rs)} | {_median([r.answer.launches for r in rs]):g} ({split}) | "
             f"{_share(sum(r.within for r in rs), len(rs))} | {_share(sum(r.short for r in rs), len(rs))} | "
             f"{_share(sum(r.capped for r in rs), len(rs))} | {_median(ooms):g} / {max(ooms)} | "
             f"{_share(cov.inside_model, cov.launches)} / {_share(cov.inside_stated, cov.launches)} | "
-            f"{_share(losers, proposals)} of proposals; {studies_with}/{len(rs)} studies |"
+            f"{_share(losers, proposals)} of proposals; {studies_with}/{len(rs)} studies"
+            f"{f' (+{purposeful} with a purpose)' if purposeful else ''} |"
         )
     moves: dict[str, int] = {}
     for r in results:
@@ -281,7 +292,8 @@ def per_engine(results: Sequence[EngineResult]) -> list[str]:
             f"  {r.name} [{r.group}] seed {r.seed}, levels {'+'.join(map(str, r.levels))}: optimum "
             f"{r.optimum:.3f}x, {a.launches} launches ({split}), {a.oom} OOM, answer {a.share:.4f}, "
             f"covered {c.inside_model}/{c.inside_stated} of {c.launches}, first-four losers "
-            f"{r.first_losers}/{r.first_proposals}; {a.reason[:120]}"
+            f"{r.first_losers}/{r.first_proposals}"
+            f"{f' (+{r.purposeful_losers} with a purpose)' if r.purposeful_losers else ''}; {a.reason[:120]}"
         )
     return [*out, ""]
 

@@ -52,6 +52,9 @@ RECORD_PROBLEMS: Final = "record_problems"
 # How it was proposed: warm_start | prior_study | grid (enqueued), and what the `auto` sampler predicted.
 SOURCE: Final = "source"
 MODEL_PREDICTION: Final = "model_prediction"
+# Why the `auto` sampler proposed a configuration its own model predicts to lose by more than
+# optimizer.model_sampler.LOSE_BY to the best measured (words; absent on every other proposal).
+PROPOSAL_PURPOSE: Final = "proposal_purpose"
 # Set only on the copies optimizer.believer makes of launches in flight (never stored): the model's
 # own prediction standing in for a result.
 BELIEVED: Final = "believed"
@@ -163,6 +166,10 @@ class TrialRecord:
     @property
     def source(self) -> str | None:
         return self._str(SOURCE)
+
+    @property
+    def proposal_purpose(self) -> str | None:
+        return self._str(PROPOSAL_PURPOSE)
 
     @property
     def model_prediction(self) -> dict[str, Json] | None:

@@ -63,6 +63,16 @@ PREDICTION_ATTR = A.MODEL_PREDICTION
 NEAR_COPY = 0.75
 
 
+# The acquisition's one rule on early launches (issue 31, "Must show": no proposal among the first
+# four predicted by the model before it runs to lose to the best configuration measured so far by
+# more than 20%): a configuration whose predicted speedup is below (1 - LOSE_BY) x the best
+# measured (the baseline's 1.0x when nothing beats it) is not proposed while any other is open.
+# An exception (nothing else open, or a move whose purpose is to resolve a part of the model: the
+# depth probe, the walk around the incumbent once the model failed its check) is proposed with its
+# purpose stored on the trial (attrs.PROPOSAL_PURPOSE).  The 20% is the issue's.
+LOSE_BY = 0.20
+
+
 # How far the model-free local moves look around the incumbent (in `lattice_distance` units):
 # the immediate neighbours first, then the next ring once those are all launched.
 LOCAL_RADII = (1.0, 2.0)
@@ -89,6 +99,9 @@ class Proposal:
     # in flight (`in_flight_predictions`).
     move: Move = "model"
     around: str | None = None  # "local": the incumbent walked around (its configuration key)
+    # Why a configuration the model predicts to lose by more than LOSE_BY was proposed anyway
+    # (None: it was not predicted to lose): stored on the trial as attrs.PROPOSAL_PURPOSE.
+    purpose: str | None = None
 
 
 def objective_levels(spec: StudySpec) -> tuple[list[int], list[float]]:
@@ -114,7 +127,7 @@ def observations_of(trials: Sequence[FrozenTrial]) -> list[Observation]:
             continue
         if not r.has(A.LEVELS) or not r.has_config:
             continue
-        out.extend(observations_from_attrs(r.config.model_dump(mode="json"), r.levels, r.baseline_levels))
+        out.extend(observations_from_attrs(r.config.model_dump(mode="json"), r.levels, r.baseline_levels, r.worker_id))
     return out
 
 
@@ -324,6 +337,10 @@ def propose(
     cand = Candidates.of(pool)
     levels, weights = objective_levels(spec)
     mean, sd = model.predict_log_speedup(cand, levels, weights)
+    # LOSE_BY: what the model itself expects to lose by more than 20% to the best measured so far.
+    best_so_far = _best_measured(trials)
+    bar = math.log((1.0 - LOSE_BY) * max(1.0, best_so_far or 0.0))
+    loses = mean < bar
     # What the prediction claims about the value itself: the stop rule checks each result against
     # it (optimizer.stop_rules), so it is stored apart from the sd the choice below is made with.
     sd_value = sd
@@ -349,7 +366,7 @@ def propose(
                 return Proposal(
                     config=probe, predicted_speedup=float(math.exp(mean[i])), predicted_sd=float(sd_value[i]),
                     expected_improvement=0.0, observations=model.n_observations, p_fail=float(p_fail[i]),
-                    move="probe",
+                    move="probe", purpose=_PURPOSE_PROBE if loses[i] else None,
                 )  # fmt: skip
     else:
         # Nothing pays yet: improvement over the baseline (or the best so far, if above it).
@@ -376,15 +393,25 @@ def propose(
         around = A.TrialRecord(best).config_key
         v = (ei * (1.0 - p_fail))[local.index]
         clear = penalty[local.index] > 0
-        first = np.lexsort((-mean[local.index], -np.round(v, 12), ~clear, -local.onward))
+        # LOSE_BY: a neighbour the model expects to lose goes after every other.
+        first = np.lexsort((-mean[local.index], -np.round(v, 12), ~clear, -local.onward, loses[local.index]))
         i = int(local.index[first[0]])
+        purpose = _PURPOSE_WALK if loses[i] else None
     else:
         if not penalty.any():
             return None
         move = "model"
+        # LOSE_BY: what the model expects to lose by more than 20% is not worth a launch while
+        # anything else is open (its EI is the width of an interval the model cannot narrow
+        # cheaper elsewhere); when nothing else is, the one with the most value resolves the most.
+        ok = ~loses & (penalty > 0)
+        purpose = None
+        if not ok.any():
+            ok = penalty > 0
+            purpose = _PURPOSE_ALL_LOSE
         # Ties (flat value far from the incumbent) go to the higher mean, then to the smaller
         # server (fewer draft tokens, shorter graph capture).
-        order = np.lexsort((cand.ndt, -mean, -np.round(value, 12)))
+        order = np.lexsort((cand.ndt, -mean, -np.round(np.where(ok, value, -1.0), 12)))
         i = int(order[0])
     return Proposal(
         config=cand.configs[i],
@@ -396,7 +423,22 @@ def propose(
         cost_s=float(cost[i]),
         move=move,
         around=around,
+        purpose=purpose,
     )
+
+
+# The purposes an exception to LOSE_BY states (attrs.PROPOSAL_PURPOSE).
+_PURPOSE_PROBE = (
+    "depth probe: resolve the acceptance past the deepest draft position launched, which the model "
+    "extrapolates (optimizer.stop_rules.depth_probe)"
+)
+_PURPOSE_WALK = (
+    "walk around the incumbent: the model failed its prediction check, so its ranking of the "
+    "incumbent's neighbours is the part being resolved"
+)
+_PURPOSE_ALL_LOSE = (
+    "every open configuration is predicted to lose by more than 20%: resolve where the model is least sure"
+)
 
 
 def _local_moves(
@@ -582,6 +624,8 @@ class ModelSampler(BaseSampler):
             PREDICTION_ATTR,
             prediction_attr(proposal),
         )
+        if proposal.purpose is not None:
+            study._storage.set_trial_user_attr(trial._trial_id, A.PROPOSAL_PURPOSE, proposal.purpose)  # noqa: SLF001
         params: dict[str, Any] = dict(params_of(proposal.config))
         return {k: v for k, v in params.items() if k in search_space}
 

@@ -18,6 +18,15 @@ These are the relations of docs/calibration.md §6 written as a regression.  Bot
 fitted by regularised least squares (priors from the published ranges, so two or three trials
 already give a usable answer), and a Laplace approximation gives each prediction a standard
 deviation for the acquisition function.  The fit is milliseconds for tens of trials.
+
+What that fixed form leaves unexplained is itself modelled (issue 31: engines of other shapes):
+a Gaussian process on the residuals of log accept length (by depth, tree width and draft
+tokens) and of log cycle ratio (by verified tokens b n, batch, depth and topk: knees, tiles,
+expert saturation, draft cost by width), with a per-host offset as a random effect
+(optimizer.residual_gp).  Its mean bends each prediction towards what was measured near it; its
+variance, sized by the study's own leave-one-out residuals, is the model's misfit in every
+prediction's sd, so an engine the form cannot describe widens the intervals instead of leaving
+them confidently wrong.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import numpy as np
 from numpy.typing import NDArray
 from scipy.optimize import least_squares
 
+from optimizer.residual_gp import ResidualGP
 from optimizer.space import SpecConfig
 
 FloatArray = NDArray[np.float64]
@@ -66,6 +76,7 @@ class Observation:
     accept_length: float
     cycle_ratio: float  # cycle time / baseline decode step at the same level and host
     eager: bool = False
+    host: str | None = None  # the worker that measured it (its offset is a random effect)
 
 
 @dataclass(frozen=True)
@@ -147,6 +158,37 @@ class FittedModel:
     cost_cov: FloatArray
     n_observations: int
     extra: dict[str, Any] = field(default_factory=dict)
+    # The fixed form's residuals (optimizer.residual_gp): log accept length by configuration, log
+    # cycle ratio by (configuration, level).  None: nothing to learn them from.
+    al_gp: ResidualGP | None = None
+    cost_gp: ResidualGP | None = None
+
+    def _residual(
+        self, cand: Candidates, levels: Sequence[int], weights: Sequence[float], ref: Candidates | None, new: bool
+    ) -> tuple[FloatArray, FloatArray]:
+        """Mean and variance the residual terms add to each candidate's objective (the weighted
+        mean over levels of log AL - log r), or to its difference from `ref`'s one configuration."""
+        n = len(cand.configs)
+        mean, var = np.zeros(n), np.zeros(n)
+        w = np.asarray(weights, dtype=float) / float(sum(weights))
+        if self.al_gp is not None:
+            q = accept_coords(cand)[:, None, :]
+            a = np.ones((n, 1))
+            if ref is not None:
+                q = np.concatenate([q, np.repeat(accept_coords(ref)[:1, None, :], n, axis=0)], axis=1)
+                a = np.concatenate([a, -a], axis=1)
+            m, v = self.al_gp.moments(q, a, new_launch=new)
+            mean, var = mean + m, var + v
+        if self.cost_gp is not None:
+            q = np.stack([cost_coords(cand, float(b)) for b in levels], axis=1)
+            a = np.repeat(w[None, :], n, axis=0)
+            if ref is not None:
+                qr = np.stack([cost_coords(ref, float(b))[:1] for b in levels], axis=1)
+                q = np.concatenate([q, np.repeat(qr, n, axis=0)], axis=1)
+                a = np.concatenate([a, -a], axis=1)
+            m, v = self.cost_gp.moments(q, a, new_launch=new)
+            mean, var = mean - m, var + v
+        return mean, var
 
     def predict_log_speedup(
         self,
@@ -160,11 +202,13 @@ class FittedModel:
         theta = np.concatenate([self.logits, [self.gain], self.cost])
         mean = self._objective(theta, cand, levels, weights)
         if not with_sd:
-            return mean, np.zeros_like(mean)
+            return mean + self._residual(cand, levels, weights, None, True)[0], np.zeros_like(mean)
         cov = self._cov(len(theta))
         grads = self._gradients(theta, cand, levels, weights, mean)
         var = np.einsum("ic,ij,jc->c", grads, cov, grads)
-        return mean, np.sqrt(np.maximum(var, 0.0) + MODEL_FLOOR**2)
+        # A measurement of a new launch: the misfit, an unknown host's offset and launch noise too.
+        r_mean, r_var = self._residual(cand, levels, weights, None, True)
+        return mean + r_mean, np.sqrt(np.maximum(var, 0.0) + r_var + MODEL_FLOOR**2)
 
     def predict_gain(
         self,
@@ -187,7 +231,9 @@ class FittedModel:
         grads = self._gradients(theta, both, levels, weights, base)
         dg = grads[:, :-1] - grads[:, -1:]
         var = np.einsum("ic,ij,jc->c", dg, cov, dg)
-        return base[:-1] - base[-1], np.sqrt(np.maximum(var, 0.0) + np.asarray(floor) ** 2)
+        # The residual's difference: what the two configurations share (neighbours) cancels.
+        r_mean, r_var = self._residual(cand, levels, weights, Candidates.of(list(ref.configs[:1])), False)
+        return base[:-1] - base[-1] + r_mean, np.sqrt(np.maximum(var, 0.0) + r_var + np.asarray(floor) ** 2)
 
     def _gradients(
         self,
@@ -239,7 +285,19 @@ class FittedModel:
         """The fitted (accept length, cycle ratio to a plain decode step) of `config` at each level:
         what a launch of it would report if the model were right."""
         theta = np.concatenate([self.logits, [self.gain], self.cost])
-        return [(float(al[0]), float(r[0])) for al, r in self._per_level(theta, Candidates.of([config]), levels)]
+        cand = Candidates.of([config])
+        al_shift = 0.0
+        if self.al_gp is not None:
+            m, _ = self.al_gp.moments(accept_coords(cand)[:, None, :], np.ones((1, 1)))
+            al_shift = float(m[0])
+        out: list[tuple[float, float]] = []
+        for (al, r), b in zip(self._per_level(theta, cand, levels), levels, strict=True):
+            r_shift = 0.0
+            if self.cost_gp is not None:
+                m, _ = self.cost_gp.moments(cost_coords(cand, float(b))[:, None, :], np.ones((1, 1)))
+                r_shift = float(m[0])
+            out.append((float(al[0]) * math.exp(al_shift), float(r[0]) * math.exp(r_shift)))
+        return out
 
     def accept_length(self, config: SpecConfig) -> float:
         c = Candidates.of([config])
@@ -250,12 +308,39 @@ def fit(observations: Sequence[Observation], max_steps: int) -> FittedModel | No
     """Fit both halves; None when there is nothing to fit."""
     if not observations:
         return None
-    logits, gain, acov = _fit_acceptance(observations, max_steps)
-    cost, knee, ccov = _fit_cost(observations)
-    return FittedModel(logits, gain, acov, cost, knee, ccov, len(observations))
+    logits, gain, acov, al_gp = _fit_acceptance(observations, max_steps)
+    cost, knee, ccov, cost_gp = _fit_cost(observations)
+    return FittedModel(logits, gain, acov, cost, knee, ccov, len(observations), al_gp=al_gp, cost_gp=cost_gp)
 
 
-def _fit_acceptance(obs: Sequence[Observation], max_steps: int) -> tuple[FloatArray, float, FloatArray]:
+def accept_coords(cand: Candidates) -> FloatArray:
+    """Where a configuration's acceptance sits for the residual: depth in twos, log2 tree width,
+    log2 draft tokens (optimizer.residual_gp's unit length: a neighbour)."""
+    depth = np.minimum(cand.steps, cand.ndt - 1.0)
+    width = np.minimum(cand.topk, 1.0 + (cand.ndt - 1.0) / np.maximum(depth, 1.0))
+    return np.stack([depth / 2.0, np.log2(np.maximum(width, 1.0)), np.log2(cand.ndt)], axis=1)
+
+
+def cost_coords(cand: Candidates, batch: float) -> FloatArray:
+    """Where a (configuration, level)'s cycle cost sits for the residual: log2 of the tokens one
+    verify pass carries (b n: knees, tiles, expert saturation), log2 batch, draft depth in twos,
+    log2 topk (draft cost by width)."""
+    b = np.full(len(cand.configs), batch)
+    return np.stack([np.log2(b * cand.ndt), np.log2(b), cand.steps / 2.0, np.log2(cand.topk)], axis=1)
+
+
+def _leverage(jac: FloatArray, rows: int) -> FloatArray:
+    """Each data row's leverage in a whitened, regularised least-squares fit (its first `rows`
+    residuals are the data, the rest the priors): diag of J_d (J'J)^-1 J_d'."""
+    j = np.asarray(jac, dtype=float)
+    inv = np.linalg.pinv(j.T @ j + 1e-9 * np.eye(j.shape[1]))
+    jd = j[:rows]
+    return np.asarray(np.einsum("ij,jk,ik->i", jd, inv, jd), dtype=np.float64)
+
+
+def _fit_acceptance(
+    obs: Sequence[Observation], max_steps: int
+) -> tuple[FloatArray, float, FloatArray, ResidualGP | None]:
     # One AL per configuration (mean over its levels and repeats): acceptance does not depend on
     # the batch, and weighting every level would count one measurement several times.
     by_config: dict[tuple[int, int, int], list[float]] = {}
@@ -281,10 +366,14 @@ def _fit_acceptance(obs: Sequence[Observation], max_steps: int) -> tuple[FloatAr
     lo = np.concatenate([np.full(depth, -8.0), [0.0]])
     hi = np.concatenate([np.full(depth, 8.0), [0.9]])
     res = least_squares(residuals, x0, bounds=(lo, hi), method="trf")
-    return res.x[:depth].copy(), float(res.x[depth]), _laplace(res.jac)
+    logits, gain = res.x[:depth].copy(), float(res.x[depth])
+    cand = Candidates(tuple(), steps, topk, ndt, np.full(len(keys), math.inf))
+    resid = np.log(al) - np.log(accept_lengths(steps, topk, ndt, logits, gain))
+    gp = ResidualGP.fit(accept_coords(cand), resid, sd / al, leverage=_leverage(res.jac, len(keys)))
+    return logits, gain, _laplace(res.jac), gp
 
 
-def _fit_cost(obs: Sequence[Observation]) -> tuple[FloatArray, float, FloatArray]:
+def _fit_cost(obs: Sequence[Observation]) -> tuple[FloatArray, float, FloatArray, ResidualGP | None]:
     usable = [o for o in obs if not o.eager]
     if not usable:
         usable = list(obs)
@@ -296,7 +385,7 @@ def _fit_cost(obs: Sequence[Observation]) -> tuple[FloatArray, float, FloatArray
     priors = (_DELTA, _GAMMA, _BETA, _BETA_AFTER, _OMEGA)
     mu = np.array([p[0] for p in priors])
     psd = np.array([p[1] for p in priors])
-    best: tuple[float, FloatArray, float, FloatArray] | None = None
+    best: tuple[float, FloatArray, float, FloatArray, FloatArray] | None = None
     for knee in KNEES:
 
         def residuals(p: FloatArray, knee: float = float(knee)) -> FloatArray:
@@ -305,9 +394,14 @@ def _fit_cost(obs: Sequence[Observation]) -> tuple[FloatArray, float, FloatArray
 
         res = least_squares(residuals, mu.copy(), bounds=(np.zeros(5), np.full(5, 5.0)), method="trf")
         if best is None or res.cost < best[0]:
-            best = (float(res.cost), res.x.copy(), float(knee), _laplace(res.jac))
+            best = (float(res.cost), res.x.copy(), float(knee), _laplace(res.jac), _leverage(res.jac, len(usable)))
     assert best is not None
-    return best[1], best[2], best[3]
+    _, cost, knee_at, cov, lev = best
+    resid = np.log(ratio) - np.log(cycle_ratios(steps, topk, ndt, batch, cost, knee_at))
+    x = np.stack([np.log2(batch * ndt), np.log2(batch), steps / 2.0, np.log2(topk)], axis=1)
+    noise = np.full(len(usable), COST_NOISE)
+    gp = ResidualGP.fit(x, resid, noise, leverage=lev, hosts=[o.host for o in usable])
+    return cost, knee_at, cov, gp
 
 
 def _laplace(jac: FloatArray) -> FloatArray:
@@ -321,7 +415,10 @@ def _laplace(jac: FloatArray) -> FloatArray:
 
 
 def observations_from_attrs(
-    config: Mapping[str, Any], levels: Iterable[Mapping[str, Any]], baseline_levels: Iterable[Mapping[str, Any]]
+    config: Mapping[str, Any],
+    levels: Iterable[Mapping[str, Any]],
+    baseline_levels: Iterable[Mapping[str, Any]],
+    host: str | None = None,
 ) -> list[Observation]:
     """Observations of one trial from what the service stores with it (see api.services.leasing).
 
@@ -345,7 +442,9 @@ def observations_from_attrs(
         step = 1.0 / base_user
         eager = cfg.cuda_graph_max_bs is not None and cfg.cuda_graph_max_bs < c
         out.append(
-            Observation(cfg.num_steps, cfg.topk, cfg.num_draft_tokens, c, float(al), float(cycle / step), eager=eager)
+            Observation(
+                cfg.num_steps, cfg.topk, cfg.num_draft_tokens, c, float(al), float(cycle / step), eager=eager, host=host
+            )
         )
     return out
 

@@ -79,7 +79,7 @@ def test_first_proposals_predicted_to_lose_are_judged_against_the_best_measured_
         _trial(5, 1.0, _pred(0.7, move="probe"), asked_s=41, done_s=50),  # a loser (a probe)
         _trial(6, 1.0, _pred(0.1), asked_s=51, done_s=60),  # the fifth proposal: not among the first four
     ]
-    assert bf.first_losers(trials) == (4, 2, ("model", "probe"))
+    assert bf.first_losers(trials) == (4, 2, ("model", "probe"), 0)
 
 
 def test_launch_noise_spreads_the_launches_of_one_configuration() -> None:
