@@ -252,7 +252,7 @@ def claim_confirm(
         )
         if due is None:
             # Launching the queued one would only repeat a known failure.
-            store.fail_unlaunched(lease, now)
+            store.end_lease(lease, "failed", now)
             store.event(
                 DEPLOY_FAILED,
                 lease,

@@ -266,8 +266,8 @@ class MemoryStudy:
                 le.info = dataclasses.replace(le.info, tier=due[0], envelope_note=due[1].note)
         le.state, le.worker_id, le.leased_at = "active", action.worker_id, now
 
-    def fail_unlaunched(self, lease: LeaseRecord, now: datetime) -> None:
-        self.end(lease.id, "failed", now)
+    def end_lease(self, lease: LeaseRecord, state: str, now: datetime) -> None:
+        self.end(lease.id, state, now)
 
     def requeue_confirm(
         self, lease: LeaseRecord, now: datetime, info: ConfirmInfo, server: ServerSettings | None

@@ -205,8 +205,9 @@ class StudyStore(Protocol):
         the deployment it launches where that differs from the one it was queued with."""
         ...
 
-    def fail_unlaunched(self, lease: LeaseRecord, now: datetime) -> None:
-        """A queued confirmation ends without a launch (every envelope left is known to fail)."""
+    def end_lease(self, lease: LeaseRecord, state: str, now: datetime) -> None:
+        """The lease ends: completed, failed (a confirmation ends failed unlaunched when every
+        envelope left is known to run out of memory) or superseded."""
         ...
 
     def event(self, kind: str, lease: LeaseRecord, detail: str) -> None: ...
