@@ -23,7 +23,7 @@ from optimizer import study as opt
 from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
-from optimizer.store import ConfigState, ConfirmInfo, LeaseRecord, PriorLaunch
+from optimizer.store import ConfigState, ConfirmInfo, Deployment, LeaseRecord, PriorLaunch
 from optimizer.study_state import Ending, Phase, StudyState
 
 
@@ -253,11 +253,7 @@ class MemoryStudy:
     # ------------------------------------------------------------------ confirmations
 
     def claim_confirm(
-        self,
-        lease: LeaseRecord,
-        action: conductor.Confirm,
-        now: datetime,
-        due: tuple[int, deploy.Envelope] | None,
+        self, lease: LeaseRecord, action: conductor.Confirm, now: datetime, due: Deployment | None
     ) -> None:
         le = self.lease(lease.id)
         if due is not None:

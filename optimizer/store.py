@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 import optuna
 from optuna.trial import FrozenTrial
 
+from optimizer.deploy import Envelope
 from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 
 if TYPE_CHECKING:  # the conductor imports `deploy_failures` from here: no import back at run time
     from optimizer import conductor
-    from optimizer.deploy import Envelope
     from optimizer.study import AskedTrial
 
 # Failures that belong to the configuration, not the host: the configuration is infeasible
@@ -36,6 +36,9 @@ CONFIG_FAILURES = frozenset({"invalid_config", "oom", "launch_timeout"})
 # Events the actions record about a confirmation's deployment.
 DEPLOY_RETRY = "deploy_retry"
 DEPLOY_FAILED = "deploy_failed"
+
+# A confirmation's deployment: its tier and the envelope it launches (optimizer.conductor.next_deployment).
+Deployment = tuple[int, Envelope]
 
 
 class ConfigState(StrEnum):
@@ -195,11 +198,7 @@ class StudyStore(Protocol):
         ...
 
     def claim_confirm(
-        self,
-        lease: LeaseRecord,
-        action: conductor.Confirm,
-        now: datetime,
-        due: tuple[int, Envelope] | None,
+        self, lease: LeaseRecord, action: conductor.Confirm, now: datetime, due: Deployment | None
     ) -> None:
         """The queued confirmation, active for the action's worker, paired with its baseline; `due`:
         the deployment it launches where that differs from the one it was queued with."""

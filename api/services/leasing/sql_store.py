@@ -33,13 +33,13 @@ from api.services import lease_rows, study_life, trial_records
 from api.services.leasing import records
 from api.services.leasing.states import LeaseKind, LeaseState, StudyState, claim, end
 from api.services.study_specs import launched_count, load_study, spec_of, study_trials
-from optimizer import conductor, deploy
+from optimizer import conductor
 from optimizer import store as st
 from optimizer import study as opt
 from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
-from optimizer.store import ConfigState, ConfirmInfo, LeaseRecord, NotRecorded, PriorLaunch
+from optimizer.store import ConfigState, ConfirmInfo, Deployment, LeaseRecord, NotRecorded, PriorLaunch
 
 log = logging.getLogger("spectune.api.leasing")
 
@@ -227,11 +227,7 @@ class SqlStudyStore:
     # ------------------------------------------------------------------ confirmations
 
     def claim_confirm(
-        self,
-        lease: LeaseRecord,
-        action: conductor.Confirm,
-        now: datetime,
-        due: tuple[int, deploy.Envelope] | None,
+        self, lease: LeaseRecord, action: conductor.Confirm, now: datetime, due: Deployment | None
     ) -> None:
         with self._write() as s:
             row = s.get(LeaseRow, lease.id)
