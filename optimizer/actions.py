@@ -344,5 +344,5 @@ def retry_confirm(store: StudyStore, lease: LeaseRecord, now: datetime, reason: 
                 f"the adaptive deployment was not measured: {reason}; gave up after {lease.attempt} attempts",
             )
         return
-    store.requeue_confirm(lease, now, lease.confirm.unpaired(), lease.server)
+    store.requeue_confirm(lease, now, lease.confirm.unpaired(), None)  # the same server as queued
     store.event("confirm_requeued", lease, f"{reason}; attempt {lease.attempt + 1} queued")

@@ -190,7 +190,8 @@ class StudyStore(Protocol):
     def requeue_confirm(
         self, lease: LeaseRecord, now: datetime, info: ConfirmInfo, server: ServerSettings | None
     ) -> None:
-        """The confirmation's next attempt (attempt + 1), queued for any host with `info` and `server`."""
+        """The confirmation's next attempt (attempt + 1), queued for any host with `info`, and
+        `server` (None: the server it was queued with)."""
         ...
 
     def deploy_failures(self) -> list[tuple[SpecConfig, int]]:
