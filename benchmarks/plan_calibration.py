@@ -5,7 +5,7 @@
 
 For each of benchmarks/search_efficiency.py's cases (a simulator landscape at a workload), the
 estimate is made as a user would make it, from the spec alone (its tensor-parallel size is the
-landscape's; the engine itself is not known to it: api.estimate draws engines from the prior),
+landscape's; the engine itself is not known to it: optimizer.estimate draws engines from the prior),
 and then the case's studies run as the search benchmark runs them (`simulate_studies`, the
 default strategy, one seed per study).  A study's launches count baselines, search launches,
 confirmations and failed starts, as both sides count them.  The target (issue 33): at least 70%
@@ -21,10 +21,10 @@ import warnings
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 
-from api.documents import Estimate
-from api.estimate import DEFAULT_DRAWS, estimate
 from benchmarks import search_efficiency as se
+from optimizer.estimate import DEFAULT_DRAWS, Estimate, estimate
 from spectune_sim.landscapes import LANDSCAPES
+from workers.resolve import resolve
 
 TARGET = 0.70
 
@@ -36,7 +36,7 @@ def _case(job: tuple[se.Case, int, int, int]) -> tuple[se.Case, Estimate, list[i
     workload = se.Workload(levels=case.levels)
     spec = se.spec_for(workload, "auto", 0)
     spec = spec.model_copy(update={"model": spec.model.model_copy(update={"tp_size": landscape.tp_size})})
-    got = estimate(spec, workers, draws=draws)
+    got = estimate(spec, workers, resolve, draws=draws)
     studies = se.simulate_studies(landscape, workload, seeds, workers=workers, strategies=("default",))
     return case, got, [a.launches for a in studies["default"]]
 

@@ -20,9 +20,9 @@ geometric mean) and seed:
 * `default` - the study the service runs: `optimizer.conductor`, the object the API asks, decides
   every step (baselines, asks, the stop rule, the move to confirmation, the pairing of each
   confirmation with a fresh baseline, each confirmation's deployment envelope and extra passes,
-  the finish); `api/rehearsal.py` (shared with `spectune study plan`) only carries its actions out
-  on an in-memory store (Optuna's InMemoryStorage, the leases, the baselines) with simulated hosts on
-  one clock, `--workers` of them asking in the order of their clocks, so proposals are made while
+  the finish); the service's own code carries its actions out (optimizer/actions.py) on the
+  in-memory store (optimizer/memory_store.py: Optuna's InMemoryStorage, the leases, the baselines),
+  and optimizer/rehearsal.py (shared with `spectune study plan`) runs simulated hosts on one clock, `--workers` of them asking in the order of their clocks, so proposals are made while
   other hosts' launches are in flight.  Duplicates are answered as the service answers them, and
   the answer is the service's (the cheapest confirmed candidate tied with the best within
   `min_gain`, optimizer.confirmation.choose).  tests/test_search_efficiency.py checks that the
@@ -59,10 +59,11 @@ from dataclasses import dataclass, field
 
 import optuna
 
-from api.rehearsal import Host, MemoryStudy, Plan, Workload, clock_at, drive, spectune_plan
 from optimizer import attrs as A
-from optimizer import conductor, confirmation, costs, ranking
+from optimizer import conductor, confirmation, costs, ranking, rehearsal
 from optimizer import study as opt
+from optimizer.memory_store import MemoryStudy
+from optimizer.rehearsal import Host, Plan, Workload, clock_at, spectune_plan
 from optimizer.space import SearchSpace, SpecConfig, max_draft_tokens
 from optimizer.spec import StudySpec
 from optimizer.study_state import FinishReason
@@ -73,8 +74,15 @@ from spectune_sim.model import (
     check_memory,
     predict,
 )
+from workers.resolve import resolve
 
 WITHIN = 0.98
+
+
+def drive(hosts: list[Host], spec: StudySpec) -> MemoryStudy:
+    """One study as the service runs it (optimizer.rehearsal.drive), the worker answering each
+    confirmation's Resolve order as workers/resolve.py does."""
+    return rehearsal.drive(hosts, spec, resolve)
 
 
 class Truth:

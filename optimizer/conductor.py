@@ -37,6 +37,7 @@ from optimizer.model_sampler import space_configs
 from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
+from optimizer.store import deploy_failures
 from optimizer.study import best_trial_of, is_feasible
 from optimizer.study_state import Ending, FinishReason, Outcome, Phase, StudyState, confirmed_detail
 from spectune_protocol import MAX_RESOLVE_THRESHOLD, Resolve
@@ -781,15 +782,6 @@ def envelope_key(settings: ServerSettings) -> EnvelopeKey:
     return settings.max_running_requests, capture_list(settings)
 
 
-def _deploy_failures(snap: Snapshot) -> list[tuple[SpecConfig, int]]:
-    """(configuration, tier) of the study's confirmations that ran out of memory at start-up."""
-    return [
-        (le.config, le.tier)
-        for le in snap.leases
-        if le.kind == "confirm" and le.state == "failed" and le.failure == "oom" and le.config and le.tier is not None
-    ]
-
-
 def _started_envelopes(snap: Snapshot) -> set[EnvelopeKey]:
     """Envelopes a confirmation of this study started in (it completed: its server came up)."""
     return {
@@ -808,7 +800,7 @@ def deployment_for(snap: Snapshot, lease: LeaseView) -> tuple[int, deploy.Envelo
     command); the last envelope left is always tried.  None: no envelope is left."""
     assert lease.config is not None and lease.tier is not None
     spec, cfg = snap.spec, lease.config
-    failed = _deploy_failures(snap)
+    failed = deploy_failures(snap.leases)
     options = [(t, e) for t, e in deploy.envelopes_to_try(spec, cfg, failed, snap.trials) if t >= lease.tier]
     started = _started_envelopes(snap)
     failed_in = {envelope_key(le.server) for le in snap.leases if le.failure == "oom" and le.server is not None}

@@ -19,18 +19,17 @@ from sqlalchemy.orm import Session
 from api.context import ServiceContext, Unit
 from api.db import db_now
 from api.models import BaselineRow, LeaseRow
-from api.services import lease_rows, study_life
+from api.services import study_life
 from api.services.launch_noise import study_noise
 from api.services.leasing import records
-from api.services.leasing.records import CONFIG_FAILURES, DEPLOY_FAILED, DEPLOY_RETRY, HostHealth, event
-from api.services.leasing.states import LeaseKind, LeaseState, claim, end
+from api.services.leasing.records import CONFIG_FAILURES, HostHealth, event
+from api.services.leasing.sql_store import SqlStudyStore, lease_record
+from api.services.leasing.states import LeaseKind, LeaseState, end
 from api.services.study_specs import baseline_key_of, study_trials
+from optimizer import actions
 from optimizer import attrs as A
 from optimizer import confirmation as confirm
-from optimizer import deploy
-from optimizer.conductor import Confirm, next_deployment
-from optimizer.sglang import ServerSettings
-from optimizer.space import SpecConfig
+from optimizer.conductor import Confirm
 from optimizer.spec import StudySpec
 from spectune_protocol import CompleteIn, CompleteOut
 
@@ -47,50 +46,14 @@ class ConfirmLeases:
         self, s: Session, spec: StudySpec, action: Confirm, now: datetime, trials: Sequence[FrozenTrial] = ()
     ) -> LeaseRow | None:
         """The conductor's `Confirm`: the queued confirmation, now active for its worker and paired
-        with the baseline the conductor chose (None when another request took it meanwhile)."""
+        with the baseline the conductor chose, in the deployment optimizer.actions.claim_confirm
+        names (None when another request took it meanwhile, or no envelope is left to launch)."""
         lease = s.get(LeaseRow, action.lease_id, with_for_update=True)
         if lease is None or lease.state != LeaseState.QUEUED:
             return None
-        info = dict(lease.payload.get("confirm") or {})
-        info["baseline_id"] = action.baseline_id
-        info["baseline_fresh"] = action.fresh_baseline
-        base = s.get(BaselineRow, action.baseline_id)
-        assert base is not None
-        payload = {**lease.payload, "confirm": info}
-        if action.resolve is not None:
-            # The conductor's order: more passes on the warm server while the answer straddles a decision.
-            payload["resolve"] = action.resolve.model_dump(mode="json")
-        # What the study's deployments taught since it was queued: skip an envelope known to fail.
-        lease_config = payload.get("config")
-        if lease_config is not None and "tier" in info:
-            # The conductor's deployment (one launch at a time in an envelope nothing started in);
-            # without one, what the study's failures leave.
-            due = action.deployment or next_deployment(
-                spec,
-                SpecConfig.model_validate(lease_config),
-                deploy_failures(s, spec.name),
-                int(info["tier"]) - 1,
-                trials,
-            )
-            if due is None:
-                # Every envelope left is known to run out of memory: launching the queued one
-                # would only repeat a known failure.  The candidate is out, without a launch.
-                cfg = SpecConfig.model_validate(lease_config)
-                end(s, lease, LeaseState.FAILED, now)
-                event(
-                    s,
-                    DEPLOY_FAILED,
-                    lease,
-                    f"{cfg.num_steps}/{cfg.topk}/{cfg.num_draft_tokens} was not launched: a configuration needing "
-                    "no more graph memory ran out of memory in every graph envelope the serving section leaves; "
-                    "it cannot be the answer",
-                )
-                return None
-            if due[0] != int(info["tier"]):
-                tier, env = due
-                info |= {"tier": tier, "envelope_note": env.note}
-                payload["server"] = env.settings.model_dump(mode="json")
-        claim(s, lease, action.worker_id, now, self.settings.lease_ttl_s, payload=payload)
+        store = SqlStudyStore(self.ctx, spec, session=s)
+        if not actions.claim_confirm(store, lease_record(lease), action, now, trials):
+            return None
         log.info(
             "lease %s: study %s confirms trial %s on %s", lease.id, spec.name, lease.trial_number, action.worker_id
         )
@@ -152,128 +115,31 @@ class ConfirmLeases:
             else:
                 end(s, lease, LeaseState.FAILED, now, result=body.model_dump(mode="json"))
                 failure = body.failure
-                reason = "no baseline to pair with" if failure is None else f"{failure.kind}: {failure.message}"
-                if failure is not None and (failure.host_fault or failure.kind not in CONFIG_FAILURES):
-                    if records.counts_against_host(failure.kind):
-                        self.health.failure(s, lease.worker_id, reason)
-                    self.retry(s, lease, now, reason)
-                elif failure is not None and failure.kind in ("oom", "launch_timeout") and "tier" in info:
-                    self.next_envelope(s, spec, lease, now, failure.kind, failure.message, trials)
-                elif failure is not None and info.get("adaptive"):
-                    self.next_adaptive_envelope(s, spec, lease, now, failure.kind, failure.message)
+                if failure is None:
+                    event(s, "confirm_failed", lease, "no baseline to pair with")
                 else:
-                    event(s, "confirm_failed", lease, reason)
+                    if (failure.host_fault or failure.kind not in CONFIG_FAILURES) and records.counts_against_host(
+                        failure.kind
+                    ):
+                        self.health.failure(s, lease.worker_id, f"{failure.kind}: {failure.message}")
+                    # Retried, the next envelope, or out (optimizer.actions.confirm_failed).
+                    actions.confirm_failed(
+                        SqlStudyStore(self.ctx, spec, session=s),
+                        lease_record(lease),
+                        now,
+                        failure.kind,
+                        failure.message,
+                        host_fault=failure.host_fault,
+                        max_attempts=self.settings.max_attempts,
+                        trials=trials,
+                    )
             study_life.settle(s, spec, now, trials, self.settings)
             return CompleteOut(lease_id=lease.id, state=lease.state, speedup=lease.speedup)
 
-    def next_envelope(
-        self,
-        s: Session,
-        spec: StudySpec,
-        lease: LeaseRow,
-        now: datetime,
-        kind: str,
-        message: str,
-        trials: Sequence[FrozenTrial] = (),
-    ) -> None:
-        """The deployment did not start: the same configuration in the next smaller graph envelope
-        the serving section allows, or, when none is left, the candidate is out (stated)."""
-        info = dict(lease.payload.get("confirm") or {})
-        cfg = SpecConfig.model_validate(lease.payload["config"])
-        why = deploy.deployment_failure(kind, message)
-        tried = int(info["tier"])
-        due = next_deployment(spec, cfg, deploy_failures(s, spec.name), tried, trials)
-        label = f"{cfg.num_steps}/{cfg.topk}/{cfg.num_draft_tokens}"
-        if due is None:
-            event(
-                s,
-                DEPLOY_FAILED,
-                lease,
-                f"{label} did not start as it would be deployed ({why}), and the serving envelope leaves no "
-                "smaller graph envelope to try: it cannot be the answer",
-            )
-            return
-        tier, env = due
-        info = _unpaired(info)
-        info |= {"tier": tier, "envelope_note": env.note}
-        _requeue(s, lease, {**lease.payload, "confirm": info, "server": env.settings.model_dump(mode="json")}, now)
-        event(s, DEPLOY_RETRY, lease, f"{label} did not start as it would be deployed ({why}); trying {env.note}")
-
-    def next_adaptive_envelope(
-        self, s: Session, spec: StudySpec, lease: LeaseRow, now: datetime, kind: str, message: str
-    ) -> None:
-        """The adaptive server did not start: out of memory or a time-out (graph capture), the
-        same server with smaller CUDA graphs where the serving envelope allows; anything else, or
-        nothing smaller left, and the answer falls back to what was proven (api.services.studies)."""
-        why = deploy.deployment_failure(kind, message)
-        server = lease.payload.get("server")
-        smaller = (
-            deploy.smaller_envelope(spec, ServerSettings.model_validate(server))
-            if kind in ("oom", "launch_timeout") and server is not None
-            else None
-        )
-        if smaller is None:
-            event(s, deploy.ADAPTIVE_FAILED, lease, f"the adaptive deployment did not start ({why}: {message[:300]})")
-            return
-        info = _unpaired(lease.payload.get("confirm") or {}) | {"envelope_note": smaller.note}
-        payload = {**lease.payload, "confirm": info, "server": smaller.settings.model_dump(mode="json")}
-        _requeue(s, lease, payload, now)
-        event(
-            s, DEPLOY_RETRY, lease, f"the adaptive deployment did not start as printed ({why}); trying {smaller.note}"
-        )
-
     def retry(self, s: Session, lease: LeaseRow, now: datetime, reason: str) -> None:
         """Queue a confirmation again (its baseline pairing is redone), up to max_attempts."""
-        if lease.attempt >= self.settings.max_attempts:
-            event(s, "confirm_given_up", lease, f"{reason}; gave up after {lease.attempt} attempts")
-            if (lease.payload.get("confirm") or {}).get("adaptive"):
-                event(
-                    s,
-                    deploy.ADAPTIVE_FAILED,
-                    lease,
-                    f"the adaptive deployment was not measured: {reason}; gave up after {lease.attempt} attempts",
-                )
-            return
-        _requeue(s, lease, {**lease.payload, "confirm": _unpaired(lease.payload.get("confirm") or {})}, now)
-        event(s, "confirm_requeued", lease, f"{reason}; attempt {lease.attempt + 1} queued")
-
-
-def _unpaired(info: dict[str, Any]) -> dict[str, Any]:
-    """A confirmation's info without its baseline pairing: the next attempt is paired again."""
-    return {k: v for k, v in info.items() if k not in ("baseline_id", "baseline_fresh")}
-
-
-def _requeue(s: Session, lease: LeaseRow, payload: dict[str, Any], now: datetime) -> None:
-    """The next attempt of a confirmation, queued for any host (the conductor pairs it again)."""
-    s.add(
-        LeaseRow(
-            id=lease_rows.new_lease_id(),
-            study_name=lease.study_name,
-            kind=LeaseKind.CONFIRM.value,
-            state=LeaseState.QUEUED.value,
-            worker_id=None,
-            trial_number=lease.trial_number,
-            attempt=lease.attempt + 1,
-            config_key=lease.config_key,
-            payload=payload,
-            created_at=now,
-        )
-    )
-
-
-def deploy_failures(s: Session, study: str) -> list[tuple[SpecConfig, int]]:
-    """(configuration, envelope tier) of the study's confirmations that ran out of memory at start-up."""
-    out = []
-    for r in s.scalars(
-        select(LeaseRow).where(
-            LeaseRow.study_name == study, LeaseRow.kind == LeaseKind.CONFIRM, LeaseRow.state == LeaseState.FAILED
-        )
-    ):
-        failure = (r.result or {}).get("failure") or {}
-        info = r.payload.get("confirm") or {}
-        if failure.get("kind") == "oom" and "tier" in info and r.payload.get("config"):
-            out.append((SpecConfig.model_validate(r.payload["config"]), int(info["tier"])))
-    return out
+        store = SqlStudyStore(self.ctx, lease.study_name, session=s)
+        actions.retry_confirm(store, lease_record(lease), now, reason, self.settings.max_attempts)
 
 
 def not_independent(s: Session, lease: LeaseRow, base_row: BaselineRow, trials: Sequence[FrozenTrial]) -> str | None:

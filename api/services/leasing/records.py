@@ -17,17 +17,17 @@ from api.db import db_now
 from api.models import BaselineRow, EventRow, LeaseRow, TrialConfigRow, WorkerIdentity, WorkerRow
 from api.services.leasing.states import ConfigState
 from api.settings import Settings
+from optimizer.store import CONFIG_FAILURES as CONFIG_FAILURES
+from optimizer.store import DEPLOY_FAILED as DEPLOY_FAILED
+from optimizer.store import DEPLOY_RETRY as DEPLOY_RETRY
 from optimizer.words import plural
 from spectune_protocol import LeaseOut
 
 log = logging.getLogger("spectune.api.leasing")
 
-# Failure kinds caused by the configuration itself: taught to the sampler as infeasible.
-CONFIG_FAILURES = frozenset({"invalid_config", "oom", "launch_timeout"})
-# Events of the deployment proof (issue 17 item 2): a candidate's deployment did not start, and
-# the next envelope is tried, or none is left.
-DEPLOY_RETRY = "deploy_retry"
-DEPLOY_FAILED = "deploy_failed"
+# CONFIG_FAILURES (failure kinds caused by the configuration itself, taught to the sampler as
+# infeasible) and the deployment proof's events (issue 17 item 2) are defined with the actions
+# that use them (optimizer/store.py) and re-exported here for the service.
 
 
 def counts_against_host(kind: str) -> bool:

@@ -25,7 +25,6 @@ database snapshots while workers run):
 from __future__ import annotations
 
 from datetime import datetime, timedelta
-from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import update
@@ -37,18 +36,8 @@ from api.errors import ConflictError
 from api.models import LeaseRow
 from api.services.lease_rows import LeaseKind as LeaseKind  # defined with the row it builds
 from api.services.lease_rows import LeaseState as LeaseState
+from optimizer.store import ConfigState as ConfigState  # the actions'; re-exported for the lease code
 from optimizer.study_state import StudyState as StudyState  # the conductor's; re-exported for the lease code
-
-
-class ConfigState(StrEnum):
-    """spectune_trial_configs.state: what became of a configuration launched in a study."""
-
-    PENDING = "pending"  # leased or queued
-    DONE = "done"
-    INFEASIBLE = "infeasible"  # failed for the configuration's sake (OOM, invalid, launch time-out)
-    PRUNED = "pruned"
-    FAILED = "failed"  # infrastructure, after its retries
-
 
 LIVE = (LeaseState.QUEUED, LeaseState.ACTIVE)
 
