@@ -35,7 +35,8 @@ from optimizer.spec import StudySpec
 from optimizer.study_state import Ending, Phase, StudyState
 from spectune_protocol import LevelMetrics
 from spectune_sim.landscapes import Landscape
-from spectune_sim.model import NoiseModel, check_memory, predict, startup_seconds
+from spectune_sim.model import NoiseModel, check_memory, extend_ms, predict, startup_seconds
+from workers.loadgen.probe import ProbePlan, probe_levels
 from workers.resolve import resolve
 
 # A worker with nothing to do asks again after this long (the worker's poll interval).
@@ -84,6 +85,8 @@ class Host:
     launch_factor: float = 1.0
     # Every launch in order: (baseline | search | confirm, the configuration's key or None).
     history: list[tuple[str, str | None]] = field(default_factory=list)
+    # The last baseline's verify probe, as a worker reports it (spectune_protocol.VerifyProbe).
+    verify_probe: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.noise = self.noise.scaled(self.landscape.noise_scale)
@@ -133,6 +136,25 @@ class Host:
             self._spend(wl.repeats * tokens / tok_s)
         return out
 
+    def _probe(self) -> dict[str, Any]:
+        """The worker's verify probe on this baseline server (workers/loadgen/probe.py's plan):
+        each batch an extend forward of the simulator (`extend_ms`), with the host's noise; its
+        time is spent on the clock, as the worker spends it inside the baseline's lease."""
+        plan = ProbePlan(levels=probe_levels(self.workload.levels, self.plan.max_running_requests))
+        drift = self.noise.drift_factor(self.seed, self.host_id, self.clock_s) * self.noise.host_factor(
+            self.seed, self.host_id
+        )
+        # Its own draws: the host's stream (launch noise, passes) stays what it was without the probe.
+        rng = random.Random(f"{self.seed}/{self.host_id}/probe/{self.clock_s!r}")
+        points, spent = [], 0.0
+        for b, k in plan.batches():
+            ms = extend_ms(self.landscape, b * k, speculative=False) * drift * self.launch_factor
+            runs = [ms / 1000.0 * self.noise.request_factor(rng) for _ in range(plan.repeats)]
+            spent += sum(runs)
+            points.append({"concurrency": b, "tokens": k, "seconds": statistics.median(runs), "seconds_runs": runs})
+        self._spend(spent)
+        return {"points": points, "prefix_tokens": plan.prefix_tokens, "cached_share": 1.0, "spent_s": spent}
+
     def _spend(self, seconds: float) -> None:
         self.clock_s += seconds
         self.gpu_s += seconds * self.landscape.tp_size
@@ -155,6 +177,7 @@ class Host:
             before = self.gpu_s
             self._start(None)
             self.baseline = self._measure(None)
+            self.verify_probe = self._probe()
             self.baseline_at = self.clock_s
             self.count("baseline", before)
             self.history.append(("baseline", None))
@@ -278,6 +301,8 @@ class MemoryStudy:
     config_state: dict[str, str] = field(default_factory=dict)  # pending | done | infeasible
     leases: list[SimLease] = field(default_factory=list)
     baselines: list[conductor.Baseline] = field(default_factory=list)
+    # Each baseline's verify probe by its id (the service stores it in the baseline's metrics).
+    verify_probes: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         opt.create_study(self.storage, self.spec)
@@ -510,6 +535,8 @@ def _start_baseline(
     def record(at: datetime) -> None:
         lease.state, lease.finished_at = "completed", at
         tok_s = {int(b["concurrency"]): float(b["output_tok_s"]) for b in levels}
+        if h.verify_probe is not None:
+            store.verify_probes[len(store.baselines)] = h.verify_probe
         store.baselines.append(conductor.Baseline(len(store.baselines), h.host_id, at, tok_s, levels=levels))
 
     return h.clock_s, record
