@@ -21,7 +21,7 @@ from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 from optimizer.study_state import Outcome
-from spectune_protocol import LevelMetrics
+from spectune_protocol import LevelMetrics, VerifyProbe
 
 StudyState = Literal["running", "stopped", "finished"]
 
@@ -80,6 +80,9 @@ class HostBaseline(_Document):
     worker_id: str
     measured_at: UtcDatetime
     tok_s: dict[str, float]
+    verify_probe: VerifyProbe | None = Field(
+        default=None, description="the target's forward timed over verify-sized token counts on this baseline's server"
+    )
 
 
 class BestTrial(_Document):

@@ -102,6 +102,8 @@ class MemoryStudy:
     config_state: dict[str, ConfigState] = field(default_factory=dict)
     leases: list[SimLease] = field(default_factory=list)
     baselines: list[conductor.Baseline] = field(default_factory=list)
+    # Each baseline's verify probe by its id (the service stores it in the baseline's metrics).
+    verify_probes: dict[int, dict[str, Any]] = field(default_factory=dict)
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (kind, lease id, detail)
     workers: Sequence[str] = ()  # the hosts (the service knows its registered workers)
     # False: the hosts launch static servers only, and no adaptive proof is queued (the rehearsal's).

@@ -32,9 +32,10 @@ from optimizer.space import SpecConfig, max_draft_tokens
 from optimizer.spec import StudySpec
 from optimizer.store import ConfigState
 from optimizer.study_state import StudyState
+from optimizer.verify_probe import ProbePlan, probe_levels
 from spectune_protocol import LevelMetrics, Resolve
 from spectune_sim.landscapes import Landscape
-from spectune_sim.model import NoiseModel, check_memory, predict, startup_seconds
+from spectune_sim.model import NoiseModel, check_memory, extend_ms, predict, startup_seconds
 
 __all__ = ["POLL_S", "Host", "MemoryStudy", "Plan", "Resolver", "SimLease", "Workload", "clock_at", "drive"]
 
@@ -90,6 +91,8 @@ class Host:
     launch_factor: float = 1.0
     # Every launch in order: (baseline | search | confirm, the configuration's key or None).
     history: list[tuple[str, str | None]] = field(default_factory=list)
+    # The last baseline's verify probe, as a worker reports it (spectune_protocol.VerifyProbe).
+    verify_probe: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.noise = self.noise.scaled(self.landscape.noise_scale)
@@ -139,6 +142,25 @@ class Host:
             self._spend(wl.repeats * tokens / tok_s)
         return out
 
+    def _probe(self) -> dict[str, Any]:
+        """The worker's verify probe on this baseline server (workers/loadgen/probe.py's plan):
+        each batch an extend forward of the simulator (`extend_ms`), with the host's noise; its
+        time is spent on the clock, as the worker spends it inside the baseline's lease."""
+        plan = ProbePlan(levels=probe_levels(self.workload.levels, self.plan.max_running_requests))
+        drift = self.noise.drift_factor(self.seed, self.host_id, self.clock_s) * self.noise.host_factor(
+            self.seed, self.host_id
+        )
+        # Its own draws: the host's stream (launch noise, passes) stays what it was without the probe.
+        rng = random.Random(f"{self.seed}/{self.host_id}/probe/{self.clock_s!r}")
+        points, spent = [], 0.0
+        for b, k in plan.batches():
+            ms = extend_ms(self.landscape, b * k, speculative=False) * drift * self.launch_factor
+            runs = [ms / 1000.0 * self.noise.request_factor(rng) for _ in range(plan.repeats)]
+            spent += sum(runs)
+            points.append({"concurrency": b, "tokens": k, "seconds": statistics.median(runs), "seconds_runs": runs})
+        self._spend(spent)
+        return {"points": points, "prefix_tokens": plan.prefix_tokens, "cached_share": 1.0, "spent_s": spent}
+
     def _spend(self, seconds: float) -> None:
         self.clock_s += seconds
         self.gpu_s += seconds * self.landscape.tp_size
@@ -161,6 +183,7 @@ class Host:
             before = self.gpu_s
             self._start(None)
             self.baseline = self._measure(None)
+            self.verify_probe = self._probe()
             self.baseline_at = self.clock_s
             self.count("baseline", before)
             self.history.append(("baseline", None))
@@ -305,6 +328,8 @@ def _start_baseline(
 
     def record(at: datetime) -> None:
         store.end(lease.id, "completed", at)
+        if h.verify_probe is not None:
+            store.verify_probes[len(store.baselines)] = h.verify_probe
         store.add_baseline(h.host_id, at, levels)
 
     return h.clock_s, record

@@ -258,6 +258,30 @@ class LevelMetrics(BaseModel):
     load_check: dict[str, Annotated[float, Field(ge=0, le=1e9)] | None] = Field(default_factory=dict, max_length=16)
 
 
+class VerifyProbePoint(BaseModel):
+    """The target's forward over `tokens` new tokens per request, `concurrency` requests at once."""
+
+    model_config = _IN
+
+    concurrency: int = Field(ge=1, le=4096)
+    tokens: int = Field(ge=1, le=4096)
+    seconds: float = Field(ge=0, le=3600, description="median wall seconds of one such forward")
+    seconds_runs: list[Annotated[float, Field(ge=0, le=3600)]] = Field(default_factory=list, max_length=100)
+
+
+class VerifyProbe(BaseModel):
+    """Extends of a cached prefix timed on the baseline server (workers/loadgen/probe.py): the
+    verify cost's shape, measured without a restart.  `spent_s`: what the probe cost the lease."""
+
+    model_config = _IN
+
+    points: list[VerifyProbePoint] = Field(default_factory=list, max_length=1024)
+    prefix_tokens: int = Field(ge=0, le=1_000_000)
+    cached_share: float | None = Field(default=None, ge=0, le=1)
+    spent_s: float = Field(ge=0, le=1e7)
+    note: str | None = Field(default=None, max_length=500)
+
+
 class Metrics(BaseModel):
     model_config = _IN
 
@@ -273,6 +297,8 @@ class Metrics(BaseModel):
     # and why they stopped; they are in each level's `output_tok_s_runs` too.
     extra_passes: int = Field(default=0, ge=0, le=100_000)
     extra_passes_note: str | None = Field(default=None, max_length=500)
+    # A baseline's verify probe (None: not run, e.g. a worker older than the probe).
+    verify_probe: VerifyProbe | None = None
 
     @field_validator("effective")
     @classmethod

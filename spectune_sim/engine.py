@@ -26,6 +26,7 @@ from spectune_sim.model import (
     accept_length,
     cycle_timing,
     depth_acceptance,
+    extend_ms,
     prefill_ms,
     sample_accept_tokens,
     scaled_acceptance,
@@ -98,6 +99,9 @@ class Request:
     acc_by_steps: dict[int, AcceptAccumulator] = field(default_factory=dict)
     first_token_at: float | None = None
     finished_at: float | None = None
+    # Prompt tokens already in the prefix cache (the server's PrefixCache): only the rest is
+    # computed, in one extend forward with the other such requests admitted with it.
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -171,10 +175,17 @@ class Engine:
         return accept_length(self._rates) if self.o.spec is not None else 1.0
 
     def submit(
-        self, prompt_tokens: int, max_new_tokens: int, *, ignore_eos: bool, reject_scale: float = 1.0
+        self,
+        prompt_tokens: int,
+        max_new_tokens: int,
+        *,
+        ignore_eos: bool,
+        reject_scale: float = 1.0,
+        cached_tokens: int = 0,
     ) -> Request:
         """Queue a request; `reject_scale` (model.text_reject_scale of its prompt) makes its drafts
-        more often right (code, maths) or leaves the landscape's chat calibration (1.0)."""
+        more often right (code, maths) or leaves the landscape's chat calibration (1.0);
+        `cached_tokens` of its prompt are in the prefix cache (at least one token is computed)."""
         noise = self.o.noise
         stop_after = max_new_tokens
         if not ignore_eos:
@@ -189,6 +200,7 @@ class Engine:
             noise_log=0.0 if noise.sigma == 0 else self._rng.gauss(0.0, noise.sigma),
         )
         req.reject_scale = round(reject_scale, 3)
+        req.cached_tokens = max(0, min(cached_tokens, req.prompt_tokens - 1))
         req.rates = self._rates if reject_scale == 1.0 else scaled_acceptance(self._rates, req.reject_scale)
         if noise.sigma == 0.0:
             req.acc = AcceptAccumulator(req.rates)
@@ -232,10 +244,7 @@ class Engine:
                 new.append(self._waiting.popleft())
             self.counters.num_waiting = len(self._waiting)
             if new:
-                ms = sum(
-                    prefill_ms(self.o.landscape, r.prompt_tokens, speculative=self.o.spec is not None) for r in new
-                )
-                deadline += ms / 1000.0 / self.o.speed
+                deadline += self._admit_ms(new) / 1000.0 / self.o.speed
                 await _sleep_until(deadline)
                 now = time.monotonic()
                 for req in new:
@@ -277,6 +286,18 @@ class Engine:
                 self._log_decode(b, graph, tree)
             self._running = [r for r in self._running if r.finish_reason is None]
 
+    def _admit_ms(self, new: list[Request]) -> float:
+        """Model ms to admit `new`: each uncached prompt's prefill, and one extend forward over the
+        uncached tokens of the requests that extend a cached prefix (`model.extend_ms`: the verify
+        cost's form), at the noise of a cycle of those requests."""
+        spec = self.o.spec is not None
+        ms = sum(prefill_ms(self.o.landscape, r.prompt_tokens, speculative=spec) for r in new if not r.cached_tokens)
+        extending = [r for r in new if r.cached_tokens]
+        if extending:
+            tokens = sum(r.prompt_tokens - r.cached_tokens for r in extending)
+            ms += extend_ms(self.o.landscape, tokens, speculative=spec) * self._noise_of(extending)
+        return ms
+
     def _cycle(self, batch: int) -> tuple[float, bool, DraftTree | None]:
         """One cycle's time, whether it ran a graph, and the draft tree it ran (None: no drafting)."""
         hit = self._cycle_cache.get(batch)
@@ -317,10 +338,13 @@ class Engine:
         return acc.next()
 
     def _noise_factor(self) -> float:
-        if self.o.noise.sigma == 0.0 or not self._running:
+        return self._noise_of(self._running)
+
+    def _noise_of(self, batch: list[Request]) -> float:
+        if self.o.noise.sigma == 0.0 or not batch:
             return 1.0
         # Requests carry their own lognormal factor; a batch runs at the mean of its members'.
-        mean_log = sum(r.noise_log for r in self._running) / len(self._running)
+        mean_log = sum(r.noise_log for r in batch) / len(batch)
         drift = self.o.noise.drift_factor(self.o.seed, self.o.host_id, time.time())
         return self._host * drift * math.exp(mean_log)
 

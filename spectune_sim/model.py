@@ -12,6 +12,7 @@ Equations (README.md has the derivation and the calibration):
   AL = 1 + sum_{j<=d} prod_{i<=j} a_i'.
 * target forward over N tokens F(N) = t0 (1 + beta min(N-1, x_k) + beta' max(0, N-1-x_k));
   decode t_dec(b) = F(b), verify t_v(b, n) = F(b n), draft step t_d = delta F(b)(1 + gamma(t-1)).
+* an extend of b requests by k uncached tokens each (a cached prefix) is one forward F(b k).
 * cycle T(b) = k t_d + t_v + t_o at the padded batch size, times 1.37 when eager.
 """
 
@@ -422,6 +423,16 @@ def cycle_timing(
 def prefill_ms(landscape: Landscape, prompt_tokens: int, *, speculative: bool) -> float:
     """One prefill of `prompt_tokens` tokens (with spec the draft also extends over the prompt)."""
     ms = landscape.decode_ms + landscape.prefill_ms_per_token * prompt_tokens
+    return ms * 1.1 if speculative else ms
+
+
+def extend_ms(landscape: Landscape, new_tokens: int, *, speculative: bool) -> float:
+    """One extend forward over `new_tokens` uncached tokens, all the requests of a batch together
+    (each extending a prefix already in the cache).  It is the same target forward as a verify:
+    `new_tokens` = b requests x k tokens costs F(b k), as t_v(b, k) does, tiles, knees and expert
+    saturation included; so timing such extends on a running server traces the verify cost.  With
+    spec the draft also extends over the new tokens (x1.1, as `prefill_ms`)."""
+    ms = forward_ms(landscape, max(1, new_tokens))
     return ms * 1.1 if speculative else ms
 
 

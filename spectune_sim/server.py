@@ -138,6 +138,40 @@ class SimEnv:
             ) from None
 
 
+class PrefixCache:
+    """SGLang's radix cache, as far as token ids go: the longest cached prefix of a prompt.
+
+    A trie of the prompts sent as `input_ids` (text prompts are not cached: the simulator has no
+    tokenizer, and the benchmark's own passes must stay uncached as they were calibrated).  Each
+    prompt is inserted when it is submitted; past `max_tokens` stored tokens the cache is emptied
+    (SGLang evicts by LRU; a probe's prefix is re-warmed by its next request).
+    """
+
+    def __init__(self, max_tokens: int = 1_000_000) -> None:
+        self.max_tokens = max_tokens
+        self._root: dict[int, Any] = {}
+        self._stored = 0
+
+    def match_and_insert(self, ids: list[int]) -> int:
+        """How many leading tokens of `ids` were cached; `ids` is cached afterwards."""
+        if self._stored + len(ids) > self.max_tokens:
+            self.clear()
+        node, matched = self._root, 0
+        for token in ids:
+            child = node.get(token)
+            if child is None:
+                break
+            node, matched = child, matched + 1
+        for token in ids[matched:]:
+            child = node[token] = {}
+            node = child
+            self._stored += 1
+        return matched
+
+    def clear(self) -> None:
+        self._root, self._stored = {}, 0
+
+
 class OutOfMemoryError(RuntimeError):
     """Printed as torch prints its own, so log scanners see the real line."""
 
@@ -211,6 +245,7 @@ class SimServer:
             logging.getLogger("sglang.scheduler"),
         )
         self.served_model_name = str(resolved.values["served_model_name"])
+        self.prefix_cache = PrefixCache()
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -596,6 +631,7 @@ def build_app(sim: SimServer) -> Starlette:
         return PlainTextResponse(sim.metrics_text(), media_type="text/plain; version=0.0.4")
 
     async def flush_cache(request: HttpRequest) -> Response:
+        sim.prefix_cache.clear()
         return PlainTextResponse("Cache flushed.\n")
 
     async def generate(request: HttpRequest) -> Response:
@@ -620,15 +656,22 @@ def build_app(sim: SimServer) -> Starlette:
         too_long = _context_refusal(sim, prompts, max_new)
         if too_long is not None:
             return _error(400, too_long)
+        # Prompts given as ids extend what the prefix cache holds (a batch's prompts in order).
+        cached = _cached_tokens(sim, input_ids) if text is None else None
         if isinstance(prompts, list):
             if stream:
                 return _error(400, "the simulator streams one prompt per request; send a single text")
-            reqs = [sim.engine.submit(n, max_new, ignore_eos=ignore_eos) for n in prompts]
+            reqs = [
+                sim.engine.submit(n, max_new, ignore_eos=ignore_eos, cached_tokens=cached[i] if cached else 0)
+                for i, n in enumerate(prompts)
+            ]
             outs = await asyncio.gather(*(_collect(sim, r) for r in reqs))
             errors = [o for o in outs if "error" in o]
             return JSONResponse(errors[0], status_code=500) if errors else JSONResponse(outs)
         scale = text_reject_scale(text) if isinstance(text, str) else 1.0
-        req = sim.engine.submit(prompts, max_new, ignore_eos=ignore_eos, reject_scale=scale)
+        req = sim.engine.submit(
+            prompts, max_new, ignore_eos=ignore_eos, reject_scale=scale, cached_tokens=cached[0] if cached else 0
+        )
         if not stream:
             out = await _collect(sim, req)
             return JSONResponse(out, status_code=500 if "error" in out else 200)
@@ -738,6 +781,13 @@ def _prompt_lengths(prompt: Any, *, is_ids: bool) -> int | list[int] | None:
     return None
 
 
+def _cached_tokens(sim: SimServer, input_ids: Any) -> list[int]:
+    """Per prompt of a request's `input_ids` (one list of ints, or a batch of them), its tokens
+    found in the prefix cache; each prompt is cached afterwards."""
+    batch = [input_ids] if input_ids and all(isinstance(t, int) for t in input_ids) else input_ids
+    return [sim.prefix_cache.match_and_insert(ids) for ids in batch]
+
+
 async def _until_finished(req: Request) -> None:
     while not (await req.queue.get()).finished:
         pass
@@ -749,7 +799,7 @@ def _meta(sim: SimServer, req: Request, *, final: bool) -> dict[str, Any]:
         "finish_reason": req.finish_reason if final else None,
         "prompt_tokens": req.prompt_tokens,
         "completion_tokens": len(req.output_ids),
-        "cached_tokens": 0,
+        "cached_tokens": req.cached_tokens,
     }
     if final:
         end = req.finished_at if req.finished_at is not None else time.monotonic()

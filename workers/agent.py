@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 from optimizer.sglang import ServerSettings, adaptive_refusal
 from optimizer.spec import Workload
+from optimizer.verify_probe import ProbePlan, probe_levels
 from spectune_protocol import (
     CompleteIn,
     Failure,
@@ -43,6 +44,7 @@ from spectune_protocol import (
     Metrics,
     ProgressIn,
     SpecField,
+    VerifyProbe,
     WorkerStanding,
 )
 from workers import standing
@@ -63,6 +65,7 @@ from workers.launcher.processes import group_members
 from workers.ledger import LaunchLedger
 from workers.loadgen import LoadgenCancelled, LoadgenError, run_workload
 from workers.loadgen.plan import RequestPlan, load_requests
+from workers.loadgen.probe import run_verify_probe
 from workers.loadgen.rejection import rejected_field
 from workers.outbox import Outbox, deliver_pending
 from workers.redact import redact_report
@@ -120,6 +123,7 @@ class ServerLauncher(Protocol):
 
 
 RunWorkload = Callable[..., list[LevelMetrics]]
+RunProbe = Callable[..., VerifyProbe]
 LoadRequests = Callable[[Workload, Path | None], RequestPlan]
 
 
@@ -137,6 +141,9 @@ class AgentSettings:
     api_retry_max_s: float = 60.0
     # Extra server flags a lease may carry (WorkerConfig.engine.allowed_extra_args).
     allowed_extra_args: frozenset[str] = frozenset(DEFAULT_ALLOWED_EXTRA_ARGS)
+    # The verify probe after a baseline's benchmark (workers/loadgen/probe.py): its wall-time
+    # budget; 0 runs none.
+    verify_probe_budget_s: float = 120.0
 
 
 def _failed(
@@ -220,6 +227,7 @@ class Agent:
         settings: AgentSettings,
         run_workload: RunWorkload = run_workload,
         load_requests: LoadRequests = load_requests,
+        run_probe: RunProbe = run_verify_probe,
         stop_event: threading.Event | None = None,
         backoff: Backoff | None = None,
         ledger: LaunchLedger | None = None,
@@ -231,6 +239,7 @@ class Agent:
         self.settings = settings
         self._run_workload = run_workload
         self._load_requests = load_requests
+        self._run_probe = run_probe
         self.stop_event = stop_event or threading.Event()
         self._idle = backoff or Backoff(initial_s=settings.idle_poll_s, max_s=settings.idle_poll_max_s)
         self._idle_attempt = 0
@@ -493,8 +502,12 @@ class Agent:
         if not levels:
             return _failed("benchmark_error", "the benchmark measured no concurrency level", log_tail=server.log_tail())
         extra, note = 0, None
-        if lease.resolve is not None and not run.cancel.is_set() and len(levels) == len(lease.workload.concurrency):
+        complete = len(levels) == len(lease.workload.concurrency)
+        if lease.resolve is not None and not run.cancel.is_set() and complete:
             levels, extra, note = self._resolve(run, server, lease, levels, plan)
+        probe = None
+        if lease.kind == "baseline" and settings.speculative is None and not run.cancel.is_set() and complete:
+            probe = self._verify_probe(run, server, lease)
         metrics = Metrics(
             levels=levels,
             startup_s=server.startup_s,
@@ -503,6 +516,7 @@ class Agent:
             log_tail=server.log_tail(),
             extra_passes=extra,
             extra_passes_note=note,
+            verify_probe=probe,
         )
         if run.cancel.is_set() and not run.pruned:
             # Shutdown between the last level and here: the levels are complete measurements, but
@@ -539,6 +553,34 @@ class Agent:
             return levels, 0, f"extra passes stopped: {e}"[:500]
         log.info("lease %s: %d extra passes per level (%s)", lease.lease_id, extra, note)
         return out, extra, note
+
+    def _verify_probe(self, run: _LeaseRun, server: Server, lease: LeaseOut) -> VerifyProbe | None:
+        """Time the target's forward over verify-sized token counts on this warm baseline server
+        (workers/loadgen/probe.py).  The baseline's levels stand whatever happens here: a probe
+        that fails or is cancelled is reported without it (or with the points it measured)."""
+        budget = self.settings.verify_probe_budget_s
+        if budget <= 0:
+            return None
+        w = lease.workload
+        plan = ProbePlan(
+            levels=probe_levels(w.concurrency, lease.server.max_running_requests),
+            budget_s=budget,
+            request_timeout_s=min(self.settings.request_timeout_s, budget),
+        )
+        try:
+            probe = self._run_probe(server.base_url, plan, cancel=run.cancel)
+        except (LoadgenError, OSError) as e:  # LoadgenCancelled and ProbeRefused included
+            log.warning("lease %s: no verify probe: %s", lease.lease_id, e)
+            return None
+        log.info(
+            "lease %s: verify probe: %d points in %.1f s (prefix cached in %s of requests)%s",
+            lease.lease_id,
+            len(probe.points),
+            probe.spent_s,
+            "-" if probe.cached_share is None else f"{probe.cached_share:.0%}",
+            "" if probe.note is None else f"; {probe.note}",
+        )
+        return probe
 
     def _on_level(self, run: _LeaseRun, index: int, m: LevelMetrics) -> bool:
         lid = run.lease.lease_id

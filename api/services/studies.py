@@ -26,6 +26,7 @@ from api.models import BaselineRow, EventRow, LeaseRow, StudyRow, TrialConfigRow
 from api.optuna_tables import empty_counts, trial_counts
 from api.services import adaptive_answer, estimates, launch_noise, study_life, trial_records
 from api.services import eligibility as elig
+from api.services.leasing.baseline import verify_probe_of
 from api.services.leasing.expiry import lost_work_note
 from api.services.leasing.records import DEPLOY_FAILED, DEPLOY_RETRY
 from api.services.refusals import active_refusals
@@ -278,7 +279,8 @@ class StudyService:
             # The latest baseline per host of this study's server and workload.
             latest = {b.worker_id: b for b in baseline_rows}
             baselines = [
-                D.HostBaseline(worker_id=w, measured_at=b.measured_at, tok_s=b.tok_s) for w, b in sorted(latest.items())
+                D.HostBaseline(worker_id=w, measured_at=b.measured_at, tok_s=b.tok_s, verify_probe=verify_probe_of(b))
+                for w, b in sorted(latest.items())
             ]
             latest_levels = {w: b.metrics.get("levels") or [] for w, b in latest.items()}
         counts, trials = self._trial_counts(name)

@@ -28,7 +28,7 @@ from api.services.study_specs import baseline_key_of
 from api.settings import Settings
 from optimizer import conductor
 from optimizer.spec import StudySpec
-from spectune_protocol import CompleteIn, CompleteOut, Failure
+from spectune_protocol import CompleteIn, CompleteOut, Failure, VerifyProbe
 
 # Event kind of a baseline that failed for what its study asks (charge_study).
 BASELINE_STUDY_FAULT = "baseline_study_fault"
@@ -55,6 +55,18 @@ def fault_from_spec(spec: StudySpec, failure: Failure) -> str | None:
         f"workload.input_len {w.input_len} + workload.output_len {w.output_len} exceed model.context_length "
         f"{context}: lower them or raise model.context_length"
     )
+
+
+def verify_probe_of(row: BaselineRow) -> VerifyProbe | None:
+    """The verify probe stored with a baseline (in its metrics, as reported), or None: measured by
+    a worker older than the probe, or stored before the probe's fields were what they are now."""
+    raw = (row.metrics or {}).get("verify_probe")
+    if raw is None:
+        return None
+    try:
+        return VerifyProbe.model_validate(raw)
+    except ValueError:
+        return None
 
 
 class BaselineLeases:
