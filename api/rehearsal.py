@@ -29,6 +29,7 @@ from optimizer import study as opt
 from optimizer.infeasible import known_to_fail, oom_points
 from optimizer.objective import CONSTRAINT_KEY, LevelResult, score
 from optimizer.plan import server_settings
+from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig, max_draft_tokens
 from optimizer.spec import StudySpec
@@ -278,6 +279,8 @@ class MemoryStudy:
     config_state: dict[str, str] = field(default_factory=dict)  # pending | done | infeasible
     leases: list[SimLease] = field(default_factory=list)
     baselines: list[conductor.Baseline] = field(default_factory=list)
+    # The decision values in force (optimizer.policy), carried in every snapshot.
+    policy: Policy = DEFAULT_POLICY
 
     def __post_init__(self) -> None:
         opt.create_study(self.storage, self.spec)
@@ -300,6 +303,7 @@ class MemoryStudy:
             confirmation_began_at=self.confirmation_began_at,
             ending=self.ending,
             search_done=self.search_done(),
+            policy=self.policy,
         )
 
     def search_done(self) -> dict[str, datetime]:
@@ -432,7 +436,7 @@ def _tell_result(
     store.config_state[config.key] = "done"
 
 
-def drive(hosts: list[Host], spec: StudySpec) -> MemoryStudy:
+def drive(hosts: list[Host], spec: StudySpec, policy: Policy = DEFAULT_POLICY) -> MemoryStudy:
     """One study as the service runs it: the conductor (optimizer.conductor) decides every step.
 
     Workers (one per host) ask for work in the order of their hosts' clocks, and each result is
@@ -448,7 +452,7 @@ def drive(hosts: list[Host], spec: StudySpec) -> MemoryStudy:
     start = min(h.clock_s for h in hosts)
     for h in hosts:
         h.clock_s = start
-    store = MemoryStudy(spec, clock_at(start))
+    store = MemoryStudy(spec, clock_at(start), policy=policy)
     workers = [h.host_id for h in hosts]
     # host index -> (clock when done, what to record then)
     busy: dict[int, tuple[float, Callable[[datetime], None]]] = {}
