@@ -45,9 +45,10 @@ class Policy:
     # level: 1 false alarm in 20 for a model whose stated uncertainty is right (a test level, not a
     # measurement).  1.0 switches the prediction check, and so the empirical rule, off.
     check_level: float = 0.95
-    # Log-sd a host adds to a speedup that its own baseline does not cancel.  Measured:
-    # benchmarks/README.md "4 workers against 2 (20 seeds...)" (`--spec-host-sd 0` against the
-    # simulator's 0.5%); the simulator's offsets plus room for real hosts.
+    # Log-sd a host adds to a speedup that its own baseline does not cancel (driver, clocks,
+    # interconnect).  An assumption above the simulator's 0.5% (`--spec-host-sd`), with room for
+    # real hosts; benchmarks/README.md "4 workers against 2" measured that the offsets are not what
+    # keeps a fleet searching (dense-8b-h100@1, 4 workers: 18.5 launches at 0 against 18).
     host_sd: float = 0.012
     # A prediction claiming at most this log-sd is "confident": its miss measures the model's own
     # misspecification (ranking's floor).  Tuned between zigzag-tiles and dense-8b-h100.
@@ -56,12 +57,13 @@ class Policy:
     # the calibrated engine is ~0.5% (docs/calibration.md); one pass cannot show less.
     measurement_floor: float = 0.005
     # The empirical rule's quiet spell: at least this many launches (and half the launches it took
-    # to find the incumbent).  benchmarks/README.md "What this says, against issue 16": 6 cost a
-    # median of 21 launches for the same answers; tuned between zigzag-tiles and two-peaks.
+    # to find the incumbent).  Tuned between zigzag-tiles and two-peaks of
+    # benchmarks/search_efficiency.py; 6 was measured (benchmarks/README.md "What this says, against
+    # issue 16"): zigzag-tiles 7/10 within 2% at a median of 21 launches, no better answers.
     hold_min: int = 3
     # The improvement-rate backstop: at least this many launches without a gain (and as many as
-    # it took to find the incumbent).  A stated risk: a model that keeps widening its uncertainty
-    # must not run a study to its cap.  A huge value switches the backstop off.
+    # it took to find the incumbent), twice the quiet spell.  A stated risk: a model that keeps
+    # widening its uncertainty must not run a study to its cap.  A huge value: the backstop off.
     stall_min: int = 8
     # A chance below this to beat the bar by min_gain does not matter: the risk the study takes of
     # stopping short (the stated promise behind `min_gain`); the runner-up and tie rules spend the
@@ -76,8 +78,8 @@ class Policy:
     # set) before the search ends: a stated risk, ~2x the calibrated pass noise.
     tight: float = 0.03
     # Launches after the incumbent the model rule wants before it stops: one look past the best
-    # is evidence the model cannot give about itself.  benchmarks/README.md "Before: the stop
-    # rule" (studies stopped on the launch that found the incumbent).  0 switches it off.
+    # is evidence the model cannot give about itself (a stated risk).  0 switches it off
+    # (measured off: docs/design.md "Rules").
     model_hold: int = 1
     # The model rule does not settle while the incumbent is the deepest launch (one step deeper
     # first).  benchmarks/README.md "The depth probe (2026-12-01 g)": two-peaks.  False: off.
@@ -99,8 +101,9 @@ class Policy:
     # A study stops as a study fault once this many hosts (own tokens) agree that its baseline
     # fails: one host could be broken, two agreeing is the study (stated risk).
     stop_after_hosts: int = 2
-    # Extra confirmation launches per study where the answer straddles on launch noise alone.
-    # benchmarks/README.md "Answer quality": 9/10 with it.  0 switches relaunches off.
+    # Extra confirmation launches per study where the answer straddles on launch noise alone: a
+    # cost cap.  benchmarks/README.md "Answer quality": small-gain 6/10 -> 9/10 answers "pays" and
+    # within 1% once one was allowed (`python -m benchmarks.answer_quality`).  0: relaunches off.
     max_extra_launches: int = 2
 
     # ------------------------------------------------------ the confirmation (optimizer.confirmation)
@@ -219,9 +222,8 @@ class Policy:
         if unknown:
             raise ValueError(f"unknown policy fields: {', '.join(sorted(unknown))}")
         base = cls()
-        return dataclasses.replace(
-            base, **{k: tuple(v) if isinstance(getattr(base, k), tuple) else v for k, v in doc.items()}
-        )
+        values: dict[str, Any] = {k: tuple(v) if isinstance(getattr(base, k), tuple) else v for k, v in doc.items()}
+        return dataclasses.replace(base, **values)
 
 
 def _jsonable(v: Any) -> Any:
