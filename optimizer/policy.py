@@ -43,7 +43,8 @@ class Policy:
     check_min: int = 3
     # The model is distrusted when the misses' mean square exceeds the chi-square quantile at this
     # level: 1 false alarm in 20 for a model whose stated uncertainty is right (a test level, not a
-    # measurement).  1.0 switches the prediction check, and so the empirical rule, off.
+    # measurement).  1.0 switches the prediction check, and so the empirical rule, off: no case
+    # failed without it on seeds 0-2, a candidate for removal (benchmarks/README.md "Rules switched off").
     check_level: float = 0.95
     # Log-sd a host adds to a speedup that its own baseline does not cancel (driver, clocks,
     # interconnect).  An assumption above the simulator's 0.5% (`--spec-host-sd`), with room for
@@ -63,7 +64,8 @@ class Policy:
     hold_min: int = 3
     # The improvement-rate backstop: at least this many launches without a gain (and as many as
     # it took to find the incumbent), twice the quiet spell.  A stated risk: a model that keeps
-    # widening its uncertainty must not run a study to its cap.  A huge value: the backstop off.
+    # widening its uncertainty must not run a study to its cap.  A huge value: the backstop off;
+    # off, zigzag-tiles seed 0 took 24 launches instead of 14 (benchmarks/README.md "Rules switched off").
     stall_min: int = 8
     # A chance below this to beat the bar by min_gain does not matter: the risk the study takes of
     # stopping short (the stated promise behind `min_gain`); the runner-up and tie rules spend the
@@ -78,11 +80,12 @@ class Policy:
     # set) before the search ends: a stated risk, ~2x the calibrated pass noise.
     tight: float = 0.03
     # Launches after the incumbent the model rule wants before it stops: one look past the best
-    # is evidence the model cannot give about itself (a stated risk).  0 switches it off
-    # (measured off: docs/design.md "Rules").
+    # is evidence the model cannot give about itself (a stated risk).  0 switches it off: no case
+    # failed without it on seeds 0-2, a candidate for removal (benchmarks/README.md "Rules switched off").
     model_hold: int = 1
     # The model rule does not settle while the incumbent is the deepest launch (one step deeper
-    # first).  benchmarks/README.md "The depth probe (2026-12-01 g)": two-peaks.  False: off.
+    # first).  benchmarks/README.md "The depth probe (2026-12-01 g)": two-peaks.  False: off; off,
+    # two-peaks seed 7 answers 0.9747 of the optimum instead of 0.9916 (benchmarks/README.md "Rules switched off").
     depth_probe: bool = True
 
     # ---------------------------------------------------------------- the conductor (optimizer.conductor)
@@ -92,11 +95,14 @@ class Policy:
     # Search launches in flight at once after `min_measured` results.  Measured
     # (benchmarks/search_efficiency.py, 4 workers, 6 seeds): median search launches 8.5 -> 6 on
     # moe-pcie and 11 -> 8.5 on dense-8b-h100 against no cap, wall time no longer (1.57 -> 1.43 h,
-    # 0.42 -> 0.42 h).  A large value switches the cap off.
+    # 0.42 -> 0.42 h).  A large value switches the cap off; off, 4 workers, seeds 0-2: moe-pcie 13 -> 16,
+    # no-gain 9 -> 11 launches (benchmarks/README.md "Rules switched off").
     model_parallel: int = 2
     # A launch is held back for the launches in flight only when, believed at the model's
     # predictions, they settle the model rule with this share of its bar to spare.
-    # benchmarks/README.md "The believer, with room to spare (2026-12-02 c)".  0 switches it off.
+    # benchmarks/README.md "The believer, with room to spare (2026-12-02 c)": without the margin
+    # two-peaks lost answers.  0 switches it off; off, no-gain with 4 workers took 10 launches
+    # instead of 9 on each of seeds 0-2 (benchmarks/README.md "Rules switched off").
     belief_margin: float = 0.5
     # A study stops as a study fault once this many hosts (own tokens) agree that its baseline
     # fails: one host could be broken, two agreeing is the study (stated risk).
