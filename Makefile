@@ -63,6 +63,7 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy optimizer api workers spectune spectune_protocol spectune_sim
+	$(BIN)/mypy -p benchmarks  # a namespace package: checked by name, not by path
 
 format: setup
 	$(BIN)/ruff format .
@@ -70,6 +71,7 @@ format: setup
 
 typecheck: setup
 	$(BIN)/mypy optimizer api workers spectune spectune_protocol spectune_sim
+	$(BIN)/mypy -p benchmarks  # a namespace package: checked by name, not by path
 
 # spectune's flags, defaults and adaptive schema against the source of every SGLang wheel listed in
 # workers/launcher/supported.py (downloaded once into ~/.cache/spectune/sglang-wheels; keep that

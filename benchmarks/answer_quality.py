@@ -46,10 +46,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from benchmarks.search_efficiency import Host, Truth, Workload, drive, spectune_plan
+from benchmarks.search_efficiency import Truth, drive
 from optimizer import conductor, deploy, ranking
 from optimizer import confirmation as confirm
 from optimizer.analysis import Interval
+from optimizer.policy import DEFAULT_POLICY, Policy
+from optimizer.rehearsal import Host, Workload, spectune_plan
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 from spectune_sim.landscapes import LANDSCAPES, Landscape
@@ -57,6 +59,8 @@ from spectune_sim.model import check_memory
 
 # The share within which the cheapest tied candidate is preferred (None: the spec's min_gain).
 TIE_WITHIN: float | None = None
+# The policy the studies run under (`--policy`), carried into each study's snapshots.
+POLICY: Policy = DEFAULT_POLICY
 
 
 @dataclass
@@ -138,7 +142,7 @@ def run_case(ls: Landscape, spec: StudySpec, seed: int, launch_sd: float, best: 
         NoisyHost(ls, wl, plan, random.Random(f"{ls.name}/{seed}/{k}"), seed, host_id=f"h{k}", launch_sd=launch_sd)
         for k in range(2)
     ]
-    store = drive(hosts, spec)
+    store = drive(hosts, spec, POLICY)
     by_kind: dict[str, int] = {}
     for h in hosts:
         for k, v in h.launches.items():
@@ -242,9 +246,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--tie-within", type=float, default=None, help="prefer the cheapest tied candidate within this share"
     )
+    ap.add_argument(
+        "--policy",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a field of optimizer.policy.Policy (repeatable)",
+    )
     args = ap.parse_args(argv)
-    global TIE_WITHIN
+    global TIE_WITHIN, POLICY
     TIE_WITHIN = args.tie_within
+    try:
+        POLICY = DEFAULT_POLICY.with_overrides(args.policy)
+    except ValueError as e:
+        ap.error(str(e))
     t0 = time.monotonic()
     for case in args.cases.split(","):
         outs = run(case, args.seeds or CASES[case][4], args.launch_sd)

@@ -51,16 +51,15 @@ from benchmarks.search_efficiency import (
     WITHIN,
     Answer,
     Case,
-    Host,
     Truth,
-    Workload,
     _study_answer,
     below_min_gain,
     drive,
     spec_for,
-    spectune_plan,
 )
 from optimizer import attrs as A
+from optimizer.policy import DEFAULT_POLICY, Policy
+from optimizer.rehearsal import Host, Workload, spectune_plan
 from optimizer.space import SearchSpace
 from optimizer.stop_rules import HOST_SD, measurement_sd
 from optimizer.study_state import FinishReason
@@ -165,22 +164,29 @@ def first_losers(trials: Sequence[FrozenTrial]) -> tuple[int, int, tuple[str, ..
     return len(proposals), len(losers), tuple(losers), purposeful
 
 
-def run_engine(index: int, workers: int = 2) -> EngineResult:
+def run_engine(index: int, workers: int = 2, policy: Policy = DEFAULT_POLICY) -> EngineResult:
     """Engine `index`'s study as the service runs it (study seed = index), with its host offsets."""
     e = F.engine(index)
     # The per-host offsets are the engine's, not the default lognormal ones.
     noise = e.noise(NoiseModel(spec_host_sigma=0.0))
-    return _study_on(e.landscape, e.levels, index, noise, workers, e.name, e.subfamily)
+    return _study_on(e.landscape, e.levels, index, noise, workers, e.name, e.subfamily, policy)
 
 
-def run_case(case: Case, seed: int, workers: int = 2) -> EngineResult:
+def run_case(case: Case, seed: int, workers: int = 2, policy: Policy = DEFAULT_POLICY) -> EngineResult:
     """A hand-written case's study, exactly as search_efficiency's `default` strategy runs it."""
     noise = NoiseModel(spec_host_sigma=SPEC_HOST_SD)
-    return _study_on(LANDSCAPES[case.landscape], case.levels, seed, noise, workers, case.label, case.label)
+    return _study_on(LANDSCAPES[case.landscape], case.levels, seed, noise, workers, case.label, case.label, policy)
 
 
 def _study_on(
-    landscape: Landscape, levels: tuple[int, ...], seed: int, noise: NoiseModel, workers: int, name: str, group: str
+    landscape: Landscape,
+    levels: tuple[int, ...],
+    seed: int,
+    noise: NoiseModel,
+    workers: int,
+    name: str,
+    group: str,
+    policy: Policy = DEFAULT_POLICY,
 ) -> EngineResult:
     """One study as the service runs it, and what its model said along the way."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -195,7 +201,7 @@ def _study_on(
         Host(landscape, workload, plan, random.Random(f"{landscape.name}/{seed}/default/{k}"), seed, noise, f"h{k}")
         for k in range(workers)
     ]
-    store = drive(hosts, spec)
+    store = drive(hosts, spec, policy)
     answer = _study_answer(store, hosts, truth)
     trials = store.study().get_trials(deepcopy=False)
     proposed, lost, moves, purposeful = first_losers(trials)
@@ -314,7 +320,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--deadline-s", type=float, help="summarise the engines finished (in index order) after this many seconds"
     )
+    ap.add_argument(
+        "--policy",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a field of optimizer.policy.Policy (repeatable)",
+    )
     args = ap.parse_args(argv)
+    try:
+        policy = DEFAULT_POLICY.with_overrides(args.policy)
+    except ValueError as e:
+        ap.error(str(e))
     if args.engines < 1 or args.first < 0:
         ap.error("--engines must be at least 1 and --first at least 0")
     if not 1 <= args.workers <= F.HOSTS:
@@ -325,16 +342,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("--deadline-s must be positive")
     t0 = time.monotonic()
     if args.cases:
-        return _main_cases(ap, args.cases, args.seeds, args.workers, args.jobs, args.per_engine, t0)
+        return _main_cases(ap, args.cases, args.seeds, args.workers, args.jobs, args.per_engine, t0, policy)
     ks = F.indices(args.engines, args.subfamily, args.first)
     print(
         f"family v{F.FAMILY_VERSION}: {len(ks)} engines, indices {ks[0]}..{ks[-1]}"
         f"{'' if args.subfamily is None else ' (' + args.subfamily + ')'}, study seed = index, "
-        f"{args.workers} workers",
+        f"{args.workers} workers, policy {policy.changed() or 'default'}",
         flush=True,
     )
     deadline = None if args.deadline_s is None else t0 + args.deadline_s
-    results = _collect(_run, [(k, args.workers) for k in ks], args.jobs, deadline, args.per_engine)
+    results = _collect(_run, [(k, args.workers, policy) for k in ks], args.jobs, deadline, args.per_engine)
     if len(results) < len(ks):
         print(
             f"stopped at the deadline: the first {len(results)} of {len(ks)} engines "
@@ -368,16 +385,23 @@ def _collect(
     return out
 
 
-def _run(job: tuple[int, int]) -> EngineResult:
+def _run(job: tuple[int, int, Policy]) -> EngineResult:
     return run_engine(*job)
 
 
-def _run_case(job: tuple[Case, int, int]) -> EngineResult:
+def _run_case(job: tuple[Case, int, int, Policy]) -> EngineResult:
     return run_case(*job)
 
 
 def _main_cases(
-    ap: argparse.ArgumentParser, labels: str, seeds: int, workers: int, jobs: int, lines: bool, t0: float
+    ap: argparse.ArgumentParser,
+    labels: str,
+    seeds: int,
+    workers: int,
+    jobs: int,
+    lines: bool,
+    t0: float,
+    policy: Policy = DEFAULT_POLICY,
 ) -> int:
     """The same figures on the hand-written cases (the studies of search_efficiency's `default`)."""
     by_label = {c.label: c for c in CASES}
@@ -387,8 +411,12 @@ def _main_cases(
         ap.error(f"no case {', '.join(unknown)}; known: {', '.join(by_label)}")
     if seeds < 1:
         ap.error("--seeds must be at least 1")
-    print(f"hand-written cases: {', '.join(wanted)}; seeds 0..{seeds - 1}, {workers} workers", flush=True)
-    todo = [(by_label[x], seed, workers) for x in wanted for seed in range(seeds)]
+    print(
+        f"hand-written cases: {', '.join(wanted)}; seeds 0..{seeds - 1}, {workers} workers, "
+        f"policy {policy.changed() or 'default'}",
+        flush=True,
+    )
+    todo = [(by_label[x], seed, workers, policy) for x in wanted for seed in range(seeds)]
     results = _collect(_run_case, todo, jobs, None, lines)
     print("\n".join(summary(results, workers, "Hand-written cases")), flush=True)
     print(f"({time.monotonic() - t0:.0f} s)")

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 
 from benchmarks import search_efficiency as se
+from optimizer import rehearsal
 from optimizer.estimate import DEFAULT_DRAWS, Estimate, estimate
 from spectune_sim.landscapes import LANDSCAPES
 from workers.resolve import resolve
@@ -33,7 +34,7 @@ def _case(job: tuple[se.Case, int, int, int]) -> tuple[se.Case, Estimate, list[i
     case, seeds, workers, draws = job
     warnings.simplefilter("ignore")
     landscape = LANDSCAPES[case.landscape]
-    workload = se.Workload(levels=case.levels)
+    workload = rehearsal.Workload(levels=case.levels)
     spec = se.spec_for(workload, "auto", 0)
     spec = spec.model_copy(update={"model": spec.model.model_copy(update={"tp_size": landscape.tp_size})})
     got = estimate(spec, workers, resolve, draws=draws)

@@ -63,6 +63,7 @@ from optimizer import attrs as A
 from optimizer import conductor, confirmation, costs, ranking, rehearsal
 from optimizer import study as opt
 from optimizer.memory_store import MemoryStudy
+from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.rehearsal import Host, Plan, Workload, clock_at, spectune_plan
 from optimizer.space import SearchSpace, SpecConfig, max_draft_tokens
 from optimizer.spec import StudySpec
@@ -79,10 +80,10 @@ from workers.resolve import resolve
 WITHIN = 0.98
 
 
-def drive(hosts: list[Host], spec: StudySpec) -> MemoryStudy:
+def drive(hosts: list[Host], spec: StudySpec, policy: Policy = DEFAULT_POLICY) -> MemoryStudy:
     """One study as the service runs it (optimizer.rehearsal.drive), the worker answering each
     confirmation's Resolve order as workers/resolve.py does."""
-    return rehearsal.drive(hosts, spec, resolve)
+    return rehearsal.drive(hosts, spec, resolve, policy)
 
 
 class Truth:
@@ -210,9 +211,9 @@ def _answer(
     )
 
 
-def run_study(hosts: list[Host], truth: Truth, spec: StudySpec) -> Answer:
+def run_study(hosts: list[Host], truth: Truth, spec: StudySpec, policy: Policy = DEFAULT_POLICY) -> Answer:
     """One study as the service runs it (`drive`), and its answer as the service gives it."""
-    return _study_answer(drive(hosts, spec), hosts, truth)
+    return _study_answer(drive(hosts, spec, policy), hosts, truth)
 
 
 def _study_answer(store: MemoryStudy, hosts: Sequence[Host], truth: Truth) -> Answer:
@@ -225,7 +226,7 @@ def _study_answer(store: MemoryStudy, hosts: Sequence[Host], truth: Truth) -> An
     incumbent = 1.0 if best is None else truth.value(A.TrialRecord(best).config)
     if best is None or float(best.value or 0.0) <= 1.0:
         incumbent = 1.0  # the baseline is the incumbent
-    assessment = conductor.stop_rule(spec, snap.trials)
+    assessment = conductor.stop_rule(spec, snap.trials, snap.policy)
     rule = None if assessment is None or assessment.rule is None else assessment.rule.value
 
     wall_h = (max(h.clock_s for h in hosts) - store.created_at.timestamp()) / 3600
@@ -327,6 +328,7 @@ def simulate_seed(
     workers: int = 2,
     strategies: Sequence[str] = STUDY_STRATEGIES,
     spec_host_sd: float = SPEC_HOST_SD,
+    policy: Policy = DEFAULT_POLICY,
 ) -> dict[str, Answer]:
     """Every strategy on one landscape and seed (each seed's hosts and noise are its own, so seeds
     can run in any order or process and give the same answers)."""
@@ -363,7 +365,7 @@ def simulate_seed(
                     update={"budget": spec.budget.model_copy(update={"converge": False, "max_trials": 20})}
                 )
             )
-            out[name] = run_study(hs, truth, s)
+            out[name] = run_study(hs, truth, s, policy)
         elif name == "tpe":
             hs = hosts_of(default_plan, 1)
             run = run_tpe(hs[0], truth, seed, 20)
@@ -394,8 +396,8 @@ def simulate_studies(
     return out
 
 
-def _case_seed(job: tuple[Case, int, int, tuple[str, ...], float]) -> dict[str, Answer]:
-    case, seed, workers, strategies, spec_host_sd = job
+def _case_seed(job: tuple[Case, int, int, tuple[str, ...], float, Policy]) -> dict[str, Answer]:
+    case, seed, workers, strategies, spec_host_sd, policy = job
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     return simulate_seed(
         LANDSCAPES[case.landscape],
@@ -404,6 +406,7 @@ def _case_seed(job: tuple[Case, int, int, tuple[str, ...], float]) -> dict[str, 
         workers=workers,
         strategies=strategies,
         spec_host_sd=spec_host_sd,
+        policy=policy,
     )
 
 
@@ -579,7 +582,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--spec-host-sd", type=float, default=SPEC_HOST_SD)
     ap.add_argument("--jobs", type=int, default=1, help="processes running (case, seed) pairs side by side")
     ap.add_argument("--per-seed", action="store_true", help="one line per default study: launches, shares, reason")
+    ap.add_argument(
+        "--policy",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a field of optimizer.policy.Policy (repeatable)",
+    )
     args = ap.parse_args(argv)
+    try:
+        policy = DEFAULT_POLICY.with_overrides(args.policy)
+    except ValueError as e:
+        ap.error(str(e))
     by_label = {c.label: c for c in CASES}
     strategies = [s for s in args.strategies.split(",") if s]
     try:
@@ -590,7 +604,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"search efficiency: {args.seeds} seeds from {args.first_seed}, "
         f"{', '.join(map(str, fleets))} workers for the studies, "
-        f"per-host offset sd {args.spec_host_sd}",
+        f"per-host offset sd {args.spec_host_sd}, policy {policy.changed() or 'default'}",
         flush=True,
     )
     cases = []
@@ -603,7 +617,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.first_seed < 0 or args.seeds < 1:
         ap.error("--first-seed must be at least 0 and --seeds at least 1")
     seeds = range(args.first_seed, args.first_seed + args.seeds)
-    jobs = [(case, seed, w, tuple(strategies), args.spec_host_sd) for w in fleets for case in cases for seed in seeds]
+    jobs = [
+        (case, seed, w, tuple(strategies), args.spec_host_sd, policy)
+        for w in fleets
+        for case in cases
+        for seed in seeds
+    ]
     if args.jobs > 1:
         # Each (case, seed) is independent and seeded by itself: the same answers in any process.
         with ProcessPoolExecutor(args.jobs) as pool:

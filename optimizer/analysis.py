@@ -8,6 +8,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from optimizer.policy import DEFAULT_POLICY
+
 # 95% two-sided normal quantile; with 3-5 repeats this is a readable, slightly optimistic band.
 Z95 = 1.96
 
@@ -57,10 +59,10 @@ def ratio_interval(
 # what the passes explain is that noise.  Until there is some, a prior of this sd per speedup
 # (what the simulated engine and the reference hosts show: 1-2%) holds the place, weighted as
 # this many re-launch pairs.
-PRIOR_LAUNCH_SD = 0.015
-PRIOR_PAIRS = 2.0
+PRIOR_LAUNCH_SD = DEFAULT_POLICY.prior_launch_sd  # optimizer.policy
+PRIOR_PAIRS = DEFAULT_POLICY.prior_pairs  # optimizer.policy
 # Even launches that agree perfectly leave this floor: a handful of pairs cannot prove less.
-MIN_LAUNCH_SD = 0.005
+MIN_LAUNCH_SD = DEFAULT_POLICY.min_launch_sd  # optimizer.policy
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from optimizer.infeasible import known_to_fail, oom_points
 from optimizer.memo import PerStudyMemo
 from optimizer.memory_boundary import PROBABLE_FAILURE, MemoryBoundary, Terms, capture_list, tuning_launches
 from optimizer.model_sampler import space_configs
+from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
@@ -43,19 +44,16 @@ from optimizer.study_state import Ending, FinishReason, Outcome, Phase, StudySta
 from spectune_protocol import MAX_RESOLVE_THRESHOLD, Resolve
 from spectune_protocol.printable import printable
 
-# A host's baseline that moved by more than this between two measurements has drifted: its
-# confirmations then each get a baseline right before them (optimizer.confirmation).
-DRIFT_MARGIN = 0.02
-# Search launches in flight at once after the model's first `MIN_MEASURED` results (before, the
-# fleet launches the starting points the model still needs, at least this many at a time).  Each proposal comes from one fit, spread away from
-# the launches in flight; a third and a fourth from the same fit mostly answer what the first two
-# will, and each is counted when the rule settles.  Measured (benchmarks/search_efficiency.py,
-# 4 workers, 6 seeds): median search launches 8.5 -> 6 on moe-pcie and 11 -> 8.5 on dense-8b-h100
-# against no cap, the wall time no longer (1.57 -> 1.43 h, 0.42 -> 0.42 h).
-MODEL_PARALLEL = 2
-# A launch is held back for the launches in flight only when, believed at the model's predictions,
-# they settle the model rule with this share of its bar to spare: a prediction is not a result.
-BELIEF_MARGIN = 0.5
+# The conductor's thresholds are the snapshot's policy (optimizer.policy: drift_margin,
+# model_parallel, belief_margin, stop_after_hosts, max_extra_launches, and the stop rule's); these
+# names are the default policy's values, for callers outside the conductor.
+# model_parallel: search launches in flight at once after the model's first `min_measured` results
+# (before, the fleet launches the starting points the model still needs, at least this many at a
+# time).  Each proposal comes from one fit, spread away from the launches in flight; a third and a
+# fourth from the same fit mostly answer what the first two will.
+DRIFT_MARGIN = DEFAULT_POLICY.drift_margin
+MODEL_PARALLEL = DEFAULT_POLICY.model_parallel
+BELIEF_MARGIN = DEFAULT_POLICY.belief_margin
 
 # ----------------------------------------------------------------------------------- the snapshot
 
@@ -157,6 +155,8 @@ class Snapshot:
     # Per host, when its latest search launch of this study ended (a baseline measured before it
     # does not pair with a confirmation: `baseline_serves`).
     search_done: Mapping[str, datetime] = field(default_factory=dict)
+    # The decision values in force (optimizer.policy): the rules read them from here.
+    policy: Policy = DEFAULT_POLICY
 
     @property
     def in_flight(self) -> list[LeaseView]:
@@ -297,19 +297,24 @@ def converges(spec: StudySpec) -> bool:
     return spec.budget.converge and spec.sampler == "auto"
 
 
-def stop_rule(spec: StudySpec, trials: Sequence[FrozenTrial]) -> convergence.Assessment | None:
+def stop_rule(
+    spec: StudySpec, trials: Sequence[FrozenTrial], policy: Policy = DEFAULT_POLICY
+) -> convergence.Assessment | None:
     """Is the answer known?  `optimizer.convergence.assess` (the one seam to the stop rule), or
     None when the study does not converge.  Memoised on the trials it would see."""
     if not converges(spec):
         return None
-    return _ASSESSED.get(spec.name, _rule_inputs(spec, trials), lambda: convergence.assess(spec, list(trials)))
+    return _ASSESSED.get(
+        spec.name, _rule_inputs(spec, trials, policy), lambda: convergence.assess(spec, list(trials), policy)
+    )
 
 
-def _rule_inputs(spec: StudySpec, trials: Sequence[FrozenTrial]) -> tuple[Any, ...]:
-    """What the stop rule sees, as a memo key: the spec too (two studies of one name, a benchmark's
-    seeds and variants, never share an answer), and the launches in flight."""
+def _rule_inputs(spec: StudySpec, trials: Sequence[FrozenTrial], policy: Policy) -> tuple[Any, ...]:
+    """What the stop rule sees, as a memo key: the spec and the policy too (two studies of one name,
+    a benchmark's seeds and variants, never share an answer), and the launches in flight."""
     return (
         spec.model_dump_json(),
+        policy,
         *(
             (t.number, t.state, t.value, t.user_attrs.get(A.CONFIG_KEY))
             for t in trials
@@ -376,44 +381,46 @@ def search_over(snap: Snapshot) -> str | None:
     spent = budget_used(snap.spec.budget, len(snap.launched), snap.now - snap.created_at)
     if spent is not None:
         return spent
-    a = stop_rule(snap.spec, snap.trials)
+    a = stop_rule(snap.spec, snap.trials, snap.policy)
     return a.reason if a is not None and a.settled else None
 
 
-def launches_needed(spec: StudySpec, trials: Sequence[FrozenTrial], a: convergence.Assessment | None) -> int | None:
+def launches_needed(
+    spec: StudySpec, trials: Sequence[FrozenTrial], a: convergence.Assessment | None, policy: Policy = DEFAULT_POLICY
+) -> int | None:
     """The fewest further launches that settle the stop rule if none of them beats the incumbent
     (None: the rule cannot say, e.g. the model still sees a configuration likely to beat it).
 
     Read off the rule's own terms (optimizer.convergence, optimizer.stop_rules): the model's
-    `MIN_MEASURED`; once the model is trusted and sees nothing likely to win, `MODEL_HOLD` launches
+    `min_measured`; once the model is trusted and sees nothing likely to win, `model_hold` launches
     after the incumbent's; with a distrusted model the empirical rule's quiet spell; whatever the
     model says, the improvement-rate backstop.
     """
     if a is None or a.settled:
         return None
-    if a.measured < convergence.MIN_MEASURED:
-        return convergence.MIN_MEASURED - a.measured
+    if a.measured < policy.min_measured:
+        return policy.min_measured - a.measured
     if a.open_configs < 0:  # not a question more launches answer (a wide incumbent, no confirmation)
         return None
-    lead = stop_rules.lead(stop_rules.launches(trials), spec.budget.min_gain)
-    needs = [stop_rules.stall_needed(lead.found_at) - lead.since]
+    lead = stop_rules.lead(stop_rules.launches(trials), spec.budget.min_gain, policy)
+    needs = [stop_rules.stall_needed(lead.found_at, policy) - lead.since]
     trusted = a.check is not None and a.check.trusted  # no check: no model
-    if trusted and a.best_chance < convergence.P_MATTERS:
-        needs.append(convergence.MODEL_HOLD - lead.since)
+    if trusted and a.best_chance < policy.p_matters:
+        needs.append(policy.model_hold - lead.since)
     elif not trusted:
-        needs.append(stop_rules.hold_needed(lead.found_at) - a.quiet)
+        needs.append(stop_rules.hold_needed(lead.found_at, policy) - a.quiet)
     return max(1, min(needs))
 
 
 def parallel_cap(snap: Snapshot) -> str | None:
-    """Why a worker asking in the search is told to wait: `MODEL_PARALLEL` of the model's
+    """Why a worker asking in the search is told to wait: `policy.model_parallel` of the model's
     proposals are in flight already (None: fewer, or the model has not its first results yet)."""
     flying = len(snap.in_flight)
-    if flying < MODEL_PARALLEL:
+    if flying < snap.policy.model_parallel:
         return None
-    a = stop_rule(snap.spec, snap.trials)
-    if a is not None and a.measured >= convergence.MIN_MEASURED:
-        return f"{flying} of the model's proposals are in flight (at most {MODEL_PARALLEL} at once)"
+    a = stop_rule(snap.spec, snap.trials, snap.policy)
+    if a is not None and a.measured >= snap.policy.min_measured:
+        return f"{flying} of the model's proposals are in flight (at most {snap.policy.model_parallel} at once)"
     return None
 
 
@@ -427,24 +434,24 @@ def in_flight_settles(snap: Snapshot) -> str | None:
     flying = len(snap.in_flight)
     if flying == 0:
         return None
-    a = stop_rule(snap.spec, snap.trials)
-    if a is not None and not a.settled and a.measured >= convergence.MIN_MEASURED and a.model_trusted and not a.walking:
+    a = stop_rule(snap.spec, snap.trials, snap.policy)
+    if a is not None and not a.settled and a.measured >= snap.policy.min_measured and a.model_trusted and not a.walking:
         held = believed_settles(snap)
         if held is not None:
             return held
-    needed = launches_needed(snap.spec, snap.trials, a)
+    needed = launches_needed(snap.spec, snap.trials, a, snap.policy)
     if needed is None or a is None:
         return None
-    if a.measured < convergence.MIN_MEASURED:
-        # The starting points fly MODEL_PARALLEL at a time at least, as on two workers: holding the
+    if a.measured < snap.policy.min_measured:
+        # The starting points fly `model_parallel` at a time at least, as on two workers: holding the
         # last one back until the first results are in changed which points were launched, and on
         # zigzag-tiles cost answers (2 workers: 15/20 within 2% -> 7/20).
-        needed = max(needed, MODEL_PARALLEL)
+        needed = max(needed, snap.policy.model_parallel)
     if a.walking:
         # The empirical rule's spell counts only the walk around the incumbent, so only a walk in
         # flight answers it (where the improvement-rate backstop would settle first, counting
         # every launch, this asks for one launch more than it needs: never a wait for nothing).
-        lead = stop_rules.lead(stop_rules.launches(snap.trials), snap.spec.budget.min_gain)
+        lead = stop_rules.lead(stop_rules.launches(snap.trials), snap.spec.budget.min_gain, snap.policy)
         flying = stop_rules.walks_in_flight(snap.trials, lead)
     if flying < needed:
         return None
@@ -488,8 +495,8 @@ def _may_ready(snap: Snapshot, worker_id: str) -> bool:
     baseline (as it stands the study would not end "does not pay")."""
     if not converges(snap.spec):
         return False
-    a = stop_rule(snap.spec, snap.trials)
-    if a is None or a.measured < convergence.MIN_MEASURED or a.pays is False:
+    a = stop_rule(snap.spec, snap.trials, snap.policy)
+    if a is None or a.measured < snap.policy.min_measured or a.pays is False:
         return False
     flying = snap.in_flight
     if not flying or any(le.kind == "baseline" and le.live for le in snap.leases):
@@ -503,19 +510,19 @@ def _may_ready(snap: Snapshot, worker_id: str) -> bool:
 
 def believed_settles(snap: Snapshot) -> str | None:
     """Why to wait when the model, trusted, would settle the stop rule once the launches in flight
-    come in as it predicted them (optimizer.believer), with `BELIEF_MARGIN` of its bar to spare;
+    come in as it predicted them (optimizer.believer), with `policy.belief_margin` of its bar to spare;
     None otherwise.  Memoised on what the rule sees and which host runs each launch in flight."""
     hosts = {le.trial_number: le.worker_id for le in snap.in_flight if le.worker_id and le.trial_number is not None}
-    seen = (tuple(sorted(hosts.items())), *_rule_inputs(snap.spec, snap.trials))
+    seen = (tuple(sorted(hosts.items())), *_rule_inputs(snap.spec, snap.trials, snap.policy))
 
     def assess() -> convergence.Assessment | None:
         trials = believer.believed(snap.spec, snap.trials, snap.now, hosts)
-        return None if trials is None else convergence.assess(snap.spec, trials)
+        return None if trials is None else convergence.assess(snap.spec, trials, snap.policy)
 
     a = _BELIEVED.get(snap.spec.name, seen, assess)
     if a is None or not a.settled or a.rule != stop_rules.StopRule.MODEL:
         return None
-    if a.best_chance >= BELIEF_MARGIN * convergence.P_MATTERS:
+    if a.best_chance >= snap.policy.belief_margin * snap.policy.p_matters:
         return None
     return (
         "the launches in flight settle the stop rule if they come in as the model predicts; "
@@ -528,7 +535,7 @@ def settle(snap: Snapshot) -> Action:
     or confirmations to run) or `Ask` (the search goes on)."""
     if snap.state != StudyState.RUNNING:
         return Wait(f"the study is {snap.state.value}")
-    assessment = stop_rule(snap.spec, snap.trials) if snap.phase == Phase.SEARCH else None
+    assessment = stop_rule(snap.spec, snap.trials, snap.policy) if snap.phase == Phase.SEARCH else None
     if any(le.live and le.kind != "baseline" for le in snap.leases):
         return Wait("launches of this study are still in flight")
     if _unleased_running(snap):
@@ -628,8 +635,9 @@ def _unleased_running(snap: Snapshot) -> bool:
 
 # A study whose baseline failed for what it asks on this many hosts, each with a worker token of
 # its own, is stopped: the fault follows it.  One token's word is never enough: a stolen unbound
-# token once stopped other users' studies with one forged `invalid_config` (issue 35).
-STOP_AFTER_HOSTS = 2
+# token once stopped other users' studies with one forged `invalid_config` (issue 35).  The
+# policy's `stop_after_hosts`.
+STOP_AFTER_HOSTS = DEFAULT_POLICY.stop_after_hosts
 # What each study fault means, in the service's own words (the worker's text follows, escaped).
 FAULT_WORDS = {
     "invalid_config": "the engine rejected its settings",
@@ -639,16 +647,18 @@ FAULT_WORDS = {
 }
 
 
-def baseline_fault(kind: str, message: str, hosts: int, from_spec: str | None = None) -> Ending | None:
+def baseline_fault(
+    kind: str, message: str, hosts: int, from_spec: str | None = None, policy: Policy = DEFAULT_POLICY
+) -> Ending | None:
     """Does a baseline that failed for what the study asks stop the study?  (None: not yet.)
 
-    After STOP_AFTER_HOSTS hosts with their own tokens agree, or at once where the spec itself
+    After `policy.stop_after_hosts` hosts with their own tokens agree, or at once where the spec itself
     proves the fault (`from_spec`, the service's own reading of the spec, e.g. a workload longer
     than its context length).  The reason shown is the classified one; the worker's text is kept
     after it, control characters escaped (`printable`).  The study is stopped, not finished: fixed
     and created again, it starts from nothing wrong.
     """
-    if from_spec is None and hosts < STOP_AFTER_HOSTS:
+    if from_spec is None and hosts < policy.stop_after_hosts:
         return None
     where = from_spec if from_spec is not None else f"on {hosts} hosts with their own worker tokens"
     said = printable(message[:120])
@@ -729,7 +739,7 @@ def resolve_order(snap: Snapshot, lease: LeaseView, base: Baseline) -> Resolve |
 
     The thresholds: 1.0 (pays at all), 1.0 + min_gain (pays enough to matter), and the speedups
     the study's other candidates confirmed (the runner-up); the study's launch noise
-    (`launch_noise`); the cap: EXTRA_PASSES_PER_REPEAT x the workload's repeats per level.
+    (`launch_noise`); the cap: `policy.extra_passes_per_repeat` x the workload's repeats per level.
     """
     spec = snap.spec
     if spec.objective.name != "throughput":
@@ -755,7 +765,7 @@ def resolve_order(snap: Snapshot, lease: LeaseView, base: Baseline) -> Resolve |
         },
         thresholds=thresholds[:16],
         extra_var=min(launch_noise(snap).variance, 10.0),
-        max_passes=confirm.EXTRA_PASSES_PER_REPEAT * spec.workload.repeats,
+        max_passes=snap.policy.extra_passes_per_repeat * spec.workload.repeats,
     )
 
 
@@ -856,7 +866,8 @@ def _launch_envelope(
 
 # Confirmation launches a study may add when its answer straddles the decision on launch noise
 # (`relaunches`): the cost cap of resolving the answer by re-launching, stated in the verdict.
-MAX_EXTRA_LAUNCHES = 2
+# The policy's `max_extra_launches`.
+MAX_EXTRA_LAUNCHES = DEFAULT_POLICY.max_extra_launches
 
 
 def _completed_confirms(snap: Snapshot) -> list[LeaseView]:
@@ -919,7 +930,7 @@ def relaunches(snap: Snapshot) -> Reconfirm | None:
     its interval is at least half of it (extra passes on the warm server narrow only the rest, and
     `Resolve` has taken those).  It is launched on another host than its last confirmation (or, on
     one host, after a fresh baseline: `_confirmation_for`), and pooled with its earlier
-    confirmations, never the search launch.  At most MAX_EXTRA_LAUNCHES per study; when they are
+    confirmations, never the search launch.  At most `policy.max_extra_launches` per study; when they are
     spent the verdict says what the data holds.
 
     A runner-up tied with the winner is not re-launched: the verdict calls them a tie and prefers
@@ -930,7 +941,7 @@ def relaunches(snap: Snapshot) -> Reconfirm | None:
     """
     if snap.spec.confirmation.top <= 0 or any(le.live and le.kind != "baseline" for le in snap.leases):
         return None
-    left = MAX_EXTRA_LAUNCHES - extra_launches(snap)
+    left = snap.policy.max_extra_launches - extra_launches(snap)
     docs = [d for d in confirmed_docs(snap) if (d["violation"] or 0.0) <= 0]
     if left <= 0 or not docs:
         return None
@@ -1117,7 +1128,7 @@ def baseline_serves(snap: Snapshot, worker_id: str, base: Baseline) -> bool:
     launches fly: `ready_baseline`), serves every confirmation on a host, as long as it stays
     fresh (`baseline_fresh`: at most `Timing.confirm_idle_s` idle since, other studies' work
     counting as idle time, as it always did).  Where the host's baseline drifted (it differs from the host's last one before
-    it by more than DRIFT_MARGIN) each confirmation needs one measured after the previous
+    it by more than `policy.drift_margin`) each confirmation needs one measured after the previous
     confirmation ended (`optimizer.confirmation.baseline_serves`).
     """
     began = snap.confirmation_began_at
@@ -1128,7 +1139,7 @@ def baseline_serves(snap: Snapshot, worker_id: str, base: Baseline) -> bool:
     before = min(began, base.measured_at)
     earlier = [b for b in snap.baselines if b.worker_id == worker_id and b.valid and b.measured_at < before]
     prev = max(earlier, key=lambda b: b.measured_at) if earlier else None
-    drift = prev is not None and confirm.drift_seen(_levels(base), _levels(prev), DRIFT_MARGIN)
+    drift = prev is not None and confirm.drift_seen(_levels(base), _levels(prev), snap.policy.drift_margin)
     searched = snap.search_done.get(worker_id)
     return confirm.baseline_serves(
         base.measured_at.timestamp(),

@@ -31,10 +31,11 @@ from optimizer.analysis import (
     log_mean_variance,
 )
 from optimizer.objective import objective_intervals, objective_view, score_levels
+from optimizer.policy import DEFAULT_POLICY
 from optimizer.space import SpecConfig
 from optimizer.spec import Objective, StudySpec
 
-CANDIDATE_WINDOW = 0.05
+CANDIDATE_WINDOW = DEFAULT_POLICY.candidate_window  # optimizer.policy
 
 
 def search_interval(spec: StudySpec, t: FrozenTrial, extra_var: float = 0.0) -> Interval | None:
@@ -113,7 +114,7 @@ def overlaps(a: Interval | None, b: Interval | None, value_a: float, value_b: fl
 # least this (the stop rule's risk, optimizer.convergence.P_MATTERS): otherwise choosing the
 # leader without it keeps within what the study promises, and each confirmation is a restart
 # (and, on a host without a fresh baseline, a baseline too).
-RUNNER_UP_CHANCE = 0.1
+RUNNER_UP_CHANCE = DEFAULT_POLICY.runner_up_chance  # optimizer.policy
 
 
 def beat_chance(leader: Interval, other: Interval, min_gain: float) -> float:
@@ -450,7 +451,7 @@ def _interval_of(c: Mapping[str, Any]) -> Interval | None:
 # The risk the answer may take of being more than min_gain below the best confirmed candidate
 # for being cheaper: the stop rule's (optimizer.convergence.P_MATTERS), so the tie rule does not
 # spend what the stop rule promised.
-TIE_RISK = 0.1
+TIE_RISK = DEFAULT_POLICY.tie_risk  # optimizer.policy
 
 
 def log_sd(iv: Interval) -> float:
@@ -494,7 +495,7 @@ def _ranking_value(c: Mapping[str, Any]) -> float:
 # rated a chain level with the tree that beat it by ~2% twice (z 0.99: overruled, rightly), and
 # small-gain seed 3, where a lucky and an unlucky pair of launches put a 1.3%-worse candidate
 # 2.2% ahead against the model's right order (z 0.74: the model stands).
-OVERRULE_Z = 0.84
+OVERRULE_Z = DEFAULT_POLICY.overrule_z  # optimizer.policy
 
 
 def _measured_better(a: Mapping[str, Any], b: Mapping[str, Any], min_gain: float) -> bool:
@@ -579,12 +580,12 @@ def choose(confirmed: Sequence[Mapping[str, Any]], min_gain: float = 0.01, ranki
 
 # Extra passes on the warm server per level, as a multiple of the workload's repeats: the cost
 # cap of resolving one confirmation (stated in the lease and in `cost`).
-EXTRA_PASSES_PER_REPEAT = 3
+EXTRA_PASSES_PER_REPEAT = DEFAULT_POLICY.extra_passes_per_repeat  # optimizer.policy
 
 
 # Hosts whose baselines of the same server differ by more than this share, and beyond their
 # noise, are not measuring the same thing: one is likely saturated (issue 17 item 6).
-HOST_DISAGREEMENT = 0.10
+HOST_DISAGREEMENT = DEFAULT_POLICY.host_disagreement  # optimizer.policy
 
 
 def host_disagreement(latest: Mapping[str, Sequence[Mapping[str, Any]]], launch_var: float = 0.0) -> str | None:

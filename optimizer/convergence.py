@@ -45,18 +45,17 @@ from optimizer.confirmation import objective_interval
 from optimizer.model_sampler import OpenPool, gain_over, local_moves, objective_levels, observations_of, open_pool
 from optimizer.objective import objective_intervals
 from optimizer.perf_model import Candidates, FittedModel, fit
+from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 from optimizer.stop_rules import StopRule
 
-P_MATTERS = R.P_MATTERS
-MIN_MEASURED = 4
-TIGHT = 0.03
-# Floor on the incumbent's log-sd when it has no spread of its own (one pass).
-_INCUMBENT_FLOOR = 0.01
-# Launches after the incumbent's that the model rule wants before it stops: one look past the
-# best so far is evidence the model cannot give about itself.
-MODEL_HOLD = 1
+# The rule's thresholds (p_matters, min_measured, tight, model_hold, depth_probe) are the study's
+# policy (optimizer.policy), handed to `assess`; these names are the default policy's values, for
+# callers outside the rule.
+P_MATTERS = DEFAULT_POLICY.p_matters
+MIN_MEASURED = DEFAULT_POLICY.min_measured
+MODEL_HOLD = DEFAULT_POLICY.model_hold
 
 
 @dataclass(frozen=True)
@@ -96,7 +95,7 @@ class Assessment:
 
 
 def host_misfit(
-    resid_log: np.ndarray, sd: np.ndarray, hosts: Sequence[str | None], host_sd: float = R.HOST_SD
+    resid_log: np.ndarray, sd: np.ndarray, hosts: Sequence[str | None], host_sd: float = DEFAULT_POLICY.host_sd
 ) -> float:
     """How far the measurements lie from the model's fit, in its own sd, once each host's offset
     is taken out (a random effect with prior sd `host_sd`: its mean residual, shrunk towards 0 by
@@ -112,7 +111,7 @@ def host_misfit(
     return float(max(1.0, math.sqrt(float(np.mean(z**2)))))
 
 
-def assess(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Assessment:
+def assess(spec: StudySpec, trials: Sequence[FrozenTrial], policy: Policy = DEFAULT_POLICY) -> Assessment:
     measured = A.measured_feasible(trials, A.LEVELS)
     n = len({A.TrialRecord(t).config_key for t in measured})
     gain = spec.budget.min_gain
@@ -120,10 +119,10 @@ def assess(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Assessment:
     def unsettled(reason: str, chance: float = 1.0, key: str | None = None, misfit: float = 1.0) -> Assessment:
         return Assessment(False, reason, n, -1, chance, key, misfit, None)
 
-    if n < MIN_MEASURED:
-        return unsettled(f"only {n} configurations measured; the model needs at least {MIN_MEASURED}")
+    if n < policy.min_measured:
+        return unsettled(f"only {n} configurations measured; the model needs at least {policy.min_measured}")
     history = R.launches(trials)
-    lead = R.lead(history, gain)
+    lead = R.lead(history, gain, policy)
     best = max(measured, key=lambda t: float(t.value or 0.0))
     best_value = float(best.value or 0.0)
     pays_now = best_value > 1.0
@@ -134,11 +133,11 @@ def assess(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Assessment:
         spec, best_value, objective_intervals(spec.objective, best_r.levels, best_r.baseline_levels)
     )
     # A believed launch (optimizer.believer) has no passes to show its spread: never tight.
-    tight = not best_r.has(A.BELIEVED) and (iv is None or (iv.high / iv.low) ** 0.5 - 1.0 <= TIGHT)
+    tight = not best_r.has(A.BELIEVED) and (iv is None or (iv.high / iv.low) ** 0.5 - 1.0 <= policy.tight)
     if pays_now and not tight and spec.confirmation.top <= 0:
         return Assessment(
             False,
-            f"{label} leads but its interval is wider than ±{100 * TIGHT:.0f}% and no confirmation is set",
+            f"{label} leads but its interval is wider than ±{100 * policy.tight:.0f}% and no confirmation is set",
             n,
             -1,
             1.0,
@@ -147,7 +146,7 @@ def assess(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Assessment:
             None,
         )
     model = fit(observations_of(trials), spec.search_space.num_steps.high)
-    check = R.prediction_check(trials) if model is not None else None
+    check = R.prediction_check(trials, policy) if model is not None else None
     op = open_pool(spec, trials)
     # The bar what is left must beat: the incumbent, or where the model ranks the confirmed
     # candidates, the one it ranks first (ranking.answer_bar: the answer, not the luckiest launch).
@@ -157,7 +156,7 @@ def assess(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Assessment:
         if pays_now:
             bar = ranking.bar_of(spec, trials, model, check, best)
         top, top_key, misfit = _model_chance(
-            spec, model, measured, best_value, A.TrialRecord(bar).config, op, gain, floor
+            spec, model, measured, best_value, A.TrialRecord(bar).config, op, gain, floor, policy.host_sd
         )
     else:
         top, top_key, misfit = 1.0, None, 1.0
@@ -190,7 +189,7 @@ def assess(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Assessment:
     trusted = model is not None and (check is None or check.trusted)
     probe = (
         R.depth_probe(trials, bar_r.config, op.configs, spec.search_space.num_steps.high)
-        if trusted and pays_now and top < P_MATTERS
+        if policy.depth_probe and trusted and pays_now and top < policy.p_matters
         else None
     )
     if probe is not None:
@@ -198,29 +197,29 @@ def assess(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Assessment:
             f"the model sees nothing left to beat {against}, but {bar_r.config_key} is the deepest launch: "
             f"one launch one draft step deeper ({probe.key}) first"
         )
-    if trusted and top < P_MATTERS and lead.since >= MODEL_HOLD:
+    if trusted and top < policy.p_matters and lead.since >= policy.model_hold:
         beat = f"beat {against}" if pays_now else "beat the baseline"
         return settle(
             StopRule.MODEL,
-            f"{left} has a {100 * P_MATTERS:.0f}% chance to {beat} by more than {100 * gain:.0f}%",
+            f"{left} has a {100 * policy.p_matters:.0f}% chance to {beat} by more than {100 * gain:.0f}%",
         )
     quiet = f"none of the last {lead.since} launches beat {incumbent} by more than {100 * gain:.0f}%" + (
         f" (best of them {lead.best_since:.3f}x)" if lead.since else ""
     )
     walked = f", {quiet_n} of them its neighbours" if walk else ""
-    if not trusted and quiet_n >= R.hold_needed(lead.found_at):
+    if not trusted and quiet_n >= R.hold_needed(lead.found_at, policy):
         distrust = (
             check.describe() if check is not None else "the engine reports no accept length, so there is no model"
         )
         return settle(StopRule.EMPIRICAL, f"{distrust}, not trusted; {quiet}{walked}")
-    if lead.since >= R.stall_needed(lead.found_at):
+    if lead.since >= R.stall_needed(lead.found_at, policy):
         return settle(StopRule.IMPROVEMENT_RATE, f"{quiet}; the incumbent was found at launch {lead.found_at}")
     if not trusted:
-        need = R.hold_needed(lead.found_at)
+        need = R.hold_needed(lead.found_at, policy)
         distrust = check.describe() if check is not None else "the engine reports no accept length"
         what = "launches around" if walk else "launches without a gain over"
         return waiting(f"{distrust}; the empirical rule waits for {need} {what} {incumbent} ({quiet_n} so far)")
-    if top >= P_MATTERS:
+    if top >= policy.p_matters:
         over = f"{bar_r.config_key} (the model's first)" if moved else f"{bar_value:.3f}x"
         return waiting(
             f"{top_key} may still beat {over} by more than {100 * gain:.0f}% "
@@ -256,6 +255,7 @@ def _model_chance(
     op: OpenPool,
     gain: float,
     floor_sd: float,
+    host_sd: float = DEFAULT_POLICY.host_sd,
 ) -> tuple[float, str | None, float]:
     """The largest chance that an open configuration beats the bar (the launch `bar`, as the
     model sees it, where the incumbent pays; else the baseline) by more than `gain`, which one,
@@ -269,7 +269,10 @@ def _model_chance(
     # the misfit, so the misfit is the real results' alone.
     real = np.array([not r.has(A.BELIEVED) for r in recs])
     misfit = host_misfit(
-        (got - mean_m)[real], np.sqrt(sd_m**2 + 0.01**2)[real], [r.worker_id for r in recs if not r.has(A.BELIEVED)]
+        (got - mean_m)[real],
+        np.sqrt(sd_m**2 + 0.01**2)[real],
+        [r.worker_id for r in recs if not r.has(A.BELIEVED)],
+        host_sd,
     )
     if not op.configs:
         return 0.0, None, misfit

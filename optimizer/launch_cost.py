@@ -22,13 +22,14 @@ from optuna.trial import FrozenTrial, TrialState
 from scipy.optimize import lsq_linear
 
 from optimizer import attrs as A
+from optimizer.policy import DEFAULT_POLICY
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 
 FloatArray = NDArray[np.float64]
 
 N_FEATURES = 5
-_RIDGE = 0.05  # weight of the prior, as a share of one measured launch
+_RIDGE = DEFAULT_POLICY.ridge  # weight of the prior, as a share of one measured launch
 
 
 def _features(configs: Sequence[SpecConfig]) -> FloatArray:

@@ -44,6 +44,7 @@ from optuna.trial import FrozenTrial, TrialState
 from optimizer import attrs as A
 from optimizer.infeasible import MEMORY_FAILURES
 from optimizer.plan import server_settings
+from optimizer.policy import DEFAULT_POLICY
 from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
@@ -52,19 +53,19 @@ FloatArray = NDArray[np.float64]
 
 # Candidates at or above this probability of running out of memory in the tuning envelope are
 # not launched.
-PROBABLE_FAILURE = 0.5
+PROBABLE_FAILURE = DEFAULT_POLICY.probable_failure  # optimizer.policy
 # A deployment this likely to run out of memory is "sure to fail": not proposed where the
 # serving envelope is fixed, not launched first in a confirmation where a smaller one is allowed.
-SURELY = 0.95
+SURELY = DEFAULT_POLICY.surely  # optimizer.policy
 _ANGLES = 61
 # The share of the graph room each captured size may cost (0: sizes are free).
-KAPPAS = (0.0, 0.005, 0.01, 0.02, 0.04)
+KAPPAS = DEFAULT_POLICY.kappas  # optimizer.policy
 # Loads closer than this (in log) are one load: a start and a failure there contradict.
 _TIE = 1e-9
 # A consistent room interval wider than this factor counts as this wide (one unbounded above).
 _MAX_SPAN = 1000.0
 # Without a start to bound it, the room is taken to lie within this factor of the failure.
-_PRIOR_SPAN = 8.0
+_PRIOR_SPAN = DEFAULT_POLICY.prior_span  # optimizer.policy
 
 # SGLang's capture list with speculation (docs/sglang.md §3): 1-8, 10-32 by 2, 40-64 by 4,
 # 72-256 by 8, then by 16.

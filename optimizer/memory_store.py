@@ -20,6 +20,7 @@ from optuna.trial import FrozenTrial
 from optimizer import conductor, confirmation, deploy
 from optimizer import store as st
 from optimizer import study as opt
+from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
@@ -104,6 +105,8 @@ class MemoryStudy:
     baselines: list[conductor.Baseline] = field(default_factory=list)
     # Each baseline's verify probe by its id (the service stores it in the baseline's metrics).
     verify_probes: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # The decision values in force (optimizer.policy), carried in every snapshot.
+    policy: Policy = DEFAULT_POLICY
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (kind, lease id, detail)
     workers: Sequence[str] = ()  # the hosts (the service knows its registered workers)
     # False: the hosts launch static servers only, and no adaptive proof is queued (the rehearsal's).
@@ -135,6 +138,7 @@ class MemoryStudy:
             confirmation_began_at=self.confirmation_began_at,
             ending=self.ending,
             search_done=self.search_done(),
+            policy=self.policy,
         )
 
     def search_done(self) -> dict[str, datetime]:

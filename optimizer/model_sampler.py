@@ -49,6 +49,7 @@ from optimizer.perf_model import (
     fit,
     observations_from_attrs,
 )
+from optimizer.policy import DEFAULT_POLICY
 from optimizer.space import SearchSpace, SpecConfig, params_of, published_starts, with_largest_graph
 from optimizer.spec import StudySpec
 
@@ -60,7 +61,7 @@ MAX_SCORED = 20_000
 PREDICTION_ATTR = A.MODEL_PREDICTION
 # Two configurations closer than this (optimizer.model_sampler.coords) are near-copies: never
 # both in flight.
-NEAR_COPY = 0.75
+NEAR_COPY = DEFAULT_POLICY.near_copy  # optimizer.policy
 
 
 # The acquisition's one rule on early launches (issue 31, "Must show": no proposal among the first
@@ -75,7 +76,7 @@ LOSE_BY = 0.20
 
 # How far the model-free local moves look around the incumbent (in `lattice_distance` units):
 # the immediate neighbours first, then the next ring once those are all launched.
-LOCAL_RADII = (1.0, 2.0)
+LOCAL_RADII = DEFAULT_POLICY.local_radii  # optimizer.policy
 
 
 # What kind of proposal a trial was (stored in its `model_prediction`; api.documents shows it);

@@ -40,29 +40,30 @@ import numpy as np
 from numpy.typing import NDArray
 from scipy.optimize import least_squares
 
+from optimizer.policy import DEFAULT_POLICY
 from optimizer.residual_gp import ResidualGP
 from optimizer.space import SpecConfig
 
 FloatArray = NDArray[np.float64]
 
 # Priors (mean, sd) in the units above; ranges from docs/calibration.md §4-6.
-_ACCEPT_FIRST = (math.log(0.7 / 0.3), 1.2)  # logit of a_1: 0.55-0.85 in public data
-_ACCEPT_STEP_SD = 0.35  # logit change from one position to the next
-_TREE_GAIN = (0.15, 0.1)
-_DELTA = (0.1, 0.15)  # draft step / decode step
-_GAMMA = (0.02, 0.05)  # extra draft cost per extra topk branch
-_BETA = (0.1, 0.4)  # verify cost per extra token up to the knee
-_BETA_AFTER = (0.02, 0.2)
-_OMEGA = (0.1, 0.3)  # fixed per-cycle overhead / decode step
+_ACCEPT_FIRST = DEFAULT_POLICY.accept_first  # logit of a_1: 0.55-0.85 in public data
+_ACCEPT_STEP_SD = DEFAULT_POLICY.accept_step_sd  # logit change from one position to the next
+_TREE_GAIN = DEFAULT_POLICY.tree_gain  # optimizer.policy
+_DELTA = DEFAULT_POLICY.delta  # draft step / decode step
+_GAMMA = DEFAULT_POLICY.gamma  # extra draft cost per extra topk branch
+_BETA = DEFAULT_POLICY.beta  # verify cost per extra token up to the knee
+_BETA_AFTER = DEFAULT_POLICY.beta_after  # optimizer.policy
+_OMEGA = DEFAULT_POLICY.omega  # fixed per-cycle overhead / decode step
 # Knees tried for the verify cost; 0 means one slope throughout (dense targets).
-KNEES = (0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
+KNEES = DEFAULT_POLICY.knees  # optimizer.policy
 # Relative measurement noise of AL and of the cycle ratio (a few % per level, from the loadgen).
-AL_NOISE = 0.01
-COST_NOISE = 0.01
+AL_NOISE = DEFAULT_POLICY.al_noise  # optimizer.policy
+COST_NOISE = DEFAULT_POLICY.cost_noise  # optimizer.policy
 # Floor on a prediction's sd: the model is a simplification of a real server.
-MODEL_FLOOR = 0.01
+MODEL_FLOOR = DEFAULT_POLICY.model_floor  # optimizer.policy
 # Graphs missing at a level make that level run eagerly (docs/calibration.md §5).
-EAGER_PENALTY = 1.37
+EAGER_PENALTY = DEFAULT_POLICY.eager_penalty  # optimizer.policy
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,11 @@ from typing import Any
 from optuna.trial import FrozenTrial
 
 from optimizer import attrs as A
+from optimizer.policy import DEFAULT_POLICY
 from optimizer.spec import StudySpec
 
-Z_PRUNE = 3.0
-MIN_MARGIN = 0.02
+Z_PRUNE = DEFAULT_POLICY.z_prune  # optimizer.policy
+MIN_MARGIN = DEFAULT_POLICY.min_margin  # optimizer.policy
 
 
 @dataclass(frozen=True)

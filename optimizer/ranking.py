@@ -31,13 +31,14 @@ from optimizer import stop_rules as R
 from optimizer.memo import PerStudyMemo
 from optimizer.model_sampler import gain_over, objective_levels, observations_of
 from optimizer.perf_model import MODEL_FLOOR, Candidates, FittedModel, fit
+from optimizer.policy import DEFAULT_POLICY
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 
 # A cheaper tied candidate is preferred only when the model is this sure (one-sided 90%) that it
 # gives up less than `min_gain` against the best: "cannot tell apart" is not "as good", and with
 # launch noise as large as the gaps a one-launch tie says little about how much the cheap one loses.
-WITHIN_Z = 1.28
+WITHIN_Z = DEFAULT_POLICY.within_z  # optimizer.policy
 
 
 @dataclass(frozen=True)
@@ -74,12 +75,12 @@ def ranks(check: R.PredictionCheck) -> bool:
     """Does a model with this prediction check rank the candidates?  Only once its predictions
     were checked against launches made after them, and held: a model nobody tested (another
     sampler made no predictions) does not overrule a measurement."""
-    return check.checked >= R.CHECK_MIN and check.trusted
+    return check.checked >= check.check_min and check.trusted
 
 
 def floor_sd(check: R.PredictionCheck) -> float:
     """The model's misspecification floor: what its own predictions missed by, at least MODEL_FLOOR."""
-    return max(MODEL_FLOOR, check.excess_sd if check.checked >= R.CHECK_MIN else 0.0)
+    return max(MODEL_FLOOR, check.excess_sd if check.checked >= check.check_min else 0.0)
 
 
 def answer_bar(spec: StudySpec, trials: Sequence[FrozenTrial], ranking: Ranking) -> FrozenTrial | None:

@@ -27,6 +27,7 @@ from optimizer import actions, conductor
 from optimizer import attrs as A
 from optimizer.memory_store import MemoryStudy, SimLease
 from optimizer.plan import server_settings
+from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig, max_draft_tokens
 from optimizer.spec import StudySpec
@@ -252,7 +253,7 @@ def clock_at(clock_s: float) -> datetime:
     return datetime.fromtimestamp(clock_s, UTC)
 
 
-def drive(hosts: list[Host], spec: StudySpec, resolver: Resolver) -> MemoryStudy:
+def drive(hosts: list[Host], spec: StudySpec, resolver: Resolver, policy: Policy = DEFAULT_POLICY) -> MemoryStudy:
     """One study as the service runs it: the conductor (optimizer.conductor) decides every step.
 
     Workers (one per host) ask for work in the order of their hosts' clocks, and each result is
@@ -270,7 +271,7 @@ def drive(hosts: list[Host], spec: StudySpec, resolver: Resolver) -> MemoryStudy
     for h in hosts:
         h.clock_s = start
     # The simulated hosts model static servers only: no adaptive proof launch is queued.
-    store = MemoryStudy(spec, clock_at(start), workers=[h.host_id for h in hosts], adaptive_proof=False)
+    store = MemoryStudy(spec, clock_at(start), workers=[h.host_id for h in hosts], adaptive_proof=False, policy=policy)
     # host index -> (clock when done, what to record then)
     busy: dict[int, tuple[float, Callable[[datetime], None]]] = {}
     idle_polls = 0

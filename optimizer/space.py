@@ -27,6 +27,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from optimizer.errors import SpecError
+from optimizer.policy import DEFAULT_POLICY
 
 MIN_DRAFT_TOKENS = 2
 # The most draft tokens a configuration may ask for (SpecConfig's limit; SGLang allocates a tree
@@ -279,7 +280,7 @@ PUBLISHED_STARTS: tuple[SpecConfig, ...] = (
 # chain of 1 instead of the chain of 7 and the tree of 16.  Measured (benchmarks/README.md,
 # 2026-12-02 c): from 8 requests, the two cases at 16 got dearer with 4 workers (draft-mem-cliff
 # 15 -> 17 launches); from 32, mem-tight at 64 went 15 -> 13 and no other case changed.
-BUSY_FROM = 32
+BUSY_FROM = DEFAULT_POLICY.busy_from  # optimizer.policy
 PUBLISHED_STARTS_BUSY: tuple[SpecConfig, ...] = (
     SpecConfig(num_steps=2, topk=1, num_draft_tokens=3),
     SpecConfig(num_steps=1, topk=1, num_draft_tokens=2),

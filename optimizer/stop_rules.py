@@ -46,32 +46,15 @@ from scipy.stats import chi2
 
 from optimizer import attrs as A
 from optimizer.analysis import level_intervals
+from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.space import SpecConfig
 
-# Results the prediction check looks back over, and the fewest it judges from.
-CHECK_WINDOW = 6
-CHECK_MIN = 3
-# The model is distrusted when the misses' mean square exceeds the chi-square quantile at this
-# level (1 in 20 for a model whose stated uncertainty is right).
-CHECK_LEVEL = 0.95
-# Log-sd of what a host adds to a speedup that its own baseline does not cancel (driver, clocks,
-# interconnect treating draft and verify kernels differently from a plain decode step).  Part of
-# the noise every comparison across hosts expects, so more hosts are not read as a worse model.
-HOST_SD = 0.012
-# A prediction that claims at most this log-sd is a confident one: how far the confident ones
-# missed (beyond measurement and host noise) is the model's own misspecification on this engine.
-CONFIDENT_SD = 0.05
-# Floor on a measurement's log-sd when its passes show no spread (one pass, or identical ones).
-MEASUREMENT_FLOOR = 0.005
-# The empirical rule's quiet spell: at least this many launches, and at least half the launches
-# it took to find the incumbent.
-HOLD_MIN = 3
-# The improvement-rate backstop: at least this many launches, and at least as many as it took to
-# find the incumbent.
-STALL_MIN = 8
-# A chance to beat the incumbent by min_gain below this does not matter (the model rule's bar,
-# optimizer.convergence; the sampler's depth probe reads it too).
-P_MATTERS = 0.1
+# The rules' thresholds are the study's policy (optimizer.policy: check_window, check_min,
+# check_level, host_sd, confident_sd, measurement_floor, hold_min, stall_min, p_matters), handed
+# to each function; the names below are the default policy's values, for callers outside the rules.
+HOST_SD = DEFAULT_POLICY.host_sd
+HOLD_MIN = DEFAULT_POLICY.hold_min
+P_MATTERS = DEFAULT_POLICY.p_matters
 
 
 class StopRule(enum.StrEnum):
@@ -97,9 +80,10 @@ class PredictionCheck:
     worst_config: str | None  # the result the model missed most, in the window
     worst_miss: float  # that miss, signed, in units of its stated uncertainty
     excess_sd: float  # log-sd of the confident predictions' misses beyond measurement and hosts (0 if none)
+    check_min: int = DEFAULT_POLICY.check_min  # the fewest results it judges from (the policy's)
 
     def describe(self) -> str:
-        if self.checked < CHECK_MIN:
+        if self.checked < self.check_min:
             return f"too few predicted results to check the model ({self.checked})"
         return f"model predictions missed by {self.rms_miss:.1f} sd (rms) over the last {self.checked} results"
 
@@ -139,18 +123,19 @@ def launches(trials: Sequence[FrozenTrial]) -> list[Launch]:
     return [x[2] for x in out]
 
 
-def measurement_sd(r: A.TrialRecord) -> float:
+def measurement_sd(r: A.TrialRecord, policy: Policy = DEFAULT_POLICY) -> float:
     """Log-sd of a trial's objective from its repeated passes (mean over its levels)."""
     ivs = level_intervals(r.levels, r.baseline_levels)
     sds = [math.log(iv.high / iv.low) / (2 * 1.96) for iv in ivs.values() if iv.low > 0]
     if not sds:
-        return MEASUREMENT_FLOOR
+        return policy.measurement_floor
     # The objective is a mean of log speedups over the levels: its variance is the mean variance / n.
-    return max(MEASUREMENT_FLOOR, math.sqrt(sum(s * s for s in sds)) / len(sds))
+    return max(policy.measurement_floor, math.sqrt(sum(s * s for s in sds)) / len(sds))
 
 
-def prediction_check(trials: Sequence[FrozenTrial], host_sd: float = HOST_SD) -> PredictionCheck:
-    """Compare the last `CHECK_WINDOW` results with the predictions made before they came in."""
+def prediction_check(trials: Sequence[FrozenTrial], policy: Policy = DEFAULT_POLICY) -> PredictionCheck:
+    """Compare the last `policy.check_window` results with the predictions made before they came in."""
+    host_sd = policy.host_sd
     by_number = {t.number: t for t in trials}
     misses: list[tuple[float, str]] = []
     excess: list[float] = []
@@ -162,20 +147,20 @@ def prediction_check(trials: Sequence[FrozenTrial], host_sd: float = HOST_SD) ->
         speedup, sd = pred.get("speedup"), pred.get("log_sd")
         if not isinstance(speedup, int | float) or not isinstance(sd, int | float) or speedup <= 0:
             continue
-        stated = math.sqrt(float(sd) ** 2 + measurement_sd(r) ** 2 + host_sd**2)
+        stated = math.sqrt(float(sd) ** 2 + measurement_sd(r, policy) ** 2 + host_sd**2)
         miss = math.log(launch.value) - math.log(float(speedup))
         misses.append((miss / stated, launch.config_key))
-        if float(sd) <= CONFIDENT_SD:
-            excess.append(miss**2 - measurement_sd(r) ** 2 - host_sd**2)
-    window = misses[-CHECK_WINDOW:]
+        if float(sd) <= policy.confident_sd:
+            excess.append(miss**2 - measurement_sd(r, policy) ** 2 - host_sd**2)
+    window = misses[-policy.check_window :]
     if not window:
-        return PredictionCheck(0, 0.0, True, None, 0.0, 0.0)
-    recent = excess[-CHECK_WINDOW:]
+        return PredictionCheck(0, 0.0, True, None, 0.0, 0.0, policy.check_min)
+    recent = excess[-policy.check_window :]
     excess_sd = math.sqrt(max(0.0, sum(recent) / len(recent))) if recent else 0.0
     ms = sum(z * z for z, _ in window) / len(window)
     worst = max(window, key=lambda x: abs(x[0]))
-    trusted = len(window) < CHECK_MIN or bool(ms <= chi2.ppf(CHECK_LEVEL, len(window)) / len(window))
-    return PredictionCheck(len(window), math.sqrt(ms), trusted, worst[1], worst[0], excess_sd)
+    trusted = len(window) < policy.check_min or bool(ms <= chi2.ppf(policy.check_level, len(window)) / len(window))
+    return PredictionCheck(len(window), math.sqrt(ms), trusted, worst[1], worst[0], excess_sd, policy.check_min)
 
 
 @dataclass(frozen=True)
@@ -193,12 +178,12 @@ class Lead:
         return self.since >= needed
 
 
-def lead(history: Sequence[Launch], min_gain: float, noise_sd: float = HOST_SD) -> Lead:
+def lead(history: Sequence[Launch], min_gain: float, policy: Policy = DEFAULT_POLICY) -> Lead:
     """Where the incumbent (the best launch, or the baseline 1.0x when nothing beats it) was found,
     and how many launches since have failed to beat it by more than `min_gain`.
 
     The incumbent is "found" at the last launch that beat the value found before it by more than
-    `min_gain` plus `noise_sd` (what two launches on different hosts differ by without any
+    `min_gain` plus `policy.host_sd` (what two launches on different hosts differ by without any
     difference in the configuration): a launch that beats it by less is within what the rule
     tolerates, or within the noise, and does not restart the count.  The comparison is with the
     value where the count started, not with the best since: a climb in steps each within the
@@ -208,7 +193,7 @@ def lead(history: Sequence[Launch], min_gain: float, noise_sd: float = HOST_SD) 
     """
     anchor = 1.0
     found = 0
-    margin = (1.0 + min_gain) * math.exp(noise_sd)
+    margin = (1.0 + min_gain) * math.exp(policy.host_sd)
     for i, launch in enumerate(history):
         if launch.value > anchor * margin:
             found, anchor = i + 1, launch.value
@@ -251,14 +236,14 @@ def is_walk(trial: FrozenTrial | None, around: str | None) -> bool:
     return centre is None or around is None or centre == around
 
 
-def hold_needed(found_at: int) -> int:
+def hold_needed(found_at: int, policy: Policy = DEFAULT_POLICY) -> int:
     """Launches without an improvement the empirical rule wants: a search that found its best late
     is still improving, so the quiet spell grows with it."""
-    return max(HOLD_MIN, math.ceil(found_at / 2))
+    return max(policy.hold_min, math.ceil(found_at / 2))
 
 
-def stall_needed(found_at: int) -> int:
-    return max(STALL_MIN, found_at)
+def stall_needed(found_at: int, policy: Policy = DEFAULT_POLICY) -> int:
+    return max(policy.stall_min, found_at)
 
 
 def launched_configs(trials: Sequence[FrozenTrial]) -> list[SpecConfig]:

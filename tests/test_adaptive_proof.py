@@ -64,7 +64,7 @@ def test_a_search_that_does_not_pay_over_both_levels_launches_the_adaptive_answe
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     spec = spec_of("adaptive-nopay", **SPEC)
-    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials: _settled(False))
+    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials, *_: _settled(False))
     action = c.settle(snap(spec, TRIALS, baselines=BASES))
     # "Does not pay" over both levels, but the chain pays alone: its adaptive server is launched.
     assert isinstance(action, c.StartConfirmation), action
@@ -83,7 +83,7 @@ def test_a_search_that_does_not_pay_over_both_levels_launches_the_adaptive_answe
 
 def test_with_candidates_to_confirm_the_adaptive_proof_comes_last(monkeypatch: pytest.MonkeyPatch) -> None:
     spec = spec_of("adaptive-pays", **SPEC, confirmation={"top": 2})
-    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials: _settled(True))
+    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials, *_: _settled(True))
     action = c.settle(snap(spec, TRIALS, baselines=BASES))
     assert isinstance(action, c.StartConfirmation)
     assert [x.adaptive for x in action.candidates][-1] is True
@@ -103,7 +103,7 @@ def test_with_candidates_to_confirm_the_adaptive_proof_comes_last(monkeypatch: p
 
 def test_no_adaptive_answer_no_proof(monkeypatch: pytest.MonkeyPatch) -> None:
     spec = spec_of("adaptive-none", **SPEC)
-    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials: _settled(False))
+    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials, *_: _settled(False))
     losing = [split(0, CHAIN, {1: 0.9, 4: 0.5})]
     # A study that confirms nothing (confirmation.top 0) launches no proof either.
     unconfirmed = spec_of("adaptive-top0", **SPEC, confirmation={"top": 0})

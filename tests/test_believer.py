@@ -126,7 +126,7 @@ def settled_once_believed(chance: float, *, trusted: bool = True) -> Any:
     """A stop rule that settles on the model rule (with `chance` left) once trial 5 is in, and
     is unsure (50%) before."""
 
-    def assess(spec: StudySpec, trials: list[FrozenTrial]) -> convergence.Assessment:
+    def assess(spec: StudySpec, trials: list[FrozenTrial], *_: object) -> convergence.Assessment:
         check = R.PredictionCheck(6, 1.0 if trusted else 3.0, trusted, None, 0.0, 0.0)
         if any(t.number == 5 and t.state == TrialState.COMPLETE for t in trials):
             return convergence.Assessment(True, "settled", 6, 100, chance, "k", 1.0, True, R.StopRule.MODEL, check)

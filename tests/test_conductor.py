@@ -205,14 +205,14 @@ def test_a_fleet_waits_when_the_launches_in_flight_are_what_the_model_rule_still
     it.  With one launch in flight the other hosts wait (before: each asked, and every launch they
     started was counted after the rule settled); with none in flight, one asks."""
     spec = spec_of("cond-hold")
-    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials: unsettled(0.05))
+    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials, *_: unsettled(0.05))
     assert c.launches_needed(spec, HOLD_PENDING, unsettled(0.05)) == convergence.MODEL_HOLD
     s = snap(spec, HOLD_PENDING, baselines=FLEET_BASES, hosts=FLEET)
     assert isinstance(c.next_action(s, "w1"), c.Ask)
     action = c.next_action(replace(s, leases=flying(1)), "w4")
     assert isinstance(action, c.Wait) and "in flight are what the stop rule still needs" in action.reason
     # Still undecided (a 50% chance left): one more model proposal, not a third.
-    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials: unsettled(0.5))
+    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials, *_: unsettled(0.5))
     s = replace(s, spec=spec_of("cond-unsure"))  # the rule's memo is per study name
     assert isinstance(c.next_action(replace(s, leases=flying(1)), "w4"), c.Ask)
     action = c.next_action(replace(s, leases=flying(c.MODEL_PARALLEL)), "w4")
@@ -225,7 +225,7 @@ def test_a_host_the_search_leaves_idle_measures_the_confirmations_baseline_meanw
     """The launch in flight is what the model rule still needs: a host that found none of the
     candidates the confirmation would take measures the baseline it will pair with now, instead of
     after the last result; the host that found the leader (w4) waits, and only one host measures."""
-    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials: unsettled(0.05))
+    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials, *_: unsettled(0.05))
     s = replace(snap(spec_of("cond-ready"), HOLD_PENDING, baselines=FLEET_BASES, hosts=FLEET), leases=flying(1))
     assert [(x.trial_number, x.avoid_worker) for x in c.candidates(s)] == [(3, "w4")]
     assert c.next_action(s, "w2") == c.MeasureBaseline("w2", for_confirmation=True)
@@ -266,10 +266,10 @@ def test_after_the_rule_settled_an_idle_host_measures_the_baseline_unless_nothin
     """The rule settled with a launch still in flight: the confirmation waits for it, and a host
     that found no candidate measures the baseline meanwhile; a study that ends "does not pay"
     confirms nothing, so none is measured."""
-    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials: _settled(True))
+    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials, *_: _settled(True))
     s = replace(snap(spec_of("cond-ready-settled"), HOLD_PENDING, baselines=FLEET_BASES, hosts=FLEET), leases=flying(1))
     assert c.next_action(s, "w2") == c.MeasureBaseline("w2", for_confirmation=True)
-    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials: _settled(False))
+    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials, *_: _settled(False))
     s = replace(s, spec=spec_of("cond-ready-nopay"))
     assert c.next_action(s, "w2") == c.Wait("launches of this study are still in flight")
 
@@ -280,7 +280,7 @@ def test_a_distrusted_model_waits_for_its_quiet_spell_in_flight(monkeypatch: pyt
     the fleet waits."""
     spec = spec_of("cond-quiet")
 
-    def assess(spec: StudySpec, trials: list[FrozenTrial]) -> convergence.Assessment:
+    def assess(spec: StudySpec, trials: list[FrozenTrial], *_: object) -> convergence.Assessment:
         return unsettled(0.5, trusted=False, quiet=R.lead(R.launches(trials), 0.01).since)
 
     monkeypatch.setattr(c.convergence, "assess", assess)
@@ -388,7 +388,7 @@ def _settled(pays: bool) -> convergence.Assessment:
 
 def test_the_stop_rule_ends_the_search_through_one_seam(monkeypatch: pytest.MonkeyPatch) -> None:
     spec = spec_of("cond-pays", budget={"max_trials": 30}, confirmation={"top": 1})
-    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials: _settled(True))
+    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials, *_: _settled(True))
     action = c.settle(snap(spec, FOUR, baselines=BASES))
     assert isinstance(action, c.StartConfirmation)
     assert action.ending == Ending(FinishReason.CONVERGED, "the rule's words")
@@ -398,13 +398,13 @@ def test_the_stop_rule_ends_the_search_through_one_seam(monkeypatch: pytest.Monk
 
 def test_does_not_pay_finishes_without_confirming(monkeypatch: pytest.MonkeyPatch) -> None:
     spec = spec_of("cond-nopay", budget={"max_trials": 30}, confirmation={"top": 3})
-    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials: _settled(False))
+    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials, *_: _settled(False))
     action = c.settle(snap(spec, FOUR, baselines=BASES))
     assert action == c.Finish(Ending(FinishReason.DOES_NOT_PAY, "the rule's words"))
 
 
 def test_other_samplers_never_ask_the_stop_rule(monkeypatch: pytest.MonkeyPatch) -> None:
-    def boom(spec: StudySpec, trials: Sequence[FrozenTrial]) -> convergence.Assessment:
+    def boom(spec: StudySpec, trials: Sequence[FrozenTrial], *_: object) -> convergence.Assessment:
         raise AssertionError("asked")
 
     monkeypatch.setattr(c.convergence, "assess", boom)

@@ -1,0 +1,279 @@
+"""The study's policy: every tuned decision value of the decision core, in one place (issue 31 item 4).
+
+A `Policy` is a frozen dataclass carried in the conductor's snapshot (`optimizer.conductor.Snapshot`
+.policy): the rules that end a search or order a launch read their thresholds from the policy they
+are handed, never from a module global, so a benchmark can vary one field and see what it governs
+(`python -m benchmarks.search_efficiency --policy stall_min=10000`).  `DEFAULT_POLICY` is what the
+service runs.
+
+Each field says what it means and where its value comes from: a measurement in
+benchmarks/README.md (with the section that states its command), a published method (the
+statistics it rests on, restated), a stated risk, or, where that is the truth, "tuned between
+cases of benchmarks/search_efficiency.py".  Physical facts and SGLang's own values (a flag's
+default, the capture list, the space's bounds) are not policy and stay in their modules;
+tests/test_policy.py lists them and fails on any new numeric module constant in `optimizer/` that
+is neither.
+
+Fields in `SNAPSHOT_FIELDS` reach the rules through the snapshot.  The rest (the performance
+model's priors, the sampler's geometry, the memory model's bars, the launch-noise prior) are read
+from `DEFAULT_POLICY` by the modules that fit the models, which the snapshot does not reach yet;
+`with_overrides` refuses them so a benchmark never reports a change it did not make.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The tuned decision values of `optimizer/` (docs/design.md "Rules" lists the rules reading them)."""
+
+    # ------------------------------------------------------------ the stop rules (optimizer.stop_rules)
+    # Results the prediction check looks back over.  Tuned: long enough for a chi-square test to
+    # mean something, short enough that a model which learned the engine is trusted again within a
+    # few launches (benchmarks/search_efficiency.py, zigzag-tiles and two-peaks).
+    check_window: int = 6
+    # The fewest predicted results the check judges from: below 3 a chi-square of one or two
+    # misses distrusts a right model after one unlucky launch (stated risk).
+    check_min: int = 3
+    # The model is distrusted when the misses' mean square exceeds the chi-square quantile at this
+    # level: 1 false alarm in 20 for a model whose stated uncertainty is right (a test level, not a
+    # measurement).  1.0 switches the prediction check, and so the empirical rule, off: no case
+    # failed without it on seeds 0-2, a candidate for removal (benchmarks/README.md "Rules switched off").
+    check_level: float = 0.95
+    # Log-sd a host adds to a speedup that its own baseline does not cancel (driver, clocks,
+    # interconnect).  An assumption above the simulator's 0.5% (`--spec-host-sd`), with room for
+    # real hosts; benchmarks/README.md "4 workers against 2" measured that the offsets are not what
+    # keeps a fleet searching (dense-8b-h100@1, 4 workers: 18.5 launches at 0 against 18).
+    host_sd: float = 0.012
+    # A prediction claiming at most this log-sd is "confident": its miss measures the model's own
+    # misspecification (ranking's floor).  Tuned between zigzag-tiles and dense-8b-h100.
+    confident_sd: float = 0.05
+    # Floor on a measurement's log-sd when its passes show no spread: the pass-to-pass noise of
+    # the calibrated engine is ~0.5% (docs/calibration.md); one pass cannot show less.
+    measurement_floor: float = 0.005
+    # The empirical rule's quiet spell: at least this many launches (and half the launches it took
+    # to find the incumbent).  Tuned between zigzag-tiles and two-peaks of
+    # benchmarks/search_efficiency.py; 6 was measured (benchmarks/README.md "What this says, against
+    # issue 16"): zigzag-tiles 7/10 within 2% at a median of 21 launches, no better answers.
+    hold_min: int = 3
+    # The improvement-rate backstop: at least this many launches without a gain (and as many as
+    # it took to find the incumbent), twice the quiet spell.  A stated risk: a model that keeps
+    # widening its uncertainty must not run a study to its cap.  A huge value: the backstop off;
+    # off, zigzag-tiles seed 0 took 24 launches instead of 14 (benchmarks/README.md "Rules switched off").
+    stall_min: int = 8
+    # A chance below this to beat the bar by min_gain does not matter: the risk the study takes of
+    # stopping short (the stated promise behind `min_gain`); the runner-up and tie rules spend the
+    # same risk so they do not spend what the stop rule promised.
+    p_matters: float = 0.1
+
+    # ------------------------------------------------- the convergence stop (optimizer.convergence)
+    # Configurations measured before the model rule speaks: a fit of ~5 parameter groups on fewer
+    # than 4 points is its prior (stated risk); the starting points the sampler launches blind.
+    min_measured: int = 4
+    # The incumbent's 95% interval must be no wider than this either side (or a confirmation is
+    # set) before the search ends: a stated risk, ~2x the calibrated pass noise.
+    tight: float = 0.03
+    # Launches after the incumbent the model rule wants before it stops: one look past the best
+    # is evidence the model cannot give about itself (a stated risk).  0 switches it off: no case
+    # failed without it on seeds 0-2, a candidate for removal (benchmarks/README.md "Rules switched off").
+    model_hold: int = 1
+    # The model rule does not settle while the incumbent is the deepest launch (one step deeper
+    # first).  benchmarks/README.md "The depth probe (2026-12-01 g)": two-peaks.  False: off; off,
+    # two-peaks seed 7 answers 0.9747 of the optimum instead of 0.9916 (benchmarks/README.md "Rules switched off").
+    depth_probe: bool = True
+
+    # ---------------------------------------------------------------- the conductor (optimizer.conductor)
+    # A host's baseline that moved by more than this between two measurements has drifted: each
+    # confirmation then gets its own baseline.  ~4x the calibrated pass noise (stated risk).
+    drift_margin: float = 0.02
+    # Search launches in flight at once after `min_measured` results.  Measured
+    # (benchmarks/search_efficiency.py, 4 workers, 6 seeds): median search launches 8.5 -> 6 on
+    # moe-pcie and 11 -> 8.5 on dense-8b-h100 against no cap, wall time no longer (1.57 -> 1.43 h,
+    # 0.42 -> 0.42 h).  A large value switches the cap off; off, 4 workers, seeds 0-2: moe-pcie 13 -> 16,
+    # no-gain 9 -> 11 launches (benchmarks/README.md "Rules switched off").
+    model_parallel: int = 2
+    # A launch is held back for the launches in flight only when, believed at the model's
+    # predictions, they settle the model rule with this share of its bar to spare.
+    # benchmarks/README.md "The believer, with room to spare (2026-12-02 c)": without the margin
+    # two-peaks lost answers.  0 switches it off; off, no-gain with 4 workers took 10 launches
+    # instead of 9 on each of seeds 0-2 (benchmarks/README.md "Rules switched off").
+    belief_margin: float = 0.5
+    # A study stops as a study fault once this many hosts (own tokens) agree that its baseline
+    # fails: one host could be broken, two agreeing is the study (stated risk).
+    stop_after_hosts: int = 2
+    # Extra confirmation launches per study where the answer straddles on launch noise alone: a
+    # cost cap.  benchmarks/README.md "Answer quality": small-gain 6/10 -> 9/10 answers "pays" and
+    # within 1% once one was allowed (`python -m benchmarks.answer_quality`).  0: relaunches off.
+    max_extra_launches: int = 2
+
+    # ------------------------------------------------------ the confirmation (optimizer.confirmation)
+    # Candidates within this share of the best measured are confirmed with it: the launch noise
+    # seen on the reference hosts (1-2%) many times over (stated risk).
+    candidate_window: float = 0.05
+    # A runner-up is confirmed only when its chance of beating the leader by min_gain is at least
+    # this: `p_matters`, the stop rule's risk (so the two rules spend the same).
+    runner_up_chance: float = 0.1
+    # The risk the answer may take of being min_gain below the best confirmed for being cheaper:
+    # `p_matters` again.
+    tie_risk: float = 0.1
+    # How sure two launches must make it that a candidate beats another before they overrule the
+    # model (one-sided 80%).  Tuned between two cases (benchmarks/README.md "Answer quality"):
+    # two-peaks seed 12 (z 0.99: overruled, rightly) and small-gain seed 3 (z 0.74: the model stands).
+    overrule_z: float = 0.84
+    # Extra passes on the warm server per level, as a multiple of the workload's repeats: the cost
+    # cap of resolving one confirmation (a stated cost bound).
+    extra_passes_per_repeat: int = 3
+    # Hosts whose baselines of the same server differ by more than this share, beyond their noise,
+    # are not measuring the same thing (issue 17 item 6; a saturated host, stated risk).
+    host_disagreement: float = 0.10
+    # A cheaper tied candidate is preferred only when the model is this sure (one-sided 90%) that it
+    # gives up less than min_gain (optimizer.ranking; stated risk).
+    within_z: float = 1.28
+
+    # ------------------------------------------ launch noise (optimizer.analysis): read from the default
+    # Prior sd of a speedup across launches (what the simulator and reference hosts show, 1-2%),
+    # weighted as this many re-launch pairs; a floor no handful of pairs can go below.
+    prior_launch_sd: float = 0.015
+    prior_pairs: float = 2.0
+    min_launch_sd: float = 0.005
+
+    # -------------------------------------------------- early pruning (optimizer.pruning): the default
+    # A trial is pruned mid-benchmark only when it is this many sd and this share below the bar.
+    z_prune: float = 3.0
+    min_margin: float = 0.02
+
+    # ------------------------------------------- the memory model (optimizer.memory_boundary): default
+    # Candidates at or above this chance of running out of memory are not launched (even odds).
+    probable_failure: float = 0.5
+    # A deployment this likely to run out of memory is "sure to fail" (stated risk).
+    surely: float = 0.95
+    # The share of graph room each captured size may cost, the hypotheses the memory model weighs.
+    kappas: tuple[float, ...] = (0.0, 0.005, 0.01, 0.02, 0.04)
+    # Without a start to bound it, the room is taken to lie within this factor of the failure.
+    prior_span: float = 8.0
+
+    # ------------------------------------------------- the sampler (optimizer.model_sampler): default
+    # Two configurations closer than this (lattice units) are near-copies, never both in flight.
+    near_copy: float = 0.75
+    # How far the model-free walk looks around the incumbent: the neighbours, then the next ring.
+    local_radii: tuple[float, ...] = (1.0, 2.0)
+    # Which published starting points a workload gets: the busy ones (short chains) from this
+    # concurrency (optimizer.space).  Measured (benchmarks/README.md, 2026-12-02 c): from 8, the two
+    # cases at 16 got dearer with 4 workers (draft-mem-cliff 15 -> 17 launches); from 32, mem-tight
+    # at 64 went 15 -> 13 and no other case changed.
+    busy_from: int = 32
+
+    # ------------------------------------------ the performance model (optimizer.perf_model): default
+    # Priors (mean, sd) of the model's parameters in optimizer/perf_model.py's units; ranges from
+    # docs/calibration.md §4-6 (accept_first: logit of the first position's acceptance, 0.55-0.85 in
+    # public data; delta: draft step / decode step; gamma: draft cost per extra topk branch; beta,
+    # beta_after: verify cost per extra token before and after the knee; omega: per-cycle overhead).
+    accept_first: tuple[float, float] = (math.log(0.7 / 0.3), 1.2)
+    accept_step_sd: float = 0.35
+    tree_gain: tuple[float, float] = (0.15, 0.1)
+    delta: tuple[float, float] = (0.1, 0.15)
+    gamma: tuple[float, float] = (0.02, 0.05)
+    beta: tuple[float, float] = (0.1, 0.4)
+    beta_after: tuple[float, float] = (0.02, 0.2)
+    omega: tuple[float, float] = (0.1, 0.3)
+    # Knees tried for the verify cost (0: one slope throughout, dense targets); a grid, not fitted.
+    knees: tuple[int, ...] = (0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
+    # Relative measurement noise of accept length and of the cycle ratio in the fit (a few % per
+    # level from the load generator), and a floor on a prediction's sd (the model simplifies).
+    al_noise: float = 0.01
+    cost_noise: float = 0.01
+    model_floor: float = 0.01
+    # Cost factor of a level run eagerly, its graphs missing (measured: docs/calibration.md §5).
+    eager_penalty: float = 1.37
+    # Weight of the launch-cost prior, as a share of one measured launch (optimizer.launch_cost).
+    ridge: float = 0.05
+
+    def with_overrides(self, items: Iterable[str]) -> Policy:
+        """This policy with `key=value` pairs applied (the benchmarks' `--policy`); refuses a key
+        that is no field, a value of the wrong type, and a field the snapshot does not reach."""
+        types = {f.name: f.type for f in dataclasses.fields(self)}
+        out: dict[str, Any] = {}
+        for item in items:
+            key, sep, text = item.partition("=")
+            key = key.strip()
+            if not sep or key not in types:
+                raise ValueError(f"--policy {item!r}: give key=value with a key of {', '.join(sorted(types))}")
+            if key not in SNAPSHOT_FIELDS:
+                raise ValueError(f"--policy {key}: read from the default policy, not from the snapshot")
+            out[key] = _parse(getattr(self, key), text.strip(), key)
+        return dataclasses.replace(self, **out)
+
+    def changed(self) -> dict[str, Any]:
+        """The fields that differ from the default policy (for a benchmark's heading)."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(DEFAULT_POLICY, f.name)
+        }
+
+    def as_json(self) -> dict[str, Any]:
+        return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> Policy:
+        """A policy from `as_json`; fields it lacks keep their defaults, unknown keys are refused."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(doc) - names
+        if unknown:
+            raise ValueError(f"unknown policy fields: {', '.join(sorted(unknown))}")
+        base = cls()
+        values: dict[str, Any] = {k: tuple(v) if isinstance(getattr(base, k), tuple) else v for k, v in doc.items()}
+        return dataclasses.replace(base, **values)
+
+
+def _jsonable(v: Any) -> Any:
+    return list(v) if isinstance(v, tuple) else v
+
+
+def _parse(current: Any, text: str, key: str) -> Any:
+    try:
+        if isinstance(current, bool):
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
+        if isinstance(current, int):
+            return int(text)
+        if isinstance(current, float):
+            return float(text)
+    except ValueError:
+        raise ValueError(f"--policy {key}={text}: not a {type(current).__name__}") from None
+    raise ValueError(f"--policy {key}: a {type(current).__name__} is not set from the command line")
+
+
+DEFAULT_POLICY = Policy()
+
+# The fields the rules read from the snapshot's policy (the rest from DEFAULT_POLICY, see above).
+SNAPSHOT_FIELDS: frozenset[str] = frozenset(
+    {
+        "check_window",
+        "check_min",
+        "check_level",
+        "host_sd",
+        "confident_sd",
+        "measurement_floor",
+        "hold_min",
+        "stall_min",
+        "p_matters",
+        "min_measured",
+        "tight",
+        "model_hold",
+        "depth_probe",
+        "drift_margin",
+        "model_parallel",
+        "belief_margin",
+        "max_extra_launches",
+    }
+)
