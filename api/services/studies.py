@@ -30,7 +30,7 @@ from api.services.leasing.expiry import lost_work_note
 from api.services.leasing.records import DEPLOY_FAILED, DEPLOY_RETRY
 from api.services.refusals import active_refusals
 from api.services.study_specs import runnable_spec, stored_spec
-from optimizer import answers, costs, deploy, ranking
+from optimizer import answer, answers, costs, deploy
 from optimizer import attrs as A
 from optimizer import conductor as cond
 from optimizer import confirmation as confirm
@@ -295,8 +295,8 @@ class StudyService:
         else:
             phase = row.phase
         exported = answers.adaptive_export(spec, trials, extra)
-        answer = _answer_of(winner, fresh_by_trial)
-        pays = cond.pays(answer)
+        the_answer = _answer_of(winner, fresh_by_trial)
+        pays = answer.pays(the_answer)
         version = DEFAULT_SGLANG_VERSION if winner is None else winner.sglang_version
         deployment = deploy.plan_deployment(
             spec, None if winner is None else winner.config, pays=pays, exported=exported, version=version
@@ -370,8 +370,8 @@ class StudyService:
                 or _after(
                     adaptive.fallback,
                     unproven
-                    or cond.verdict(
-                        answer,
+                    or answer.verdict(
+                        the_answer,
                         measured,
                         adaptive=deployment.reason if deployment and deployment.mode == "adaptive" else None,
                         metric=metric_words(spec.objective),
@@ -397,7 +397,7 @@ class StudyService:
             # Running studies: which workers can take it, and a warning naming the requirement none meets.
             eligibility=waiting,
             waiting=lost_note,
-            outcome=_outcome(answer, deployment),
+            outcome=_outcome(the_answer, deployment),
             # None until something was measured; then whether the deployed command speculates.
             speculation_pays=None if winner is None else pays or adaptive.proven is not None,
             deployment=None if deployment is None else D.Deployment(**deployment.as_json()),
@@ -415,24 +415,18 @@ class StudyService:
         """The recommended configuration: the best confirmed one, else the best measured one.
 
         Confirmed candidates whose intervals overlap the best one's are a tie: the cheapest of
-        them is the answer (optimizer.confirmation.choose).
+        them is the answer (optimizer.answer.winner, as the conductor's re-launches choose).
         """
-        # A trial an admin quarantined (screened to FAIL, api.services.trial_records) is never
-        # the answer, however well its confirmation measured.
-        usable = {t.number for t in trials if A.TrialRecord(t).failure_kind != "quarantined"}
-        done = [
-            c for c in confirmations if c.state == "completed" and c.speedup is not None and c.trial_number in usable
-        ]
-        ok = [c for c in done if (c.violation or 0.0) <= 0] or done
-        # A saturated confirmation measured the host: any clean one comes first.
-        ok = [c for c in ok if not c.saturated] or ok
-        if ok:
-            by_number = {c.trial_number: c for c in ok}
-            # Which one is best: the study's model of every launch where it is trusted (optimizer.ranking).
-            choice = confirm.choose(
-                [c.model_dump(mode="json") for c in ok], spec.budget.min_gain, ranking.of(spec, trials)
-            )
-            top = by_number[int(choice.winner["trial_number"])]
+        # Never a quarantined trial; a clean confirmation before a saturated one (optimizer.answer).
+        configs = {t.number: A.TrialRecord(t).config_or_none for t in trials}
+        done = {
+            c.trial_number: c
+            for c in confirmations
+            if c.state == "completed" and c.speedup is not None and c.trial_number in configs
+        }
+        choice = answer.winner(spec, trials, [_contender(c, configs) for c in done.values()])
+        if choice is not None:
+            top = done[choice.winner.trial_number]
             t = next(t for t in trials if t.number == top.trial_number)
             doc = self._describe_best(spec, t, extra_var)
             return D.Winner(
@@ -458,9 +452,7 @@ class StudyService:
                 envelope_note=top.envelope_note,
                 saturated=top.saturated,
                 # Confirmed candidates the answer cannot be told apart from (overlapping intervals).
-                ties=[
-                    D.Tie(trial_number=c["trial_number"], config=c["config"], speedup=c["speedup"]) for c in choice.ties
-                ],
+                ties=[D.Tie(trial_number=c.trial_number, config=c.config, speedup=c.speedup) for c in choice.ties],
                 tie_note=choice.note,
                 confirmation_launches=top.launches,
             )
@@ -626,6 +618,25 @@ def _confirmations(spec: StudySpec, rows: Sequence[LeaseRow], extra_var: float =
     return out
 
 
+def _contender(c: D.Confirmation, configs: Mapping[int, SpecConfig | None]) -> answer.Contender:
+    """A completed confirmation of the document as the answer is chosen among them (`configs`:
+    each trial's configuration, for a lease stored without its own)."""
+    assert c.trial_number is not None and c.speedup is not None
+    config = c.config or configs.get(c.trial_number)
+    assert config is not None
+    iv = c.speedup_interval
+    return answer.Contender(
+        trial_number=c.trial_number,
+        config=config,
+        speedup=c.speedup,
+        interval=None if iv is None else Interval(c.speedup, iv.low, iv.high),
+        search_speedup=c.search_speedup,
+        launches=c.launches,
+        violation=c.violation or 0.0,
+        saturated={int(k): v for k, v in c.saturated.items()},
+    )
+
+
 def study_eligibility(s: Session, spec: StudySpec) -> elig.Eligibility:
     """Whether any registered worker can take this study, from the workers' last inventories.
 
@@ -653,7 +664,7 @@ def _fresh_by_trial(rows: Sequence[LeaseRow]) -> dict[int, bool]:
     return out
 
 
-def _answer_of(winner: D.Winner | None, fresh_by_trial: dict[int, bool]) -> cond.Answer | None:
+def _answer_of(winner: D.Winner | None, fresh_by_trial: dict[int, bool]) -> answer.Answer | None:
     """The study document's winner as the conductor's verdict reads it."""
     if winner is None or winner.speedup is None:
         return None
@@ -670,7 +681,7 @@ def _answer_of(winner: D.Winner | None, fresh_by_trial: dict[int, bool]) -> cond
     )
     iv = winner.speedup_interval
     value = winner.speedup
-    return cond.Answer(
+    return answer.Answer(
         speedup=value,
         interval=None if iv is None else Interval(value, iv.low, iv.high),
         label=label,
@@ -728,10 +739,10 @@ def _proof(
     return (deployment if not note else dataclasses.replace(deployment, proof_note=note)), None
 
 
-def _outcome(answer: cond.Answer | None, deployment: deploy.Deployment | None) -> Outcome:
+def _outcome(the_answer: answer.Answer | None, deployment: deploy.Deployment | None) -> Outcome:
     """The verdict's kind, as the printed command bears it out: no command is no answer, and a
     command that speculates (an adaptive one that pays at part of the load too) pays."""
-    kind = cond.outcome(answer)
+    kind = answer.outcome(the_answer)
     if deployment is None:
         return Outcome.NO_ANSWER
     if deployment.speculation and kind != Outcome.NO_ANSWER:
