@@ -252,7 +252,9 @@ def test_the_service_answers_the_candidate_its_model_ranks_first_not_the_luckies
     assert key_of(winner["config"]) == best_key
     mine = next(c for c in done if key_of(c["config"]) == best_key)
     assert winner["speedup"] == pytest.approx(mine["speedup"])  # the numbers are its own launch's
-    assert choose([Contender.of_json(c) for c in done], 0.01).winner.config.key != best_key  # one launch each: a lucky one
+    assert (
+        choose([Contender.of_json(c) for c in done], 0.01).winner.config.key != best_key
+    )  # one launch each: a lucky one
 
 
 def test_a_runner_up_the_model_ranks_above_the_leader_is_confirmed() -> None:
