@@ -47,7 +47,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from benchmarks.search_efficiency import Host, Truth, Workload, drive, spectune_plan
-from optimizer import answer, conductor, deploy
+from optimizer import answer, conductor, deploy, ranking
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 from spectune_sim.landscapes import LANDSCAPES, Landscape
@@ -151,7 +151,8 @@ def run_case(ls: Landscape, spec: StudySpec, seed: int, launch_sd: float, best: 
         base_started = _starts(ls, deploy.deployment_settings(spec, None)[0])
         return Outcome(False, 1.0, best, None, None, None, launches, by_kind, extra, base_started, "", None,
                        noise.sd)  # fmt: skip
-    choice = answer.winner(spec, snap.trials, [answer.Contender.of_json(d) for d in docs.values()], TIE_WITHIN)
+    contenders = [answer.Contender.of_json(d) for d in docs.values()]
+    choice = answer.winner(spec, snap.trials, contenders, ranking.of(spec, snap.trials), TIE_WITHIN)
     assert choice is not None
     w = choice.winner
     iv = w.interval

@@ -25,7 +25,7 @@ from typing import Any
 
 from optuna.trial import FrozenTrial, TrialState
 
-from optimizer import answer, answers, believer, convergence, deploy, ranking, stop_rules
+from optimizer import answer, believer, convergence, deploy, ranking, stop_rules
 from optimizer import attrs as A
 from optimizer import confirmation as confirm
 from optimizer.analysis import LaunchNoise
@@ -702,7 +702,7 @@ def adaptive_proof(snap: Snapshot) -> Candidate | None:
     if snap.spec.confirmation.top <= 0:
         return None  # the study confirms nothing (its answer is printed unproven, and says so)
     settings = deploy.adaptive_plan(
-        snap.spec, answers.adaptive_export(snap.spec, snap.trials, launch_noise(snap).variance)
+        snap.spec, answer.adaptive_export(snap.spec, snap.trials, launch_noise(snap).variance)
     )
     if settings is None or settings.speculative is None:
         return None
@@ -931,7 +931,7 @@ def contenders(snap: Snapshot) -> list[answer.Contender]:
 def winner(snap: Snapshot) -> answer.Choice | None:
     """The study's answer among its confirmed candidates now (optimizer.answer.winner), as the
     study document shows it: what `relaunches` re-launches, and the benchmark scores."""
-    return answer.winner(snap.spec, snap.trials, contenders(snap))
+    return answer.winner(snap.spec, snap.trials, contenders(snap), ranking.of(snap.spec, snap.trials))
 
 
 def relaunches(snap: Snapshot) -> Reconfirm | None:

@@ -31,7 +31,7 @@ from api.services.leasing.expiry import lost_work_note
 from api.services.leasing.records import DEPLOY_FAILED, DEPLOY_RETRY
 from api.services.refusals import active_refusals
 from api.services.study_specs import runnable_spec, stored_spec
-from optimizer import answer, answers, costs, deploy
+from optimizer import answer, costs, deploy, ranking
 from optimizer import attrs as A
 from optimizer import conductor as cond
 from optimizer import confirmation as confirm
@@ -250,7 +250,7 @@ class StudyService:
                 return None
             config, host = winner.config, winner.confirmed_on or winner.worker_id
         assert config is not None
-        return host, [config, *(a.config for a in answers.best_by_level(spec, trials, extra_var=extra).values())]
+        return host, [config, *(a.config for a in answer.best_by_level(spec, trials, extra_var=extra).values())]
 
     def list_studies(self) -> list[D.StudySummary]:
         """Every study with its trial counts: two queries, however many studies there are."""
@@ -378,7 +378,7 @@ class StudyService:
             phase = "done" if row.state == StudyState.FINISHED else row.state
         else:
             phase = row.phase
-        exported = answers.adaptive_export(spec, trials, extra)
+        exported = answer.adaptive_export(spec, trials, extra)
         the_answer = _answer_of(winner, fresh_by_trial)
         pays = answer.pays(the_answer)
         version = DEFAULT_SGLANG_VERSION if winner is None else winner.sglang_version
@@ -444,7 +444,7 @@ class StudyService:
             confirmation=confirmations,
             best_by_level={
                 str(k): D.LevelAnswer(**v.as_json())
-                for k, v in answers.best_by_level(spec, trials, extra_var=extra).items()
+                for k, v in answer.best_by_level(spec, trials, extra_var=extra).items()
             },
             # Launch-to-launch noise in every interval shown, and what it was estimated from.
             launch_noise=D.LaunchNoise(**noise.as_json()),
@@ -508,7 +508,7 @@ class StudyService:
             for c in confirmations
             if c.state == "completed" and c.speedup is not None and c.trial_number in configs
         }
-        choice = answer.winner(spec, trials, [_contender(c, configs) for c in done.values()])
+        choice = answer.winner(spec, trials, [_contender(c, configs) for c in done.values()], ranking.of(spec, trials))
         if choice is not None:
             top = done[choice.winner.trial_number]
             t = next(t for t in trials if t.number == top.trial_number)
