@@ -16,7 +16,7 @@ is the conductor's order too: the deployment as it would be printed (its `Candid
 then `next_deployment` after an out-of-memory start: each failed start counted) and the extra
 passes of its `Resolve` order on the warm server (workers/resolve.resolve), with the study's
 launch noise (conductor.launch_noise, from its own re-launches).  The answer is the service's:
-confirmation.choose over the confirmations as api.services.studies documents them; "pays" when
+optimizer.answer.winner over the confirmations as api.services.studies documents them; "pays" when
 its interval clears 1.0.
 
 Cases:
@@ -47,9 +47,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from benchmarks.search_efficiency import Truth, drive
-from optimizer import conductor, deploy, ranking
-from optimizer import confirmation as confirm
-from optimizer.analysis import Interval
+from optimizer import answer, conductor, deploy, ranking
 from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.rehearsal import Host, Workload, spectune_plan
 from optimizer.space import SpecConfig
@@ -152,23 +150,23 @@ def run_case(ls: Landscape, spec: StudySpec, seed: int, launch_sd: float, best: 
     extra = sum(le.extra_passes for le in store.leases)
     snap = store.snapshot(datetime.fromtimestamp(max(h.clock_s for h in hosts), UTC), [h.host_id for h in hosts])
     noise = conductor.launch_noise(snap)
-    docs = [d for d in store.confirmations(snap) if (d["violation"] or 0.0) <= 0]
+    docs = {d["trial_number"]: d for d in store.confirmations(snap) if (d["violation"] or 0.0) <= 0}
     if not docs:  # "does not pay", or nothing confirmed: the printed command runs without speculation
         base_started = _starts(ls, deploy.deployment_settings(spec, None)[0])
         return Outcome(False, 1.0, best, None, None, None, launches, by_kind, extra, base_started, "", None,
                        noise.sd)  # fmt: skip
-    choice = confirm.choose(
-        docs, spec.budget.min_gain if TIE_WITHIN is None else TIE_WITHIN, ranking.of(spec, snap.trials)
-    )
+    contenders = [answer.Contender.of_json(d) for d in docs.values()]
+    choice = answer.winner(spec, snap.trials, contenders, ranking.of(spec, snap.trials), TIE_WITHIN)
+    assert choice is not None
     w = choice.winner
-    iv = w["speedup_interval"]
-    pays = confirm.pays(float(w["speedup"]), None if iv is None else Interval(w["speedup"], iv["low"], iv["high"]))
-    true = truth.value(SpecConfig.model_validate(w["config"]))
-    covered = None if iv is None else iv["low"] <= true <= iv["high"]
-    env = w["envelope"]
+    iv = w.interval
+    pays = answer.clears(w.speedup, iv)
+    true = truth.value(w.config)
+    covered = None if iv is None else iv.low <= true <= iv.high
+    env = docs[w.trial_number]["envelope"]
     started = _starts(ls, env.settings) if pays else _starts(ls, deploy.deployment_settings(spec, None)[0])
     return Outcome(
-        pays, true if pays else 1.0, best, covered, None if iv is None else (iv["low"], iv["high"]), w["speedup"],
+        pays, true if pays else 1.0, best, covered, None if iv is None else (iv.low, iv.high), w.speedup,
         launches, by_kind, extra, started, env.note, choice.note, noise.sd,
     )  # fmt: skip
 

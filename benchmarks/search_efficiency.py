@@ -25,7 +25,7 @@ geometric mean) and seed:
   and optimizer/rehearsal.py (shared with `spectune study plan`) runs simulated hosts on one clock, `--workers` of them asking in the order of their clocks, so proposals are made while
   other hosts' launches are in flight.  Duplicates are answered as the service answers them, and
   the answer is the service's (the cheapest confirmed candidate tied with the best within
-  `min_gain`, optimizer.confirmation.choose).  tests/test_search_efficiency.py checks that the
+  `min_gain`, optimizer.answer.winner).  tests/test_search_efficiency.py checks that the
   service, through its REST API, runs the same launches and finishes with the same reason.
 * `budget20` - the same study with the convergence stop off and `max_trials: 20`.
 * `tpe` - Optuna's default TPESampler() over the raw space (steps 1-10, topk {1,2,4,8}, draft
@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 import optuna
 
 from optimizer import attrs as A
-from optimizer import conductor, confirmation, costs, ranking, rehearsal
+from optimizer import conductor, costs, rehearsal
 from optimizer import study as opt
 from optimizer.memory_store import MemoryStudy
 from optimizer.policy import DEFAULT_POLICY, Policy
@@ -236,11 +236,11 @@ def _study_answer(store: MemoryStudy, hosts: Sequence[Host], truth: Truth) -> An
 
     if store.ending.reason == FinishReason.DOES_NOT_PAY:
         return answer(1.0)  # "speculation does not pay": run the baseline
-    confirmed = [doc for doc in store.confirmations(snap) if (doc["violation"] or 0.0) <= 0]
-    if confirmed:
-        top = confirmation.choose(confirmed, spec.budget.min_gain, ranking.of(spec, snap.trials)).winner
-        cfg = SpecConfig.model_validate(top["config"])
-        return answer(truth.value(cfg) if float(top["speedup"]) > 1.0 else 1.0)
+    # The service's winner (optimizer.answer.winner), as the conductor re-launches it.
+    choice = conductor.winner(snap)
+    if choice is not None and choice.winner.violation <= 0:
+        top = choice.winner
+        return answer(truth.value(top.config) if top.speedup > 1.0 else 1.0)
     return answer(incumbent)
 
 

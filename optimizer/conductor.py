@@ -25,10 +25,10 @@ from typing import Any
 
 from optuna.trial import FrozenTrial, TrialState
 
-from optimizer import answers, believer, convergence, deploy, ranking, stop_rules
+from optimizer import answer, believer, convergence, deploy, ranking, stop_rules
 from optimizer import attrs as A
 from optimizer import confirmation as confirm
-from optimizer.analysis import Interval, LaunchNoise
+from optimizer.analysis import LaunchNoise
 from optimizer.budget import budget_used
 from optimizer.infeasible import known_to_fail, oom_points
 from optimizer.memo import PerStudyMemo
@@ -40,7 +40,7 @@ from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 from optimizer.store import deploy_failures
 from optimizer.study import best_trial_of, is_feasible
-from optimizer.study_state import Ending, FinishReason, Outcome, Phase, StudyState, confirmed_detail
+from optimizer.study_state import Ending, FinishReason, Phase, StudyState, confirmed_detail
 from spectune_protocol import MAX_RESOLVE_THRESHOLD, Resolve
 from spectune_protocol.printable import printable
 
@@ -713,7 +713,7 @@ def adaptive_proof(snap: Snapshot) -> Candidate | None:
     if snap.spec.confirmation.top <= 0:
         return None  # the study confirms nothing (its answer is printed unproven, and says so)
     settings = deploy.adaptive_plan(
-        snap.spec, answers.adaptive_export(snap.spec, snap.trials, launch_noise(snap).variance)
+        snap.spec, answer.adaptive_export(snap.spec, snap.trials, launch_noise(snap).variance)
     )
     if settings is None or settings.speculative is None:
         return None
@@ -899,9 +899,10 @@ def extra_launches(snap: Snapshot) -> int:
     return n
 
 
-def confirmed_docs(snap: Snapshot) -> list[dict[str, Any]]:
-    """Each confirmed candidate as the study document has it: its confirmation launches pooled
-    (optimizer.confirmation.pooled_result) with the study's launch noise."""
+def contenders(snap: Snapshot) -> list[answer.Contender]:
+    """Each confirmed candidate as the answer is chosen among them (optimizer.answer): its
+    confirmation launches pooled (optimizer.confirmation.pooled_result) with the study's launch
+    noise, the saturation its latest launch saw, as the study document has it."""
     extra = launch_noise(snap).variance
     by_trial: dict[int, list[LeaseView]] = {}
     for le in _completed_confirms(snap):
@@ -913,13 +914,27 @@ def confirmed_docs(snap: Snapshot) -> list[dict[str, Any]]:
         t = trials.get(number)
         if t is None:
             continue
-        got = confirm.pooled_result(snap.spec, [m for le in les if (m := le.measurement) is not None], extra)
+        measured = [m for le in les if (m := le.measurement) is not None]
+        got = confirm.pooled_result(snap.spec, measured, extra)
         out.append(
-            got.as_json()
-            | {"config": A.TrialRecord(t).config.model_dump(mode="json"), "trial_number": number}
-            | {"search_speedup": t.value, "worker_id": les[-1].worker_id}
+            answer.Contender(
+                trial_number=number,
+                config=A.TrialRecord(t).config,
+                speedup=got.value,
+                interval=got.interval,
+                search_speedup=t.value,
+                launches=got.launches,
+                violation=got.violation,
+                saturated=confirm.saturated_levels(*measured[-1]),
+            )
         )
     return out
+
+
+def winner(snap: Snapshot) -> answer.Choice | None:
+    """The study's answer among its confirmed candidates now (optimizer.answer.winner), as the
+    study document shows it: what `relaunches` re-launches, and the benchmark scores."""
+    return answer.winner(snap.spec, snap.trials, contenders(snap), ranking.of(snap.spec, snap.trials))
 
 
 def relaunches(snap: Snapshot) -> Reconfirm | None:
@@ -934,29 +949,29 @@ def relaunches(snap: Snapshot) -> Reconfirm | None:
     spent the verdict says what the data holds.
 
     A runner-up tied with the winner is not re-launched: the verdict calls them a tie and prefers
-    the cheaper one only where that is safe (optimizer.confirmation.choose).  Measured side by
+    the cheaper one only where that is safe (optimizer.answer.choose).  Measured side by
     side (benchmarks/README.md, "No re-launch of a tied runner-up"), re-launching both where the
     model was not trusted cost 1.5 launches in the median on zigzag-tiles and moved no answer
     across 2% of the optimum.
     """
     if snap.spec.confirmation.top <= 0 or any(le.live and le.kind != "baseline" for le in snap.leases):
         return None
-    left = snap.policy.max_extra_launches - extra_launches(snap)
-    docs = [d for d in confirmed_docs(snap) if (d["violation"] or 0.0) <= 0]
-    if left <= 0 or not docs:
+    if snap.policy.max_extra_launches - extra_launches(snap) <= 0:
+        return None
+    # The winner the study document shows (optimizer.answer.winner: never a quarantined trial, a
+    # clean confirmation before a saturated one); one that violates the constraint or measured
+    # the host's load is not what another launch resolves.
+    choice = winner(snap)
+    w = None if choice is None else choice.winner
+    if w is None or w.violation > 0 or w.saturated or (w_iv := w.interval) is None:
         return None
     spec, noise = snap.spec, launch_noise(snap).variance
-    w = confirm.choose(docs, spec.budget.min_gain, ranking.of(spec, snap.trials)).winner
-    iv = w.get("speedup_interval")
-    if iv is None:
-        return None
-    w_iv = Interval(float(w["speedup"]), float(iv["low"]), float(iv["high"]))
     # Launch noise dominates: each pooled launch carries `noise`; the passes the rest.
-    if noise / int(w.get("launches") or 1) < 0.5 * confirm.log_sd(w_iv) ** 2:
+    if noise / w.launches < 0.5 * confirm.log_sd(w_iv) ** 2:
         return None
     if not w_iv.low <= 1.0 < w_iv.value:
         return None
-    number = int(w["trial_number"])
+    number = w.trial_number
     trial = next(t for t in snap.trials if t.number == number)
     cfg = A.TrialRecord(trial).config
     first = next_deployment(spec, cfg, trials=snap.trials)
@@ -965,7 +980,7 @@ def relaunches(snap: Snapshot) -> Reconfirm | None:
     host = {le.trial_number: le.worker_id for le in _completed_confirms(snap)}.get(number)
     avoid = host if host is not None and _another_host_can_confirm(snap, host) else None
     why = f"its {w_iv.value:.3f}x ({w_iv.low:.3f}-{w_iv.high:.3f}) straddles 1.0"
-    return Reconfirm((Candidate(number, cfg, trial.value, avoid, *first),), f"{confirm.label(w)}: {why}")
+    return Reconfirm((Candidate(number, cfg, trial.value, avoid, *first),), f"{w.label}: {why}")
 
 
 def _confirmation_for(snap: Snapshot, worker_id: str) -> Action:
@@ -1195,71 +1210,3 @@ def confirmation_waits(snap: Snapshot) -> str | None:
 
 def _levels(b: Baseline) -> list[dict[str, float]]:
     return [{"concurrency": c, "output_tok_s": v} for c, v in b.tok_s.items()]
-
-
-# ----------------------------------------------------------------------------------- the verdict
-
-
-@dataclass(frozen=True)
-class Answer:
-    """The recommended configuration as the verdict needs it (the study document's `winner`)."""
-
-    speedup: float | None
-    interval: Interval | None
-    label: str  # "steps 3 / topk 1 / draft tokens 4 (trial 7)"
-    confirmed: bool
-    confirmed_on: str | None = None
-    # Confirmed next to a baseline the conductor called fresh (measured for the confirmation).
-    fresh_baseline: bool = True
-    # Levels whose measurement was the host's load, not the configuration's: no answer then.
-    saturated: Mapping[int, str] = field(default_factory=dict)
-    # Confirmed candidates it cannot be told apart from, in words (optimizer.confirmation.choose).
-    tie_note: str | None = None
-    # Why its re-measurement is no independent confirmation (api.services.leasing.confirm).
-    not_independent: str | None = None
-
-
-def pays(answer: Answer | None) -> bool:
-    """Does speculation pay: the answer's interval clears 1.0 (optimizer.confirmation.pays), on
-    levels that were not saturated."""
-    if answer is None or answer.speedup is None or answer.saturated:
-        return False
-    return confirm.pays(answer.speedup, answer.interval)
-
-
-def outcome(answer: Answer | None) -> Outcome:
-    """The answer's kind (`verdict` in one word): no answer without a clean measurement; pays when
-    the interval clears 1.0; cannot tell apart above 1.0 within noise; else does not pay."""
-    if answer is None or answer.speedup is None or answer.saturated:
-        return Outcome.NO_ANSWER
-    if pays(answer):
-        return Outcome.PAYS
-    return Outcome.CANNOT_TELL_APART if answer.speedup > 1.0 else Outcome.DOES_NOT_PAY
-
-
-def verdict(
-    answer: Answer | None, measured: int, adaptive: str | None = None, metric: str = "output throughput"
-) -> str:
-    """The one-line answer (optimizer.confirmation.verdict).
-
-    `adaptive`: the reason of an adaptive deployment (no configuration pays over every level, but
-    one pays at some): the answer then follows the load.
-    """
-    if answer is None or answer.speedup is None:
-        return "no result yet"
-    if adaptive is not None and not pays(answer) and not answer.saturated:
-        return f"speculation pays at part of the load: {adaptive}"
-    where = f" on {answer.confirmed_on}" if answer.confirmed_on else ""
-    text = confirm.verdict(
-        answer.speedup,
-        answer.interval,
-        label=answer.label,
-        measured=measured,
-        confirmed=answer.confirmed,
-        where=where,
-        saturated=answer.saturated,
-        fresh=answer.fresh_baseline,
-        metric=metric,
-        not_independent=answer.not_independent,
-    )
-    return f"{text}; {answer.tie_note}" if answer.tie_note else text

@@ -1,12 +1,12 @@
-"""Confirmation: re-measure the top candidates next to a fresh baseline, and say what it means.
+"""Confirmation: re-measure the top candidates next to a fresh baseline (which one is the answer,
+and what it means: optimizer.answer).
 
 When the search budget is used, the few best configurations are measured again, each on a worker
 right after that worker measured a fresh baseline (a baseline lease on the same host just
 before the confirm lease; the worker runs one server at a time, so "next to" means the
 baseline is the last thing that host measured before the candidate).  Drift and host offsets
-then cancel in the ratio, and the winner is the candidate with the best confirmed objective,
-reported with the 95% interval of its confirmation (delta method on the log ratio of the
-repeated passes, `optimizer.analysis`).
+then cancel in the ratio, and each confirmation is reported with its 95% interval (delta method
+on the log ratio of the repeated passes, `optimizer.analysis`).
 
 Only candidates within `CANDIDATE_WINDOW` of the best measured value are confirmed: one that far
 behind cannot overtake the best on a re-measurement, and each confirmation is a restart.
@@ -322,15 +322,6 @@ def objective_interval(
     return Interval(value, value * math.exp(-half), value * math.exp(half))
 
 
-def pays(value: float | None, interval: Interval | None) -> bool:
-    """Does speculation beat the baseline: the interval above 1.0, or (without a spread) the value."""
-    if value is None:
-        return False
-    if interval is not None:
-        return interval.low > 1.0
-    return value > 1.0
-
-
 def saturated_levels(*level_lists: Sequence[Mapping[str, Any]] | None) -> dict[int, str]:
     """The levels marked saturated (workers/loadgen/saturation.py) in any of these measurements, with why."""
     out: dict[int, str] = {}
@@ -341,241 +332,9 @@ def saturated_levels(*level_lists: Sequence[Mapping[str, Any]] | None) -> dict[i
     return out
 
 
-def verdict(
-    value: float | None,
-    interval: Interval | None,
-    *,
-    label: str,
-    measured: int,
-    confirmed: bool,
-    where: str = "",
-    saturated: Mapping[int, str] | None = None,
-    fresh: bool = True,
-    metric: str = "output throughput",
-    not_independent: str | None = None,
-) -> str:
-    """The one-line answer.  Says "speculation does not pay here" unless the interval clears 1.
-
-    `metric`: what the study is judged by (`objective.metric_words`), named in the answer's first words.
-
-    A result resting on a saturated level is no answer: the verdict says so and why.
-    `fresh`: the confirmation's baseline was one measured for it; "fresh" is said only then.
-    `not_independent`: why the re-measurement is no confirmation (the token that found it measured it).
-    """
-    if value is None:
-        return "no result yet"
-    if saturated:
-        c, why = min(saturated.items())
-        return (
-            f"no answer on {metric}: {label} read {value:.3f}x, but the measurement at concurrency "
-            f"{', '.join(map(str, sorted(saturated)))} is saturated ({why}); that figure is the host's load, "
-            "not the configuration's: measure on a host with room (fewer tenants, or a slower simulated engine)"
-        )
-    band = "" if interval is None else f" (95% interval {interval.low:.3f}-{interval.high:.3f})"
-    if not_independent is not None:
-        # Never "confirmed": no second token vouches for it (issue 35).
-        how = f"{not_independent}; no second worker token vouches for it"
-    elif confirmed and fresh:
-        how = f"confirmed against a fresh baseline{where}"
-    elif confirmed:
-        how = f"re-measured{where} against that host's latest baseline, which was not measured for it"
-    else:
-        how = "measured once in the search, not yet confirmed against a fresh baseline"
-    if pays(value, interval) and interval is not None:
-        return f"speculation pays on {metric}: {label} runs at {value:.3f}x the baseline{band}, {how}"
-    if pays(value, interval):
-        return f"speculation pays on {metric}: {label} runs at {value:.3f}x the baseline ({how}; no spread to bound it)"
-    if value > 1.0:
-        evidence = f"its {value:.3f}x{band} does not clear 1.0 beyond noise"
-    else:
-        evidence = f"it reaches only {value:.3f}x the baseline{band}"
-    return (
-        f"speculation does not pay here on {metric}: the best of {measured} configurations measured is {label}, and "
-        f"{evidence} ({how}); run without speculation"
-    )
-
-
-def cost_key(config: Mapping[str, Any]) -> tuple[int, int, int]:
-    """How much a configuration costs to run: tokens verified per step, then draft work, then depth.
-
-    Fewer draft tokens mean less verify compute per batch and smaller graphs (docs/sglang.md
-    §13); steps x topk is the draft's work per step.
-    """
-    steps, topk, tokens = int(config["num_steps"]), int(config["topk"]), int(config["num_draft_tokens"])
-    return tokens, steps * topk, steps
-
-
-@dataclass(frozen=True)
-class Choice:
-    """The answer among confirmed candidates: the cheapest of those tied with the best."""
-
-    winner: Mapping[str, Any]
-    best: Mapping[str, Any]  # the highest confirmed value, or the best by the study's model
-    ties: list[Mapping[str, Any]]  # the others the winner cannot be told apart from
-    ranked: bool = False  # the study's model ordered them (optimizer.ranking), not the confirmations alone
-
-    @property
-    def note(self) -> str | None:
-        if not self.ties:
-            return None
-        others = ", ".join(label(c) for c in self.ties)
-        if self.winner is self.best:
-            cheaper = [c for c in self.ties if cost_key(c["config"]) < cost_key(self.best["config"])]
-            if cheaper:
-                if self.ranked:
-                    return (
-                        f"ties with {others} (overlapping 95% intervals); the study's model of every launch "
-                        f"ranks it first and cannot show that the cheaper {label(cheaper[0])} gives up less than "
-                        "min_gain, so it is the answer"
-                    )
-                return (
-                    f"ties with {others} (overlapping 95% intervals); the cheaper {label(cheaper[0])} "
-                    f"may be more than min_gain behind (a {100 * TIE_RISK:.0f}% chance or more), so the best "
-                    "measured is the answer"
-                )
-            return f"ties with {others} (overlapping 95% intervals); it is also the cheapest of them"
-        return f"ties with {others} (overlapping 95% intervals): the cheapest of the tied configurations is the answer"
-
-
-def label(c: Mapping[str, Any]) -> str:
-    """A confirmed candidate in words: steps/topk/draft tokens at its speedup."""
-    cfg = c["config"]
-    return f"{cfg['num_steps']}/{cfg['topk']}/{cfg['num_draft_tokens']} at {float(c['speedup']):.3f}x"
-
-
-def _interval_of(c: Mapping[str, Any]) -> Interval | None:
-    iv = c.get("speedup_interval")
-    return None if iv is None else Interval(float(c["speedup"]), float(iv["low"]), float(iv["high"]))
-
-
-# The risk the answer may take of being more than min_gain below the best confirmed candidate
-# for being cheaper: the stop rule's (optimizer.convergence.P_MATTERS), so the tie rule does not
-# spend what the stop rule promised.
-TIE_RISK = DEFAULT_POLICY.tie_risk  # optimizer.policy
-
-
 def log_sd(iv: Interval) -> float:
     """The sd on the log scale a 95% interval stands for (0 without a spread)."""
     return math.log(iv.high / iv.low) / (2 * Z95) if iv.low > 0 and iv.high > iv.low else 0.0
-
-
-def behind_risk(best: Mapping[str, Any], other: Mapping[str, Any], min_gain: float) -> float:
-    """The chance that `other` is truly more than `min_gain` below `best`, from their confirmed
-    values and 95% intervals (normal on the log scale; 1.0 without intervals)."""
-    a, b = _interval_of(best), _interval_of(other)
-    if a is None or b is None:
-        return 1.0
-    sd = math.hypot(log_sd(a), log_sd(b))
-    d = math.log(float(best["speedup"]) / float(other["speedup"])) - math.log1p(min_gain)
-    if sd <= 0:
-        return 1.0 if d > 0 else 0.0
-    return float(0.5 * math.erfc(-d / (sd * math.sqrt(2))))
-
-
-class Ranking(Protocol):
-    """Which candidate is best on everything the study measured (optimizer.ranking.Ranking)."""
-
-    def estimate(self, config: SpecConfig) -> float: ...
-
-    def surely_within(self, config: SpecConfig, best: SpecConfig, min_gain: float) -> bool: ...
-
-
-def _ranking_value(c: Mapping[str, Any]) -> float:
-    """What a candidate is ranked by without the study's model: its confirmed value and, where the
-    document carries it, its search measurement too (the geometric mean: two launches of the same
-    server, each against a baseline of its own host, so the ranking is not one launch's luck)."""
-    v = float(c["speedup"])
-    s = c.get("search_speedup")
-    return math.sqrt(v * float(s)) if isinstance(s, int | float) and s > 0 and v > 0 else v
-
-
-# How sure two launches each must make it that a candidate beats another by more than min_gain
-# before they overrule the study's model (one-sided 80%).  Measured between two cases
-# (benchmarks/README.md, "Answer quality"): two-peaks seed 12, where a model fitting one regime
-# rated a chain level with the tree that beat it by ~2% twice (z 0.99: overruled, rightly), and
-# small-gain seed 3, where a lucky and an unlucky pair of launches put a 1.3%-worse candidate
-# 2.2% ahead against the model's right order (z 0.74: the model stands).
-OVERRULE_Z = DEFAULT_POLICY.overrule_z  # optimizer.policy
-
-
-def _measured_better(a: Mapping[str, Any], b: Mapping[str, Any], min_gain: float) -> bool:
-    """`a` measured more than `min_gain` above `b` on two launches each, its confirmation and its
-    search launch, by more than their noise explains (`OVERRULE_Z`, on the confirmations' own
-    intervals, a search launch as noisy as one confirmation launch).  Smaller gaps are the launch
-    noise the model's ranking is there to see through."""
-    sa, sb = a.get("search_speedup"), b.get("search_speedup")
-    if not isinstance(sa, int | float) or not isinstance(sb, int | float) or sa <= 0 or sb <= 0:
-        return False
-    bar = 1.0 + min_gain
-    if not (float(a["speedup"]) > float(b["speedup"]) * bar and float(sa) > float(sb) * bar):
-        return False
-    ia, ib = _interval_of(a), _interval_of(b)
-    if ia is None or ib is None:
-        return True
-    # The mean of the two log differences; a pooled confirmation's interval is over its launches.
-    va, vb = log_sd(ia) ** 2, log_sd(ib) ** 2
-    na, nb = int(a.get("launches") or 1), int(b.get("launches") or 1)
-    sd = math.sqrt(va + vb + va * na + vb * nb) / 2
-    d = (math.log(float(a["speedup"]) / float(b["speedup"])) + math.log(float(sa) / float(sb))) / 2
-    return d - math.log1p(min_gain) > OVERRULE_Z * sd
-
-
-def choose(confirmed: Sequence[Mapping[str, Any]], min_gain: float = 0.01, ranking: Ranking | None = None) -> Choice:
-    """The best confirmed candidate, or the cheapest one tied with it.
-
-    Best: by `ranking` where there is one, else by the confirmed value and, where the documents
-    carry it (`search_speedup`), the search's measurement of the same server too
-    (`_ranking_value`): a runner-up's one lucky confirmation does not displace a leader measured
-    well twice.  Either way, never one that another candidate measured more than `min_gain`
-    better on both its launches (search and confirmation).
-    Tied: the intervals overlap (the data cannot order them); the verdict says so.  Entries are
-    confirmation documents (`speedup`, `speedup_interval`, `config`, `trial_number`).  Without
-    intervals nothing is tied.
-
-    `ranking` (optimizer.ranking.of: the study's model of every launch, where it is trusted):
-    which candidate is best is its call, not one confirmation launch's, and a cheaper tied one is
-    preferred only when measured within `min_gain` of the best and the ranking is sure
-    (optimizer.ranking.WITHIN_Z) that it gives up less than `min_gain`.  Without one, the cheapest
-    tied candidate is the answer only when the chance that it is more than `min_gain` below the
-    best (the study's "worth having") is under `TIE_RISK`; a cheaper one that may well be further
-    behind is not given the benefit of the doubt.
-    """
-    if not confirmed:
-        raise ValueError("nothing confirmed to choose from")
-
-    def config(c: Mapping[str, Any]) -> SpecConfig:
-        return SpecConfig.model_validate(c["config"])
-
-    def rank(c: Mapping[str, Any]) -> float:
-        return _ranking_value(c) if ranking is None else ranking.estimate(config(c))
-
-    # The model orders near-equal candidates, but does not overrule two launches: a candidate
-    # that another beat by more than min_gain in both its search launch and its confirmation is
-    # not the best (a model that fits one regime of an engine can rate the other one level with it).
-    open_ = [c for c in confirmed if not any(_measured_better(o, c, min_gain) for o in confirmed if o is not c)]
-    best = max(open_ or confirmed, key=lambda c: (rank(c), -int(c["trial_number"])))
-    best_iv = _interval_of(best)
-    tied = [
-        c
-        for c in confirmed
-        if c is not best
-        and best_iv is not None
-        and (iv := _interval_of(c)) is not None
-        and iv.high >= best_iv.low
-        and best_iv.high >= iv.low
-    ]
-    close = [
-        c
-        for c in tied
-        if (
-            float(c["speedup"]) >= float(best["speedup"]) / (1.0 + min_gain)
-            and ranking.surely_within(config(c), config(best), min_gain)
-            if ranking is not None
-            else behind_risk(best, c, min_gain) < TIE_RISK
-        )
-    ]
-    winner = min([best, *close], key=lambda c: (cost_key(c["config"]), -float(c["speedup"])))
-    return Choice(winner, best, [c for c in [best, *tied] if c is not winner], ranking is not None)
 
 
 # Extra passes on the warm server per level, as a multiple of the workload's repeats: the cost

@@ -15,7 +15,7 @@ Three shapes of answer (`mode`):
 * `static`: the winner's steps / topk / draft tokens;
 * `adaptive`: SGLang's `--speculative-adaptive` with a per-batch-size config, when the objective
   spans several levels, the per-level winners differ and fit SGLang's adaptive rules
-  (`optimizer.answers`); also when no single configuration pays over every level but a chain
+  (`optimizer.answer`); also when no single configuration pays over every level but a chain
   pays at some: speculation there, steps 0 where it does not pay;
 * `no_speculation`: the verdict is "speculation does not pay here": the same server without it.
 
@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 from optuna.trial import FrozenTrial
 
-from optimizer.answers import ADAPTIVE_FILE, AdaptiveExport
+from optimizer.answer import ADAPTIVE_FILE, AdaptiveExport
 from optimizer.memory_boundary import SURELY, Launch, MemoryBoundary, Terms, tuning_launches
 from optimizer.plan import server_settings
 from optimizer.sglang import AdaptiveSteps, ServerSettings, launch_command

@@ -86,7 +86,7 @@ def floor_sd(check: R.PredictionCheck) -> float:
 def answer_bar(spec: StudySpec, trials: Sequence[FrozenTrial], ranking: Ranking) -> FrozenTrial | None:
     """The answer the study would stand behind now, by its model: of the candidates the
     confirmation re-measures (optimizer.confirmation.candidates, judged by this ranking), the one
-    the model ranks first (`confirmation.choose` asks the same ranking, and answers with it or a
+    the model ranks first (`optimizer.answer.choose` asks the same ranking, and answers with it or a
     cheaper one surely within `min_gain` of it).  What is left is weighed against it
     (optimizer.convergence, and the sampler's aim), not against the luckiest launch: with three
     times the calibrated noise a launch draws 3% high now and then, and a bar the model itself

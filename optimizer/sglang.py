@@ -118,7 +118,7 @@ class AdaptiveSteps(BaseModel):
 
     @classmethod
     def from_config(cls, doc: Mapping[str, Any]) -> AdaptiveSteps:
-        """From a config of single-candidate slots (optimizer.answers.adaptive_export)."""
+        """From a config of single-candidate slots (optimizer.answer.adaptive_export)."""
         return cls(steps_by_batch={int(k): int(v["candidate_steps"][0]) for k, v in doc.items() if k.isdigit()})
 
 

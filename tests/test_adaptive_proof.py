@@ -19,9 +19,9 @@ from api.report.export import to_csv, to_json
 from api.report.tables import study_summary
 from api.services.adaptive_answer import outcome
 from api.services.studies import _confirmations
+from optimizer import answer, deploy
 from optimizer import attrs as A
 from optimizer import conductor as c
-from optimizer import deploy
 from optimizer.space import SpecConfig
 from optimizer.study_state import Ending, FinishReason
 from tests.conftest import INVENTORY, Api, split_load_spec
@@ -76,7 +76,7 @@ def test_a_search_that_does_not_pay_over_both_levels_launches_the_adaptive_answe
     assert server.speculative == CHAIN and server.max_running_requests == 4
     # Exactly the printed server: the planned deployment's settings.
     planned = deploy.adaptive_plan(
-        spec, c.answers.adaptive_export(spec, TRIALS, c.launch_noise(snap(spec, TRIALS)).variance)
+        spec, answer.adaptive_export(spec, TRIALS, c.launch_noise(snap(spec, TRIALS)).variance)
     )
     assert planned == server
 
@@ -125,7 +125,7 @@ def _record(rows: list[LeaseRow]) -> Confirmation | None:
 def test_the_document_reads_the_launch_pending_failed_or_proven() -> None:
     spec = spec_of("adaptive-doc", **SPEC)
     planned = deploy.plan_deployment(
-        spec, CHAIN, pays=False, exported=c.answers.adaptive_export(spec, TRIALS), version="0.5.23"
+        spec, CHAIN, pays=False, exported=answer.adaptive_export(spec, TRIALS), version="0.5.23"
     )
     assert planned is not None and planned.mode == "adaptive"
     assert outcome(spec, planned, [], [], None, "0.5.23") == type(outcome(spec, planned, [], [], None, "0.5.23"))()

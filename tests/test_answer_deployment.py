@@ -12,7 +12,7 @@ import pytest
 from optuna.distributions import IntDistribution
 from optuna.trial import TrialState, create_trial
 
-from optimizer.answers import ADAPTIVE_FILE, adaptive_export, check_adaptive_config
+from optimizer.answer import ADAPTIVE_FILE, adaptive_export, check_adaptive_config
 from optimizer.deploy import Deployment, deployment_settings, placeholder, plan_deployment
 from optimizer.errors import SpecError
 from optimizer.plan import server_settings

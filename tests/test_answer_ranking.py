@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -21,8 +21,9 @@ from optuna.trial import FrozenTrial, TrialState
 from benchmarks.answer_quality import small_gain
 from optimizer import attrs as A
 from optimizer import ranking
-from optimizer.analysis import ratio_interval
-from optimizer.confirmation import candidates, choose
+from optimizer.analysis import Interval, ratio_interval
+from optimizer.answer import Contender, choose
+from optimizer.confirmation import candidates
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 from spectune_sim.model import predict
@@ -32,13 +33,8 @@ from tests.search_support import key_of, lease, ok, sim_levels
 T0 = datetime(2026, 12, 1, tzinfo=UTC).replace(tzinfo=None)
 
 
-def _c(n: int, steps: int, topk: int, tokens: int, v: float, lo: float, hi: float) -> dict[str, Any]:
-    return {
-        "trial_number": n,
-        "config": {"num_steps": steps, "topk": topk, "num_draft_tokens": tokens},
-        "speedup": v,
-        "speedup_interval": {"low": lo, "high": hi},
-    }
+def _c(n: int, steps: int, topk: int, tokens: int, v: float, lo: float, hi: float) -> Contender:
+    return Contender(n, SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=tokens), v, Interval(v, lo, hi))
 
 
 @dataclass
@@ -56,8 +52,8 @@ class FakeRanking:
         return 1.0 if self.estimate(config) > self.estimate(best) * (1.0 + min_gain) else 0.0
 
 
-def _key(c: dict[str, Any]) -> str:
-    return SpecConfig.model_validate(c["config"]).key
+def _key(c: Contender) -> str:
+    return c.config.key
 
 
 def test_the_ranking_names_the_best_and_a_cheaper_tie_must_be_surely_within_min_gain() -> None:
@@ -82,35 +78,35 @@ def test_the_ranking_names_the_best_and_a_cheaper_tie_must_be_surely_within_min_
 def test_the_model_does_not_rank_a_candidate_above_one_measured_min_gain_better_on_both_launches() -> None:
     # two-peaks seed 12 (benchmarks/search_efficiency.py): a model that fits one regime rated the
     # narrow chain level with the wide tree that beat it in the search and in confirmation.
-    tree = _c(9, 6, 4, 19, 2.240, 2.198, 2.284) | {"search_speedup": 2.236}
-    chain = _c(8, 6, 2, 7, 2.180, 2.139, 2.222) | {"search_speedup": 2.209}
+    tree = replace(_c(9, 6, 4, 19, 2.240, 2.198, 2.284), search_speedup=2.236)
+    chain = replace(_c(8, 6, 2, 7, 2.180, 2.139, 2.222), search_speedup=2.209)
     rank = FakeRanking({_key(tree): 2.207, _key(chain): 2.208}, sure=False)
     choice = choose([tree, chain], 0.01, rank)
     assert choice.best is tree and choice.winner is tree
     # Better on both, but by less than min_gain on one (launch noise): the model's order stands.
-    near = tree | {"search_speedup": 2.220}
+    near = replace(tree, search_speedup=2.220)
     assert choose([near, chain], 0.01, rank).best is chain
     # Better on one launch only: the model's order stands.
-    split = chain | {"search_speedup": 2.250}
+    split = replace(chain, search_speedup=2.250)
     assert choose([tree, split], 0.01, rank).best is split
     # Ahead on both launches by more than min_gain, but by less than their noise makes sure
     # (benchmarks/answer_quality.py small-gain seed 3: the lucky cheaper chain, 1.3% worse in
     # truth, against the model's right order): the model's order stands.
-    lucky = _c(5, 1, 2, 2, 1.0484, 1.0164, 1.0814) | {"search_speedup": 1.0499}
-    right = _c(6, 2, 2, 3, 1.0272, 0.9958, 1.0596) | {"search_speedup": 1.0262}
-    wide = _c(7, 2, 8, 3, 1.0630, 1.0303, 1.0966) | {"search_speedup": 1.0215}
+    lucky = replace(_c(5, 1, 2, 2, 1.0484, 1.0164, 1.0814), search_speedup=1.0499)
+    right = replace(_c(6, 2, 2, 3, 1.0272, 0.9958, 1.0596), search_speedup=1.0262)
+    wide = replace(_c(7, 2, 8, 3, 1.0630, 1.0303, 1.0966), search_speedup=1.0215)
     model = FakeRanking({_key(lucky): 1.0334, _key(right): 1.041, _key(wide): 1.0286}, sure=False)
     assert choose([lucky, right, wide], 0.01, model).winner is right
 
     # The same gaps measured twice as tightly are beyond the noise: they overrule the model.
-    def tight(c: dict[str, Any]) -> dict[str, Any]:
-        v = c["speedup"]
-        return c | {"speedup_interval": {"low": v * 0.992, "high": v / 0.992}}
+    def tight(c: Contender) -> Contender:
+        v = c.speedup
+        return replace(c, interval=Interval(v, v * 0.992, v / 0.992))
 
-    assert choose([tight(lucky), tight(right)], 0.01, model).best["trial_number"] == 5
+    assert choose([tight(lucky), tight(right)], 0.01, model).best.trial_number == 5
     # Without the search measurement there is no second launch to go by.
-    bare = {k: v for k, v in chain.items() if k != "search_speedup"}
-    assert choose([{k: v for k, v in tree.items() if k != "search_speedup"}, bare], 0.01, rank).best is bare
+    bare = replace(chain, search_speedup=None)
+    assert choose([replace(tree, search_speedup=None), bare], 0.01, rank).best is bare
 
 
 # ------------------------------------------------------------------ the real model, side by side
@@ -173,13 +169,12 @@ def test_ranked_on_every_launch_the_answer_is_within_one_percent_more_often() ->
             lv, base = _levels(rng, cfg, 0.01), _levels(rng, None, 0.01)
             iv = ratio_interval(lv[0]["output_tok_s_runs"], base[0]["output_tok_s_runs"], extra_var=2 * 0.01**2)
             assert iv is not None
-            docs.append({"trial_number": i, "config": cfg.model_dump(mode="json"), "speedup": iv.value,
-                         "speedup_interval": {"low": iv.low, "high": iv.high}})  # fmt: skip
+            docs.append(Contender(i, cfg, iv.value, iv))
         rank = ranking.of(spec.model_copy(update={"name": f"rank{d}"}), trials)
         assert rank is not None
 
-        def good(c: Any) -> bool:
-            return _truth(SpecConfig.model_validate(c["config"])) >= 0.99 * best
+        def good(c: Contender) -> bool:
+            return _truth(c.config) >= 0.99 * best
 
         plain += good(choose(docs, spec.budget.min_gain).winner)
         ranked += good(choose(docs, spec.budget.min_gain, rank).winner)
@@ -257,7 +252,9 @@ def test_the_service_answers_the_candidate_its_model_ranks_first_not_the_luckies
     assert key_of(winner["config"]) == best_key
     mine = next(c for c in done if key_of(c["config"]) == best_key)
     assert winner["speedup"] == pytest.approx(mine["speedup"])  # the numbers are its own launch's
-    assert key_of(choose(done, 0.01).winner["config"]) != best_key  # one launch each: a lucky one
+    assert (
+        choose([Contender.of_json(c) for c in done], 0.01).winner.config.key != best_key
+    )  # one launch each: a lucky one
 
 
 def test_a_runner_up_the_model_ranks_above_the_leader_is_confirmed() -> None:

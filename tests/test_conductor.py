@@ -17,6 +17,7 @@ import pytest
 from optuna.trial import FrozenTrial, TrialState
 
 from api.models import FINISH_RULES, STUDY_PHASES, STUDY_STATES
+from optimizer import answer as ans
 from optimizer import attrs as A
 from optimizer import conductor as c
 from optimizer import convergence, deploy
@@ -595,13 +596,13 @@ def test_a_confirmation_no_host_can_take_says_so() -> None:
 
 
 def test_fresh_is_said_only_of_a_fresh_baseline() -> None:
-    answer = c.Answer(1.08, Interval(1.08, 1.06, 1.10), "steps 2 / topk 1 / draft tokens 3 (trial 1)", True, "w1")
-    assert c.pays(answer) and "confirmed against a fresh baseline on w1" in c.verdict(answer, 4)
+    answer = ans.Answer(1.08, Interval(1.08, 1.06, 1.10), "steps 2 / topk 1 / draft tokens 3 (trial 1)", True, "w1")
+    assert ans.pays(answer) and "confirmed against a fresh baseline on w1" in ans.verdict(answer, 4)
     stale = replace(answer, fresh_baseline=False)
-    text = c.verdict(stale, 4)
+    text = ans.verdict(stale, 4)
     assert "fresh" not in text and "not measured for it" in text
-    assert not c.pays(replace(answer, interval=Interval(1.01, 0.99, 1.03)))
-    assert c.verdict(None, 0) == "no result yet"
+    assert not ans.pays(replace(answer, interval=Interval(1.01, 0.99, 1.03)))
+    assert ans.verdict(None, 0) == "no result yet"
 
 
 # ------------------------------------------------------------------ study faults, and who decides

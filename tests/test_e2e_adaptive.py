@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from optimizer.answers import ADAPTIVE_FILE
+from optimizer.answer import ADAPTIVE_FILE
 from tests.conftest import split_load_spec
 from tests.e2e_support import Cluster, cluster
 from tests.helpers import wait_for

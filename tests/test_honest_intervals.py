@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 from optimizer import attrs as A
 from optimizer.analysis import (
@@ -18,13 +19,11 @@ from optimizer.analysis import (
     launch_noise,
     ratio_interval,
 )
+from optimizer.answer import TIE_RISK, Contender, behind_risk, choose
 from optimizer.confirmation import (
     RUNNER_UP_CHANCE,
-    TIE_RISK,
     beat_chance,
-    behind_risk,
     candidates,
-    choose,
     study_relaunches,
 )
 from optimizer.space import SpecConfig
@@ -91,13 +90,8 @@ def test_study_relaunches_group_baselines_by_host_and_speedups_by_configuration(
     assert [r.weight for r in got if r.group.startswith("base")] == [2.0, 2.0]
 
 
-def _c(n: int, steps: int, topk: int, tokens: int, v: float, lo: float, hi: float) -> dict[str, object]:
-    return {
-        "trial_number": n,
-        "config": {"num_steps": steps, "topk": topk, "num_draft_tokens": tokens},
-        "speedup": v,
-        "speedup_interval": {"low": lo, "high": hi},
-    }
+def _c(n: int, steps: int, topk: int, tokens: int, v: float, lo: float, hi: float) -> Contender:
+    return Contender(n, SpecConfig(num_steps=steps, topk=topk, num_draft_tokens=tokens), v, Interval(v, lo, hi))
 
 
 def test_overlapping_candidates_are_a_tie_and_the_cheaper_one_is_the_answer() -> None:
@@ -144,12 +138,12 @@ def test_a_runner_up_is_confirmed_only_when_it_may_beat_the_leader_by_min_gain()
 def test_the_ranking_counts_the_search_measurement_too() -> None:
     # b's confirmation came out 0.6% above a's, but the search measured a 4% ahead: over both
     # launches a is the better server, and the two are tied, so a (the better) is the answer.
-    a = {**_c(4, 3, 4, 16, 1.50, 1.47, 1.53), "search_speedup": 1.56}
-    b = {**_c(5, 3, 4, 17, 1.509, 1.48, 1.54), "search_speedup": 1.50}
+    a = replace(_c(4, 3, 4, 16, 1.50, 1.47, 1.53), search_speedup=1.56)
+    b = replace(_c(5, 3, 4, 17, 1.509, 1.48, 1.54), search_speedup=1.50)
     choice = choose([a, b])
     assert choice.best is a and choice.winner is a and choice.ties == [b]
     # Without the search values the confirmation alone ranks them.
-    plain = [{k: v for k, v in c.items() if k != "search_speedup"} for c in (a, b)]
+    plain = [replace(c, search_speedup=None) for c in (a, b)]
     assert choose(plain).best is plain[1]
 
 

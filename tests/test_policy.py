@@ -13,11 +13,11 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from api.rehearsal import MemoryStudy
 from optuna.trial import FrozenTrial
 
 from optimizer import conductor as c
 from optimizer import convergence, stop_rules
+from optimizer.memory_store import MemoryStudy
 from optimizer.policy import DEFAULT_POLICY, SNAPSHOT_FIELDS, Policy
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec

@@ -86,8 +86,9 @@ def test_a_tied_runner_up_is_called_a_tie_not_relaunched() -> None:
     assert ranking.of(s.spec, s.trials) is None
     assert c.relaunches(s) is None
     assert isinstance(c.settle(s), c.Finish)
-    choice = confirm.choose(c.confirmed_docs(s), s.spec.budget.min_gain)
-    assert len(choice.ties) == 1 and {choice.winner["trial_number"], choice.ties[0]["trial_number"]} == {0, 1}
+    choice = c.winner(s)
+    assert choice is not None and len(choice.ties) == 1
+    assert {choice.winner.trial_number, choice.ties[0].trial_number} == {0, 1}
 
 
 def test_a_tied_winner_that_straddles_one_is_still_relaunched_alone() -> None:
@@ -113,17 +114,17 @@ def test_on_one_host_the_relaunch_waits_for_a_fresh_baseline() -> None:
 
 def test_the_answer_pools_the_confirmation_launches_never_the_search_launch() -> None:
     s = confirming(leases=(done("c0", 1, 1.02, minute=0), done("c1", 1, 1.04, worker="w2", minute=1)))
-    docs = c.confirmed_docs(s)
-    assert len(docs) == 1 and docs[0]["launches"] == 2
+    docs = c.contenders(s)
+    assert len(docs) == 1 and docs[0].launches == 2
     one = confirm.confirm_result(s.spec, *measurement(1.02), 0.014**2)
     both = confirm.pooled_result(s.spec, [measurement(1.02), measurement(1.04)], 0.014**2)
     assert both.value == pytest.approx(math.sqrt(1.02 * 1.04), rel=1e-4)  # (nearly) equal weights
     assert one.interval is not None and both.interval is not None
     half = math.log(one.interval.high / one.interval.low)
     assert math.log(both.interval.high / both.interval.low) == pytest.approx(half / math.sqrt(2), rel=1e-3)
-    assert docs[0]["speedup"] == pytest.approx(both.value)
+    assert docs[0].speedup == pytest.approx(both.value)
     # FOUR's trial 1 searched at 1.08: the pooled figure ignores it.
-    assert FOUR[1].value == 1.08 and docs[0]["speedup"] < 1.04
+    assert FOUR[1].value == 1.08 and docs[0].speedup < 1.04
 
 
 def test_a_failed_start_retried_is_not_an_extra_launch() -> None:

@@ -138,14 +138,15 @@ def test_a_watch_over_too_short_a_window_says_nothing() -> None:
 
 def test_a_verdict_on_a_saturated_level_is_no_answer() -> None:
     from optimizer.analysis import Interval
-    from optimizer.confirmation import saturated_levels, verdict
+    from optimizer.answer import Answer, verdict
+    from optimizer.confirmation import saturated_levels
 
     levels = [{"concurrency": 1}, {"concurrency": 16, "saturated": "the engine waited for a CPU 80% of the time"}]
     sat = saturated_levels(levels, [{"concurrency": 16}])
     assert sat == {16: "the engine waited for a CPU 80% of the time"}
-    text = verdict(2.6, Interval(2.6, 2.4, 2.9), label="2/1/3", measured=5, confirmed=True, saturated=sat)
+    text = verdict(Answer(2.6, Interval(2.6, 2.4, 2.9), label="2/1/3", confirmed=True, saturated=sat), measured=5)
     assert text.startswith("no answer") and "concurrency 16 is saturated" in text and "80%" in text
-    clean = verdict(2.6, Interval(2.6, 2.4, 2.9), label="2/1/3", measured=5, confirmed=True, saturated={})
+    clean = verdict(Answer(2.6, Interval(2.6, 2.4, 2.9), label="2/1/3", confirmed=True, saturated={}), measured=5)
     assert clean.startswith("speculation pays")
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from api.documents import ModelPrediction
 from optimizer import study as opt
-from optimizer.answers import adaptive_export, best_by_level, check_adaptive_config
+from optimizer.answer import adaptive_export, best_by_level, check_adaptive_config
 from optimizer.infeasible import needs_at_least
 from optimizer.model_sampler import Move, Proposal, _record_in_flight, blind_start, prediction_attr, propose
 from optimizer.perf_model import fit, observations_from_attrs

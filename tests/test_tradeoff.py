@@ -112,3 +112,15 @@ def test_the_winner_is_on_the_front_unless_a_runner_up_beats_it_on_the_same_base
     assert text is not None and text.startswith("objective: output-throughput speedup, at concurrency 1;")
     row = next(line for line in text.splitlines() if line.startswith("winner #3"))
     assert "confirmation" in row and row.split()[-2] == "*"
+
+
+def test_the_plot_names_no_winner_of_its_own() -> None:
+    """The winner drawn is the document's (optimizer.answer.winner); a best-measured trial that is
+    not it (here trial 9, say quarantined or saturated in confirmation) is a runner-up at most."""
+    doc = shown()
+    best_measured = trial(9, 1.9, [level(1, 99, 99, 10), level(8, 70, 560, 20)])
+    found = series(doc, [best_measured, *TRIALS])
+    assert [s.label for s in found if s.role == "winner"] == ["winner #3 3/1/4"]
+    # Without a winner among the measured trials, none is drawn as the winner.
+    nobody = StudyDocument.model_construct(spec=doc.spec, winner=None, confirmation=[])
+    assert [s.role for s in series(nobody, TRIALS)] == ["runner-up", "runner-up"]

@@ -142,8 +142,10 @@ def series(shown: StudyDocument, trials: Sequence[TrialRow]) -> list[Series]:
         )
         runners = measured
     else:
+        # The document's winner (optimizer.answer.winner), never a winner of the plot's own: without
+        # one among the measured trials, they are all runner-ups.
         winner_no = None if answer is None else answer.trial_number
-        winner = next((t for t in measured if t.number == winner_no), measured[0] if measured else None)
+        winner = next((t for t in measured if t.number == winner_no), None)
         if winner is not None:
             levels, ref, source = _numbers(shown, winner)
             if ref:

@@ -42,6 +42,11 @@ def is_adaptive_proof(row: LeaseRow) -> bool:
     return bool((row.payload.get("confirm") or {}).get("adaptive"))
 
 
+def proven(record: D.Confirmation) -> bool:
+    """Did the adaptive proof's launch complete with a measurement of the server it started?"""
+    return record.state == "completed" and record.speedup is not None and record.server is not None
+
+
 def outcome(
     spec: StudySpec,
     planned: deploy.Deployment | None,
@@ -54,7 +59,7 @@ def outcome(
     the document's confirmations) makes of the answer."""
     if not rows:
         return AdaptiveOutcome()
-    if record is not None and record.state == "completed" and record.speedup is not None and record.server:
+    if record is not None and proven(record):
         row = next((r for r in rows if r.id == record.lease_id), None)
         ran = None if row is None else ((row.result or {}).get("metrics") or {}).get("sglang_version")
         return _proven(spec, planned, record, ran or version)

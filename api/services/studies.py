@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from typing import Any
 
 import optuna
@@ -31,12 +32,12 @@ from api.services.leasing.expiry import lost_work_note
 from api.services.leasing.records import DEPLOY_FAILED, DEPLOY_RETRY
 from api.services.refusals import active_refusals
 from api.services.study_specs import runnable_spec, stored_spec
-from optimizer import answers, costs, deploy, ranking
+from optimizer import answer, costs, deploy, ranking
 from optimizer import attrs as A
 from optimizer import conductor as cond
 from optimizer import confirmation as confirm
 from optimizer import study as opt
-from optimizer.analysis import Interval
+from optimizer.analysis import Interval, LaunchNoise
 from optimizer.errors import StudyNotFoundError
 from optimizer.objective import describe, metric_words, objective_intervals
 from optimizer.plan import baseline_key
@@ -76,6 +77,41 @@ def study_cost(s: Session, name: str) -> costs.Cost:
     return costs.tally(out, extra_passes=extra)
 
 
+@dataclasses.dataclass(frozen=True)
+class _RowState:
+    """The study row's life, as the document shows it."""
+
+    state: str
+    phase: str
+    finish_reason: str | None
+    created_at: datetime
+    finished_at: datetime | None
+
+
+@dataclasses.dataclass(frozen=True)
+class StudyRecords:
+    """What a study document is built from (`StudyService._document`): read back for `show`,
+    or what `create` just stored."""
+
+    name: str
+    row: _RowState
+    spec: StudySpec
+    launched: int
+    baselines_measured: int
+    confirm_rows: Sequence[LeaseRow]
+    events: list[tuple[str, str]]
+    cost: D.StudyCost
+    plan: D.PlanCheck | None
+    refusals: list[D.Refusal]
+    eligibility: D.Eligibility | None
+    lost_note: str | None
+    baselines: list[D.HostBaseline]
+    latest_levels: dict[str, list[Any]]
+    counts: dict[str, int]
+    trials: list[FrozenTrial]
+    noise: LaunchNoise
+
+
 class StudyService:
     def __init__(self, ctx: ServiceContext) -> None:
         self.ctx = ctx
@@ -84,9 +120,9 @@ class StudyService:
         """Store a new study; `owner` (a token id) is held to `max_running_studies_per_user`."""
         validate_spec(spec, max_configs=self.ctx.settings.max_space_configs)
         with self.ctx.sessions() as s:
-            eligible = len(study_eligibility(s, spec).eligible_workers)
+            eligibility = study_eligibility(s, spec)
         # Before anything is stored: the rehearsals take seconds, and no lock is held meanwhile.
-        planned = estimates.make(spec, eligible, self.ctx.settings)
+        planned = estimates.make(spec, len(eligibility.eligible_workers), self.ctx.settings)
         # One owner's creations are serialised, so two at once cannot both pass the limit.
         with self.ctx.unit(lock=None if owner is None else f"studies-of-token:{owner}") as u:
             if owner is not None:
@@ -98,17 +134,41 @@ class StudyService:
             if planned is not None:
                 estimates.keep(created, planned)
             with u.step() as s:
+                created_at = db_now(s)
                 s.add(
                     StudyRow(
                         name=spec.name,
                         state="running",
                         spec=spec.model_dump(mode="json"),
                         baseline_key=baseline_key(spec),
-                        created_at=db_now(s),
+                        created_at=created_at,
                         created_by=owner,
                     )
                 )
-        return self.show(spec.name)
+        return self._document(self._created(spec, created, created_at, eligibility))
+
+    def _created(
+        self, spec: StudySpec, created: optuna.Study, created_at: datetime, eligibility: elig.Eligibility
+    ) -> StudyRecords:
+        """A new study's records: what `create` just stored (its row, its Optuna study with the
+        warm starts it enqueued and its estimate), and the baselines its server already has."""
+        trials = trial_records.screened(created.get_trials(deepcopy=False))
+        counts = {state.name: 0 for state in TrialState}
+        for t in trials:
+            counts[t.state.name] += 1
+        cost = D.StudyCost(**costs.tally([]).as_json())
+        row = StudyRow(name=spec.name, state=StudyState.RUNNING)  # not stored again: read by the estimate
+        with self.ctx.sessions() as s:
+            baselines, latest_levels = _host_baselines(s, baseline_key(spec))
+            noise = launch_noise.study_noise(s, spec, trials)
+            plan = estimates.against_actual(s, created, row, cost)
+        # Nothing ran yet: no confirmation waits, no work was lost, no worker refused it.
+        state = _RowState(StudyState.RUNNING, Phase.SEARCH, None, created_at, None)
+        waiting = D.Eligibility(**eligibility.as_json())
+        return StudyRecords(
+            spec.name, state, spec, 0, 0, [], [], cost, plan, [], waiting, None, baselines, latest_levels, counts,
+            trials, noise,
+        )  # fmt: skip
 
     def _check_running_limit(self, s: Session, owner: int) -> None:
         limit = self.ctx.settings.max_running_studies_per_user
@@ -157,18 +217,41 @@ class StudyService:
             )  # fmt: skip
             if not same_model or other.placement != spec.placement:
                 continue
-            shown = self.show(row.name)
-            winner = shown.winner
-            if winner is None:
+            got = self._prior_answer(row.name, other)
+            if got is None:
                 continue
-            measured_on = workers.get(winner.confirmed_on or winner.worker_id or "", {})
+            host, configs = got
+            measured_on = workers.get(host or "", {})
             gpus_then = {g.get("name") for g in measured_on.get("gpus") or []}
             if gpus_now and gpus_then and not gpus_then & gpus_now:
                 continue
-            for cfg in [winner.config] + [a.config for a in shown.best_by_level.values()]:
+            for cfg in configs:
                 if cfg.key not in {x.key for x in out}:
                     out.append(cfg)
         return out[:4]
+
+    def _prior_answer(self, name: str, spec: StudySpec) -> tuple[str | None, list[SpecConfig]] | None:
+        """What `prior_best` takes from a finished study, read from its records: the host its answer
+        was measured on, and the configurations of its answer (the document's `winner`: the
+        adaptive server's where its launch proved it) and of each level's best; None without one."""
+        _, trials = self._trial_counts(name)
+        with self.ctx.sessions() as s:
+            rows = _confirm_rows(s, name)
+            extra = launch_noise.study_noise(s, spec, trials).variance
+        confirmations = _confirmations(spec, rows, extra)
+        proof = next((c for c in confirmations if c.adaptive and adaptive_answer.proven(c)), None)
+        if proof is not None:
+            assert proof.server is not None
+            config, host = proof.server.speculative or proof.config, proof.worker_id
+        else:
+            best = opt.best_trial_of(trials)
+            best_doc = None if best is None else self._describe_best(spec, best, extra)
+            winner = self._winner(spec, trials, best, best_doc, confirmations, extra)
+            if winner is None:
+                return None
+            config, host = winner.config, winner.confirmed_on or winner.worker_id
+        assert config is not None
+        return host, [config, *(a.config for a in answer.best_by_level(spec, trials, extra_var=extra).values())]
 
     def list_studies(self) -> list[D.StudySummary]:
         """Every study with its trial counts: two queries, however many studies there are."""
@@ -225,6 +308,10 @@ class StudyService:
         return self.show(name)
 
     def show(self, name: str) -> D.StudyDocument:
+        return self._document(self._records(name))
+
+    def _records(self, name: str) -> StudyRecords:
+        """Everything the study document is built from, read from the database."""
         with self.ctx.sessions() as s:
             row = s.get(StudyRow, name)
             if row is None:
@@ -238,12 +325,7 @@ class StudyService:
                 .select_from(LeaseRow)
                 .where(LeaseRow.study_name == name, LeaseRow.kind == "baseline", LeaseRow.state == "completed")
             )
-            confirm_rows = s.scalars(
-                select(LeaseRow)
-                .where(LeaseRow.study_name == name, LeaseRow.kind == "confirm")
-                .order_by(LeaseRow.created_at)
-            ).all()
-            fresh_by_trial = _fresh_by_trial(confirm_rows)
+            confirm_rows = _confirm_rows(s, name)
             events = [
                 (e.kind, e.detail or "")
                 for e in s.scalars(
@@ -271,21 +353,22 @@ class StudyService:
                     # A confirmation no host can take now says so (optimizer.conductor).
                     snap = study_life.snapshot(s, spec, db_now(s), (), self.ctx.settings, lock=False)
                     waiting.warning = None if snap is None else cond.confirmation_waits(snap)
-            baseline_rows = s.scalars(
-                select(BaselineRow)
-                .where(BaselineRow.baseline_key == row.baseline_key)
-                .order_by(BaselineRow.worker_id, BaselineRow.measured_at)
-            ).all()
-            # The latest baseline per host of this study's server and workload.
-            latest = {b.worker_id: b for b in baseline_rows}
-            baselines = [
-                D.HostBaseline(worker_id=w, measured_at=b.measured_at, tok_s=b.tok_s, verify_probe=verify_probe_of(b))
-                for w, b in sorted(latest.items())
-            ]
-            latest_levels = {w: b.metrics.get("levels") or [] for w, b in latest.items()}
+            baselines, latest_levels = _host_baselines(s, row.baseline_key)
+            state = _RowState(row.state, row.phase, row.finish_reason, row.created_at, row.finished_at)
         counts, trials = self._trial_counts(name)
         with self.ctx.sessions() as s:
             noise = launch_noise.study_noise(s, spec, trials)
+        return StudyRecords(
+            name, state, spec, launched or 0, baselines_measured or 0, confirm_rows, events, cost, plan, refusals,
+            waiting, lost_note, baselines, latest_levels, counts, trials, noise,
+        )  # fmt: skip
+
+    def _document(self, rec: StudyRecords) -> D.StudyDocument:
+        """The study document from its records: the answer, its proof and the verdict."""
+        name, spec, row, trials, noise, confirm_rows, events = (
+            rec.name, rec.spec, rec.row, rec.trials, rec.noise, rec.confirm_rows, rec.events
+        )  # fmt: skip
+        fresh_by_trial = _fresh_by_trial(confirm_rows)
         extra = noise.variance
         confirmations = _confirmations(spec, confirm_rows, extra)
         best = opt.best_trial_of(trials)
@@ -296,9 +379,9 @@ class StudyService:
             phase = "done" if row.state == StudyState.FINISHED else row.state
         else:
             phase = row.phase
-        exported = answers.adaptive_export(spec, trials, extra)
-        answer = _answer_of(winner, fresh_by_trial)
-        pays = cond.pays(answer)
+        exported = answer.adaptive_export(spec, trials, extra)
+        the_answer = _answer_of(winner, fresh_by_trial)
+        pays = answer.pays(the_answer)
         version = DEFAULT_SGLANG_VERSION if winner is None else winner.sglang_version
         deployment = deploy.plan_deployment(
             spec, None if winner is None else winner.config, pays=pays, exported=exported, version=version
@@ -329,7 +412,7 @@ class StudyService:
             if adaptive.pending is not None and deployment is not None and deployment.mode == "adaptive":
                 deployment = dataclasses.replace(deployment, proof_note=adaptive.pending)
         # Hosts whose baselines disagree beyond the noise seen: one is probably saturated.
-        hosts_note = confirm.host_disagreement(latest_levels, noise.variance / 2)
+        hosts_note = confirm.host_disagreement(rec.latest_levels, noise.variance / 2)
         if winner is not None:
             # One source for the printed command: the deployment (proven, the no-speculation
             # server, or with its proof note), or none; never a statically planned one.
@@ -348,11 +431,11 @@ class StudyService:
             # The traffic every baseline and trial of this study measured, in words.
             workload=describe_workload(spec.workload),
             objective=describe(spec.objective, spec.workload.concurrency),
-            trials=D.TrialCounts(**counts),
-            configurations_launched=launched or 0,
-            baselines_measured=baselines_measured or 0,
+            trials=D.TrialCounts(**rec.counts),
+            configurations_launched=rec.launched,
+            baselines_measured=rec.baselines_measured,
             # Output tok/s without speculation per host and level: what every speedup divides by.
-            baselines=baselines,
+            baselines=rec.baselines,
             # `best` is the answer everywhere (the winner: confirmed, else the search's best);
             # the search's own best measured trial is `best_measured`.
             best=winner,
@@ -362,7 +445,7 @@ class StudyService:
             confirmation=confirmations,
             best_by_level={
                 str(k): D.LevelAnswer(**v.as_json())
-                for k, v in answers.best_by_level(spec, trials, extra_var=extra).items()
+                for k, v in answer.best_by_level(spec, trials, extra_var=extra).items()
             },
             # Launch-to-launch noise in every interval shown, and what it was estimated from.
             launch_noise=D.LaunchNoise(**noise.as_json()),
@@ -372,8 +455,8 @@ class StudyService:
                 or _after(
                     adaptive.fallback,
                     unproven
-                    or cond.verdict(
-                        answer,
+                    or answer.verdict(
+                        the_answer,
                         measured,
                         adaptive=deployment.reason if deployment and deployment.mode == "adaptive" else None,
                         metric=metric_words(spec.objective),
@@ -384,11 +467,11 @@ class StudyService:
             # Hosts whose baselines of the same server disagree beyond the noise seen (None: they agree).
             host_check=hosts_note,
             # Launches and GPU-hours spent, by kind, next to SGLang's grid (optimizer.costs).
-            cost=cost,
-            plan=plan,
+            cost=rec.cost,
+            plan=rec.plan,
             # Workers that refused what this study asks (a study fault: they are not offered it
             # again, and it counts nothing against them).
-            refused_by=refusals,
+            refused_by=rec.refusals,
             # Trials whose stored record holds values that fail today's checks: shown without
             # them (`spectune db repair-trial` removes them for good).
             flagged_trials=[
@@ -397,9 +480,9 @@ class StudyService:
                 if r.record_problems is not None
             ],
             # Running studies: which workers can take it, and a warning naming the requirement none meets.
-            eligibility=waiting,
-            waiting=lost_note,
-            outcome=_outcome(answer, deployment),
+            eligibility=rec.eligibility,
+            waiting=rec.lost_note,
+            outcome=_outcome(the_answer, deployment),
             # None until something was measured; then whether the deployed command speculates.
             speculation_pays=None if winner is None else pays or adaptive.proven is not None,
             deployment=None if deployment is None else D.Deployment(**deployment.as_json()),
@@ -417,24 +500,18 @@ class StudyService:
         """The recommended configuration: the best confirmed one, else the best measured one.
 
         Confirmed candidates whose intervals overlap the best one's are a tie: the cheapest of
-        them is the answer (optimizer.confirmation.choose).
+        them is the answer (optimizer.answer.winner, as the conductor's re-launches choose).
         """
-        # A trial an admin quarantined (screened to FAIL, api.services.trial_records) is never
-        # the answer, however well its confirmation measured.
-        usable = {t.number for t in trials if A.TrialRecord(t).failure_kind != "quarantined"}
-        done = [
-            c for c in confirmations if c.state == "completed" and c.speedup is not None and c.trial_number in usable
-        ]
-        ok = [c for c in done if (c.violation or 0.0) <= 0] or done
-        # A saturated confirmation measured the host: any clean one comes first.
-        ok = [c for c in ok if not c.saturated] or ok
-        if ok:
-            by_number = {c.trial_number: c for c in ok}
-            # Which one is best: the study's model of every launch where it is trusted (optimizer.ranking).
-            choice = confirm.choose(
-                [c.model_dump(mode="json") for c in ok], spec.budget.min_gain, ranking.of(spec, trials)
-            )
-            top = by_number[int(choice.winner["trial_number"])]
+        # Never a quarantined trial; a clean confirmation before a saturated one (optimizer.answer).
+        configs = {t.number: A.TrialRecord(t).config_or_none for t in trials}
+        done = {
+            c.trial_number: c
+            for c in confirmations
+            if c.state == "completed" and c.speedup is not None and c.trial_number in configs
+        }
+        choice = answer.winner(spec, trials, [_contender(c, configs) for c in done.values()], ranking.of(spec, trials))
+        if choice is not None:
+            top = done[choice.winner.trial_number]
             t = next(t for t in trials if t.number == top.trial_number)
             doc = self._describe_best(spec, t, extra_var)
             return D.Winner(
@@ -460,9 +537,7 @@ class StudyService:
                 envelope_note=top.envelope_note,
                 saturated=top.saturated,
                 # Confirmed candidates the answer cannot be told apart from (overlapping intervals).
-                ties=[
-                    D.Tie(trial_number=c["trial_number"], config=c["config"], speedup=c["speedup"]) for c in choice.ties
-                ],
+                ties=[D.Tie(trial_number=c.trial_number, config=c.config, speedup=c.speedup) for c in choice.ties],
                 tie_note=choice.note,
                 confirmation_launches=top.launches,
             )
@@ -628,6 +703,48 @@ def _confirmations(spec: StudySpec, rows: Sequence[LeaseRow], extra_var: float =
     return out
 
 
+def _contender(c: D.Confirmation, configs: Mapping[int, SpecConfig | None]) -> answer.Contender:
+    """A completed confirmation of the document as the answer is chosen among them (`configs`:
+    each trial's configuration, for a lease stored without its own)."""
+    assert c.trial_number is not None and c.speedup is not None
+    config = c.config or configs.get(c.trial_number)
+    assert config is not None
+    iv = c.speedup_interval
+    return answer.Contender(
+        trial_number=c.trial_number,
+        config=config,
+        speedup=c.speedup,
+        interval=None if iv is None else Interval(c.speedup, iv.low, iv.high),
+        search_speedup=c.search_speedup,
+        launches=c.launches,
+        violation=c.violation or 0.0,
+        saturated={int(k): v for k, v in c.saturated.items()},
+    )
+
+
+def _confirm_rows(s: Session, name: str) -> Sequence[LeaseRow]:
+    """The study's confirmation leases, oldest first."""
+    return s.scalars(
+        select(LeaseRow).where(LeaseRow.study_name == name, LeaseRow.kind == "confirm").order_by(LeaseRow.created_at)
+    ).all()
+
+
+def _host_baselines(s: Session, key: str) -> tuple[list[D.HostBaseline], dict[str, list[Any]]]:
+    """The latest baseline per host of a server and workload (`key`): as the document shows them,
+    and their levels."""
+    rows = s.scalars(
+        select(BaselineRow)
+        .where(BaselineRow.baseline_key == key)
+        .order_by(BaselineRow.worker_id, BaselineRow.measured_at)
+    ).all()
+    latest = {b.worker_id: b for b in rows}
+    shown = [
+        D.HostBaseline(worker_id=w, measured_at=b.measured_at, tok_s=b.tok_s, verify_probe=verify_probe_of(b))
+        for w, b in sorted(latest.items())
+    ]
+    return shown, {w: b.metrics.get("levels") or [] for w, b in latest.items()}
+
+
 def study_eligibility(s: Session, spec: StudySpec) -> elig.Eligibility:
     """Whether any registered worker can take this study, from the workers' last inventories.
 
@@ -655,7 +772,7 @@ def _fresh_by_trial(rows: Sequence[LeaseRow]) -> dict[int, bool]:
     return out
 
 
-def _answer_of(winner: D.Winner | None, fresh_by_trial: dict[int, bool]) -> cond.Answer | None:
+def _answer_of(winner: D.Winner | None, fresh_by_trial: dict[int, bool]) -> answer.Answer | None:
     """The study document's winner as the conductor's verdict reads it."""
     if winner is None or winner.speedup is None:
         return None
@@ -672,7 +789,7 @@ def _answer_of(winner: D.Winner | None, fresh_by_trial: dict[int, bool]) -> cond
     )
     iv = winner.speedup_interval
     value = winner.speedup
-    return cond.Answer(
+    return answer.Answer(
         speedup=value,
         interval=None if iv is None else Interval(value, iv.low, iv.high),
         label=label,
@@ -730,10 +847,10 @@ def _proof(
     return (deployment if not note else dataclasses.replace(deployment, proof_note=note)), None
 
 
-def _outcome(answer: cond.Answer | None, deployment: deploy.Deployment | None) -> Outcome:
+def _outcome(the_answer: answer.Answer | None, deployment: deploy.Deployment | None) -> Outcome:
     """The verdict's kind, as the printed command bears it out: no command is no answer, and a
     command that speculates (an adaptive one that pays at part of the load too) pays."""
-    kind = cond.outcome(answer)
+    kind = answer.outcome(the_answer)
     if deployment is None:
         return Outcome.NO_ANSWER
     if deployment.speculation and kind != Outcome.NO_ANSWER:
