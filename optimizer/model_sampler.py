@@ -71,7 +71,7 @@ NEAR_COPY = DEFAULT_POLICY.near_copy  # optimizer.policy
 # An exception (nothing else open, or a move whose purpose is to resolve a part of the model: the
 # depth probe, the walk around the incumbent once the model failed its check) is proposed with its
 # purpose stored on the trial (attrs.PROPOSAL_PURPOSE).  The 20% is the issue's.
-LOSE_BY = 0.20
+LOSE_BY = DEFAULT_POLICY.lose_by  # optimizer.policy
 
 
 # How far the model-free local moves look around the incumbent (in `lattice_distance` units):

@@ -32,23 +32,25 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
+from optimizer.policy import DEFAULT_POLICY
+
 FloatArray = NDArray[np.float64]
 
 # The residual's size (log-sd of what the fixed form misses).  The prior is log-uniform over the
 # grid: from 0.5% (half the floor the model has always claimed, optimizer.perf_model.MODEL_FLOOR,
 # a fit within measurement noise) to 16% (issue 31: the fixed form's predictions missed by up to
 # 3.8 of their stated sd, ~4%, on engines of other shapes).  A guess bounded by those two.
-AMPLITUDES = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16)
+AMPLITUDES = DEFAULT_POLICY.residual_amplitudes  # optimizer.policy
 # Lengths in the coordinates' units (optimizer.perf_model: a doubling of verified tokens or of
 # the batch, two draft steps, a doubling of topk): a residual shared by the neighbours only, or
 # by a wider region.  Equal prior weight.
-LENGTHS = (1.0, 2.5)
+LENGTHS = DEFAULT_POLICY.residual_lengths  # optimizer.policy
 # Per-host offset sd: none, HOST_SD-like (optimizer.stop_rules, 1.2%) and issue 31's "host
 # offsets of 0-8%" at their middle (4%).  Equal prior weight.
-HOST_SDS = (0.0, 0.012, 0.04)
+HOST_SDS = DEFAULT_POLICY.residual_host_sds  # optimizer.policy
 # Launch-to-launch noise beyond what the fit's own noise model states: none, or a launch's spread
 # as issue 31 gives it ("launch noise of 0.5-4%", 2% at its middle).  Equal prior weight.
-EXTRA_NOISE = (0.0, 0.02)
+EXTRA_NOISE = DEFAULT_POLICY.residual_extra_noise  # optimizer.policy
 # Leverage cap for the leave-one-out residuals (a point the fit passes through exactly would
 # divide by zero): at most a tenfold inflation.
 MAX_LEVERAGE = 0.9

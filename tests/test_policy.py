@@ -33,6 +33,19 @@ OPTIMIZER = pathlib.Path(__file__).resolve().parent.parent / "optimizer"
 # statistical facts, SGLang's own values, input limits, and numerical devices.  A new numeric
 # module constant must be a Policy field or be added here with its reason.
 NOT_POLICY: dict[str, str] = {
+    "actions.MAX_DUPLICATE_PROPOSALS": "a loop bound: how often the sampler may repeat itself before the study says so",
+    "estimate.DEFAULT_DRAWS": "the pre-study estimate's simulation size, not a search decision (benchmarks/plan_calibration.py)",
+    "estimate.POSITIONS": "the pre-study estimate's simulation settings, not a search decision",
+    "estimate.SPEC_HOST_SD": "the pre-study estimate's simulated host offsets, not a search decision",
+    "estimate.WARMUP_S": "the pre-study estimate's simulated warm-up, not a search decision",
+    "rehearsal.POLL_S": "the simulated worker's poll interval (the worker's own default)",
+    "residual_gp.KEEP_SETTINGS": "numerics: a bound on the work per prediction",
+    "residual_gp.MAX_LEVERAGE": "numerics: the leave-one-out inflation cap (a point fitted exactly)",
+    "residual_gp._JITTER": "numerics: a Cholesky jitter",
+    "verify_probe.DEFAULT_PREFIX_TOKENS": "the probe's measurement plan: a verify's context length",
+    "verify_probe.MAX_BATCH_TOKENS": "SGLang: the smallest default chunked-prefill size",
+    "verify_probe.PROBE_TOKENS": "SGLang: the draft token counts a tree can carry, up to 64",
+    "verify_probe.SINGLE_RUN_SD": "the probe's measurement prior: a call's timing noise on a quiet host",
     "analysis.Z95": "statistics: the two-sided 95% normal quantile",
     "costs.GRID_STEPS": "SGLang: bench_speculative.py's grid",
     "costs.GRID_TOPK": "SGLang: bench_speculative.py's grid",
