@@ -19,6 +19,7 @@ informative proposals.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -128,7 +129,10 @@ def observations_of(trials: Sequence[FrozenTrial]) -> list[Observation]:
             continue
         if not r.has(A.LEVELS) or not r.has_config:
             continue
-        out.extend(observations_from_attrs(r.config.model_dump(mode="json"), r.levels, r.baseline_levels, r.worker_id))
+        obs = observations_from_attrs(r.config.model_dump(mode="json"), r.levels, r.baseline_levels, r.worker_id)
+        # A believed launch (optimizer.believer) lies on the fit by construction: the fixed form
+        # takes it, the residual GP does not (it would only shrink the misfit sized on real results).
+        out.extend(dataclasses.replace(o, believed=True) for o in obs) if r.has(A.BELIEVED) else out.extend(obs)
     return out
 
 

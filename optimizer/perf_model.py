@@ -78,6 +78,7 @@ class Observation:
     cycle_ratio: float  # cycle time / baseline decode step at the same level and host
     eager: bool = False
     host: str | None = None  # the worker that measured it (its offset is a random effect)
+    believed: bool = False  # a believed launch (optimizer.believer): fitted, but not by the residual GP
 
 
 @dataclass(frozen=True)
@@ -345,8 +346,11 @@ def _fit_acceptance(
     # One AL per configuration (mean over its levels and repeats): acceptance does not depend on
     # the batch, and weighting every level would count one measurement several times.
     by_config: dict[tuple[int, int, int], list[float]] = {}
+    real: set[tuple[int, int, int]] = set()
     for o in obs:
         by_config.setdefault((o.num_steps, o.topk, o.num_draft_tokens), []).append(o.accept_length)
+        if not o.believed:
+            real.add((o.num_steps, o.topk, o.num_draft_tokens))
     keys = list(by_config)
     steps = np.array([k[0] for k in keys], dtype=float)
     topk = np.array([k[1] for k in keys], dtype=float)
@@ -370,7 +374,9 @@ def _fit_acceptance(
     logits, gain = res.x[:depth].copy(), float(res.x[depth])
     cand = Candidates(tuple(), steps, topk, ndt, np.full(len(keys), math.inf))
     resid = np.log(al) - np.log(accept_lengths(steps, topk, ndt, logits, gain))
-    gp = ResidualGP.fit(accept_coords(cand), resid, sd / al, leverage=_leverage(res.jac, len(keys)))
+    m = np.array([k in real for k in keys])
+    lev = _leverage(res.jac, len(keys))
+    gp = ResidualGP.fit(accept_coords(cand)[m], resid[m], (sd / al)[m], leverage=lev[m]) if m.any() else None
     return logits, gain, _laplace(res.jac), gp
 
 
@@ -401,7 +407,9 @@ def _fit_cost(obs: Sequence[Observation]) -> tuple[FloatArray, float, FloatArray
     resid = np.log(ratio) - np.log(cycle_ratios(steps, topk, ndt, batch, cost, knee_at))
     x = np.stack([np.log2(batch * ndt), np.log2(batch), steps / 2.0, np.log2(topk)], axis=1)
     noise = np.full(len(usable), COST_NOISE)
-    gp = ResidualGP.fit(x, resid, noise, leverage=lev, hosts=[o.host for o in usable])
+    m = np.array([not o.believed for o in usable])
+    hosts = [o.host for o, keep in zip(usable, m, strict=True) if keep]
+    gp = ResidualGP.fit(x[m], resid[m], noise[m], leverage=lev[m], hosts=hosts) if m.any() else None
     return cost, knee_at, cov, gp
 
 
