@@ -33,7 +33,7 @@ from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig, max_draft_tokens
 from optimizer.spec import StudySpec
 from optimizer.study_state import Ending, Phase, StudyState
-from spectune_protocol import LevelMetrics
+from spectune_protocol import LeaseKind, LeaseState, LevelMetrics
 from spectune_sim.landscapes import Landscape
 from spectune_sim.model import NoiseModel, check_memory, predict, startup_seconds
 from workers.resolve import resolve
@@ -244,8 +244,8 @@ class SimLease:
     def view(self) -> conductor.LeaseView:
         return conductor.LeaseView(
             id=self.id,
-            kind=self.kind,
-            state=self.state,
+            kind=LeaseKind(self.kind),
+            state=LeaseState(self.state),
             trial_number=self.trial_number,
             worker_id=self.worker_id,
             config_key=None if self.config is None else self.config.key,

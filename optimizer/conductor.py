@@ -39,7 +39,7 @@ from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 from optimizer.study import best_trial_of, is_feasible
 from optimizer.study_state import Ending, FinishReason, Outcome, Phase, StudyState, confirmed_detail
-from spectune_protocol import MAX_RESOLVE_THRESHOLD, Resolve
+from spectune_protocol import MAX_RESOLVE_THRESHOLD, LeaseKind, LeaseState, Resolve
 from spectune_protocol.printable import printable
 
 # A host's baseline that moved by more than this between two measurements has drifted: its
@@ -64,8 +64,8 @@ class LeaseView:
     """A lease of the study, as the conductor needs it."""
 
     id: str
-    kind: str  # baseline | trial | confirm
-    state: str  # queued | active | completed | failed | expired | superseded
+    kind: LeaseKind
+    state: LeaseState
     trial_number: int | None = None
     worker_id: str | None = None
     config_key: str | None = None

@@ -21,6 +21,7 @@ from api.db import db_now
 from api.models import BaselineRow, LeaseRow
 from api.services import lease_rows, study_life
 from api.services.launch_noise import study_noise
+from api.services.lease_rows import ConfirmInfo, LeasePayload
 from api.services.leasing import records
 from api.services.leasing.records import CONFIG_FAILURES, DEPLOY_FAILED, DEPLOY_RETRY, HostHealth, event
 from api.services.leasing.states import LeaseKind, LeaseState, claim, end
@@ -51,31 +52,31 @@ class ConfirmLeases:
         lease = s.get(LeaseRow, action.lease_id, with_for_update=True)
         if lease is None or lease.state != LeaseState.QUEUED:
             return None
-        info = dict(lease.payload.get("confirm") or {})
-        info["baseline_id"] = action.baseline_id
-        info["baseline_fresh"] = action.fresh_baseline
+        stored = LeasePayload.of(lease)
+        info = (stored.confirm or ConfirmInfo()).model_copy(
+            update={"baseline_id": action.baseline_id, "baseline_fresh": action.fresh_baseline}
+        )
         base = s.get(BaselineRow, action.baseline_id)
         assert base is not None
-        payload = {**lease.payload, "confirm": info}
+        payload = stored.model_copy(update={"confirm": info})
         if action.resolve is not None:
             # The conductor's order: more passes on the warm server while the answer straddles a decision.
-            payload["resolve"] = action.resolve.model_dump(mode="json")
+            payload = payload.model_copy(update={"resolve": action.resolve})
         # What the study's deployments taught since it was queued: skip an envelope known to fail.
-        lease_config = payload.get("config")
-        if lease_config is not None and "tier" in info:
+        if payload.config is not None and info.tier is not None:
             # The conductor's deployment (one launch at a time in an envelope nothing started in);
             # without one, what the study's failures leave.
             due = action.deployment or next_deployment(
                 spec,
-                SpecConfig.model_validate(lease_config),
+                payload.config,
                 deploy_failures(s, spec.name),
-                int(info["tier"]) - 1,
+                info.tier - 1,
                 trials,
             )
             if due is None:
                 # Every envelope left is known to run out of memory: launching the queued one
                 # would only repeat a known failure.  The candidate is out, without a launch.
-                cfg = SpecConfig.model_validate(lease_config)
+                cfg = payload.config
                 end(s, lease, LeaseState.FAILED, now)
                 event(
                     s,
@@ -86,11 +87,11 @@ class ConfirmLeases:
                     "it cannot be the answer",
                 )
                 return None
-            if due[0] != int(info["tier"]):
+            if due[0] != info.tier:
                 tier, env = due
-                info |= {"tier": tier, "envelope_note": env.note}
-                payload["server"] = env.settings.model_dump(mode="json")
-        claim(s, lease, action.worker_id, now, self.settings.lease_ttl_s, payload=payload)
+                info = info.model_copy(update={"tier": tier, "envelope_note": env.note})
+                payload = payload.model_copy(update={"confirm": info, "server": env.settings})
+        claim(s, lease, action.worker_id, now, self.settings.lease_ttl_s, payload=payload.doc())
         log.info(
             "lease %s: study %s confirms trial %s on %s", lease.id, spec.name, lease.trial_number, action.worker_id
         )
