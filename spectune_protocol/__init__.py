@@ -24,7 +24,6 @@ from spectune_protocol.errors import (
     SpecError,
 )
 from spectune_protocol.fields import (
-    IN,
     LABEL_KEY_RE,
     LABEL_VALUE_RE,
     MAX_COUNT,
@@ -39,7 +38,6 @@ from spectune_protocol.fields import (
     MIN_TOK_S,
     MODEL_NAME_RE,
     NAME_RE,
-    OUT,
     VERSION_PATTERN,
     Count,
     LabelKey,
@@ -53,7 +51,6 @@ from spectune_protocol.fields import (
     TokS,
     Version,
     Word,
-    anchored,
 )
 from spectune_protocol.inventory import (
     GpuInfo,
@@ -115,7 +112,6 @@ __all__ = [
     "FailureKind",
     "GpuInfo",
     "HeartbeatOut",
-    "IN",
     "Inventory",
     "LABEL_KEY_RE",
     "LABEL_VALUE_RE",
@@ -148,7 +144,6 @@ __all__ = [
     "Millis",
     "ModelName",
     "NAME_RE",
-    "OUT",
     "Plain",
     "ProgressIn",
     "ProgressOut",
@@ -169,7 +164,6 @@ __all__ = [
     "Word",
     "WorkerStanding",
     "Workload",
-    "anchored",
     "json_problem",
     "max_draft_tokens",
 ]
