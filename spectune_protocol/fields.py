@@ -49,7 +49,7 @@ LabelValue = Annotated[str, StringConstraints(pattern=anchored(LABEL_VALUE_RE.pa
 # Printable text without control characters (GPU names, host names).
 Plain = Annotated[str, StringConstraints(pattern=r"^[^\x00-\x1f\x7f]{0,255}$")]
 Word = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:+-]{0,63}$")]
-# A plain file name of a worker's prompt folder, as a workload names it (optimizer.spec.Workload).
+# A plain file name of a worker's prompt folder, as a workload names it (spectune_protocol.workload).
 PromptFile = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")]
 StudyName = Annotated[str, StringConstraints(pattern=anchored(NAME_RE.pattern))]
 # The API's lease ids are uuid4s; any id a worker puts in a URL path is one plain segment.
