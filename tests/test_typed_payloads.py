@@ -113,3 +113,27 @@ def test_lease_kind_and_state_are_defined_once() -> None:
     assert typing.get_type_hints(LeaseOut)["kind"] is LeaseKind
     assert [s for s in LeaseState if s.live] == [LeaseState.QUEUED, LeaseState.ACTIVE]
     assert inspect.isclass(LeaseKind) and {k.value for k in LeaseKind} == {"baseline", "trial", "confirm"}
+
+
+def test_a_worker_view_sends_its_database_times_with_their_utc_offset() -> None:
+    naive = datetime(2026, 1, 1, 12, 0, 0)
+    view = fleet.WorkerView.model_validate(
+        {
+            "id": "w1",
+            "state": "ok",
+            "health": "silent",
+            "quarantine_reason": None,
+            "consecutive_host_failures": 0,
+            "last_seen": naive,
+            "seconds_since_seen": 90.0,
+            "sglang_version": "0.5.23",
+            "config_digest": None,
+            "refusals": [{"study": "s1", "lease_id": None, "at": naive, "message": "no such model"}],
+            "inventory": {"hostname": "gpu-a", "gpus": [{"index": 0, "name": "H100", "memory_mib": 81559}]},
+            "current_lease": {"lease_id": "l1", "study": "s1", "kind": "trial", "trial_number": 3, "deadline": naive},
+            "recent_failures": [{"lease_id": "l0", "study": "s1", "state": "failed", "kind": "oom", "at": naive}],
+        }
+    )
+    doc = view.model_dump(mode="json")
+    assert doc["last_seen"] == doc["refusals"][0]["at"] == doc["current_lease"]["deadline"] == "2026-01-01T12:00:00Z"
+    assert doc["current_lease"]["kind"] == "trial" and doc["inventory"]["gpus"][0]["memory_mib"] == 81559

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Literal
 
 from fastapi import APIRouter
@@ -10,19 +9,21 @@ from pydantic import BaseModel, JsonValue
 
 from api.auth import require_role
 from api.deps import FleetDep, PrincipalDep, UserDep
+from api.documents import UtcDatetime
 from spectune_protocol import LeaseKind, LeaseState
 
 router = APIRouter(prefix="/v1/workers", tags=["fleet"])
 
 
 # What `GET /v1/workers` answers per worker (api.services.fleet.Fleet.list_workers builds it).  The
-# field order is the JSON's; times are the database's (UTC, written without an offset, as before).
+# field order is the JSON's; times are the database's UTC, sent with their offset (RFC 3339, as the
+# schema states and the study documents send them: before the fleet was typed they had none).
 class Refusal(BaseModel):
     """A study this worker refused and is not offered while the refusal stands."""
 
     study: str | None
     lease_id: str | None
-    at: datetime
+    at: UtcDatetime
     message: str
 
 
@@ -31,7 +32,7 @@ class CurrentLease(BaseModel):
     study: str
     kind: LeaseKind
     trial_number: int | None
-    deadline: datetime | None
+    deadline: UtcDatetime | None
 
 
 class RecentFailure(BaseModel):
@@ -39,7 +40,7 @@ class RecentFailure(BaseModel):
     study: str
     state: LeaseState
     kind: str  # the failure's kind as the worker reported it (spectune_protocol.FailureKind), else the state
-    at: datetime | None
+    at: UtcDatetime | None
 
 
 class WorkerView(BaseModel):
@@ -50,7 +51,7 @@ class WorkerView(BaseModel):
     health: Literal["ok", "quarantined", "silent"]
     quarantine_reason: str | None
     consecutive_host_failures: int
-    last_seen: datetime
+    last_seen: UtcDatetime
     seconds_since_seen: float
     sglang_version: str | None
     config_digest: str | None
