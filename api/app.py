@@ -22,6 +22,7 @@ from starlette.routing import compile_path
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api import schema
+from api.auth import authenticate
 from api.context import ServiceContext
 from api.dashboard import DashboardGate, login_router
 from api.errors import ERROR_RESPONSES, MethodNotAllowedError, NotFoundError, install_error_handlers
@@ -162,7 +163,7 @@ def create_app(settings: Settings | None = None, *, check_schema: bool = True) -
         # Every error body is ours ({"error": {...}, "detail": ...}); say so in the schema.
         responses=ERROR_RESPONSES,
     )
-    install_error_handlers(app, on_unhandled=metrics.count_unhandled)
+    install_error_handlers(app, on_unhandled=metrics.count_unhandled, authenticate=authenticate)
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict[str, str]:

@@ -37,6 +37,7 @@ from optuna.exceptions import StorageInternalError
 from pydantic import BaseModel
 from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError, SQLAlchemyError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
+from sqlalchemy.orm import Session
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from optimizer.errors import OptimizerError, SpecError, StudyExistsError, StudyNotFoundError, TrialStateError
@@ -156,7 +157,7 @@ def _body(code: str, message: str, field: str | None = None, **extra: Any) -> di
     return {"error": error, "detail": message}
 
 
-def _from_optimizer(exc: OptimizerError) -> ApiError:
+def _from_optimizer(exc: OptimizerError | SpecError) -> ApiError:
     if isinstance(exc, SpecError):
         return InvalidInputError(str(exc), field=exc.field)
     if isinstance(exc, StudyNotFoundError):
@@ -210,8 +211,21 @@ def _headers(exc: ApiError) -> dict[str, str] | None:
     return None
 
 
-def install_error_handlers(app: FastAPI, on_unhandled: Callable[[Request, Exception], None] | None = None) -> None:
-    """Map every error to the documented shape; `on_unhandled` is told of each unexpected one."""
+# Reads a request's Authorization header and raises AuthError (or a 503) when it is no valid token:
+# api.auth.authenticate.  Passed in, not imported: api.auth raises this module's errors.
+Authenticate = Callable[[Session, str | None], object]
+
+
+def install_error_handlers(
+    app: FastAPI,
+    on_unhandled: Callable[[Request, Exception], None] | None = None,
+    *,
+    authenticate: Authenticate | None = None,
+) -> None:
+    """Map every error to the documented shape; `on_unhandled` is told of each unexpected one.
+
+    `authenticate` checks the token of a request whose body could not be parsed, before the
+    parser's complaint is answered (without it, that complaint is answered to anyone)."""
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -219,6 +233,12 @@ def install_error_handlers(app: FastAPI, on_unhandled: Callable[[Request, Except
 
     @app.exception_handler(OptimizerError)
     async def _optimizer_error(request: Request, exc: OptimizerError) -> JSONResponse:
+        return await _api_error(request, _from_optimizer(exc))
+
+    # The configuration rules' error is the wire package's (spectune_protocol.errors), outside
+    # the optimizer's hierarchy: mapped the same way.
+    @app.exception_handler(SpecError)
+    async def _spec_error(request: Request, exc: SpecError) -> JSONResponse:
         return await _api_error(request, _from_optimizer(exc))
 
     async def _unauthenticated(request: Request) -> JSONResponse | None:
@@ -230,13 +250,13 @@ def install_error_handlers(app: FastAPI, on_unhandled: Callable[[Request, Except
         which check the token before the fields).
         """
         ctx = getattr(request.app.state, "ctx", None)
-        if ctx is None or not request.url.path.startswith("/v1/"):
+        if ctx is None or authenticate is None or not request.url.path.startswith("/v1/"):
             return None
-        from api.auth import authenticate
+        check_token = authenticate
 
         def check() -> None:
             with ctx.sessions() as s:
-                authenticate(s, request.headers.get("authorization"))
+                check_token(s, request.headers.get("authorization"))
 
         try:
             await run_in_threadpool(check)

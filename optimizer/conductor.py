@@ -41,7 +41,7 @@ from optimizer.spec import StudySpec
 from optimizer.store import deploy_failures
 from optimizer.study import best_trial_of, is_feasible
 from optimizer.study_state import Ending, FinishReason, Phase, StudyState, confirmed_detail
-from spectune_protocol import MAX_RESOLVE_THRESHOLD, Resolve
+from spectune_protocol import MAX_RESOLVE_THRESHOLD, LeaseKind, LeaseState, Resolve
 from spectune_protocol.printable import printable
 
 # The conductor's thresholds are the snapshot's policy (optimizer.policy: drift_margin,
@@ -63,8 +63,8 @@ class LeaseView:
     """A lease of the study, as the conductor needs it."""
 
     id: str
-    kind: str  # baseline | trial | confirm
-    state: str  # queued | active | completed | failed | expired | superseded
+    kind: LeaseKind
+    state: LeaseState
     trial_number: int | None = None
     worker_id: str | None = None
     config_key: str | None = None

@@ -1,7 +1,8 @@
 """Errors raised by the optimizer package.
 
+    SpecError                a study spec or configuration breaks a rule (field, message);
+                             the wire package's (spectune_protocol.errors): SpecConfig's rules raise it
     OptimizerError
-    ├── SpecError            a study spec or configuration breaks a rule (field, message)
     ├── StudyNotFoundError   no study of that name
     ├── StudyExistsError     a study of that name exists already
     └── TrialStateError      the trial cannot take that report (finished, unknown)
@@ -11,18 +12,11 @@ The API maps these to HTTP once, in `api.errors`.
 
 from __future__ import annotations
 
+from spectune_protocol.errors import SpecError as SpecError
+
 
 class OptimizerError(Exception):
     """Base of every error the optimizer raises on purpose."""
-
-
-class SpecError(OptimizerError):
-    """A spec or configuration is invalid.  `field` is a dotted path into the spec."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
 
 
 class StudyNotFoundError(OptimizerError):

@@ -26,6 +26,7 @@ from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 from optimizer.store import ConfigState, ConfirmInfo, Deployment, LeaseRecord, PriorLaunch
 from optimizer.study_state import Ending, Phase, StudyState
+from spectune_protocol import LeaseKind, LeaseState
 
 
 @dataclass
@@ -56,8 +57,8 @@ class SimLease:
     def view(self) -> conductor.LeaseView:
         return conductor.LeaseView(
             id=self.id,
-            kind=self.kind,
-            state=self.state,
+            kind=LeaseKind(self.kind),
+            state=LeaseState(self.state),
             trial_number=self.trial_number,
             worker_id=self.worker_id,
             config_key=None if self.config is None else self.config.key,

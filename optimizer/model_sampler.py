@@ -19,7 +19,6 @@ informative proposals.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import logging
@@ -38,17 +37,18 @@ from optuna.trial import FrozenTrial, TrialState
 from scipy.stats import norm
 
 from optimizer import attrs as A
-from optimizer import deployability, launch_cost, stop_rules
+from optimizer import deployability, launch_cost, ranking, stop_rules
+from optimizer.gains import coords as coords
+from optimizer.gains import gain_over as gain_over
+from optimizer.gains import objective_levels as objective_levels
+from optimizer.gains import observations_of as observations_of
 from optimizer.infeasible import known_to_fail, oom_points
 from optimizer.params import distributions
 from optimizer.perf_model import (
-    MODEL_FLOOR,
     Candidates,
     FittedModel,
     FloatArray,
-    Observation,
     fit,
-    observations_from_attrs,
 )
 from optimizer.policy import DEFAULT_POLICY
 from optimizer.space import SearchSpace, SpecConfig, params_of, published_starts, with_largest_graph
@@ -106,13 +106,6 @@ class Proposal:
     purpose: str | None = None
 
 
-def objective_levels(spec: StudySpec) -> tuple[list[int], list[float]]:
-    if spec.objective.concurrency is not None:
-        return [spec.objective.concurrency], [1.0]
-    levels = list(spec.workload.concurrency)
-    return levels, [1.0] * len(levels)
-
-
 @functools.lru_cache(maxsize=32)
 def _space_configs(space_json: str) -> tuple[SpecConfig, ...]:
     return tuple(SearchSpace.model_validate_json(space_json).iter_configs())
@@ -120,20 +113,6 @@ def _space_configs(space_json: str) -> tuple[SpecConfig, ...]:
 
 def space_configs(space: SearchSpace) -> tuple[SpecConfig, ...]:
     return _space_configs(space.model_dump_json())
-
-
-def observations_of(trials: Sequence[FrozenTrial]) -> list[Observation]:
-    out: list[Observation] = []
-    for r in A.records(trials):
-        if r.state not in (TrialState.COMPLETE, TrialState.PRUNED) or r.has(A.DUPLICATE_OF):
-            continue
-        if not r.has(A.LEVELS) or not r.has_config:
-            continue
-        obs = observations_from_attrs(r.config.model_dump(mode="json"), r.levels, r.baseline_levels, r.worker_id)
-        # A believed launch (optimizer.believer) lies on the fit by construction: the fixed form
-        # takes it, the residual GP does not (it would only shrink the misfit sized on real results).
-        out.extend(dataclasses.replace(o, believed=True) for o in obs) if r.has(A.BELIEVED) else out.extend(obs)
-    return out
 
 
 def _tried_keys(trials: Sequence[FrozenTrial]) -> set[str]:
@@ -164,21 +143,6 @@ def best_measured_trial(trials: Sequence[FrozenTrial]) -> FrozenTrial | None:
     return best
 
 
-def gain_over(
-    spec: StudySpec, model: FittedModel, pool: Sequence[SpecConfig], ref: SpecConfig, floor_sd: float = MODEL_FLOOR
-) -> tuple[FloatArray, FloatArray]:
-    """Mean and sd of log(candidate / incumbent) by the model (FittedModel.predict_gain).
-
-    The model's misspecification floor (`floor_sd` far from the incumbent; the convergence stop
-    passes what the model's own predictions missed by) hits a near-copy of the incumbent as much
-    as the incumbent itself, so it grows with the distance between the two servers (`coords`).
-    """
-    levels, weights = objective_levels(spec)
-    dist = np.sqrt(((coords(pool) - coords([ref])) ** 2).sum(axis=1))
-    floor = floor_sd * np.minimum(1.0, dist / 8.0)
-    return model.predict_gain(Candidates.of(pool), Candidates.of([ref]), levels, weights, floor)
-
-
 @dataclass(frozen=True)
 class OpenPool:
     """Configurations still worth a launch, with each one's probability of running out of memory."""
@@ -206,14 +170,6 @@ def open_pool(spec: StudySpec, trials: Sequence[FrozenTrial]) -> OpenPool:
     w = deployability.weigh(spec, trials, pool)
     pool = [c for c, k in zip(pool, w.keep, strict=True) if k]
     return OpenPool(pool, w.p_fail[w.keep], pending_configs(trials))
-
-
-def coords(configs: Sequence[SpecConfig]) -> FloatArray:
-    """Where a configuration sits for "how alike are two servers": steps in twos, log2 topk,
-    log2 draft tokens in halves."""
-    return np.array(
-        [[c.num_steps / 2.0, math.log2(c.topk), 2.0 * math.log2(c.num_draft_tokens)] for c in configs], dtype=float
-    ).reshape(len(configs), 3)
 
 
 def _lattice(c: SpecConfig, space: SearchSpace) -> tuple[int, int, int, int]:
@@ -355,9 +311,6 @@ def propose(
         # candidate beat the bar, as the model sees both, by more than min_gain?  Measuring
         # where that is most likely also settles the study soonest.  The bar is the incumbent,
         # or where the model ranks the confirmed candidates, the one it ranks first.
-        # Imported here: optimizer.ranking is built on this module's gain_over.
-        from optimizer import ranking
-
         check = stop_rules.prediction_check(trials)
         ref = A.TrialRecord(ranking.bar_of(spec, trials, model, check, best)).config
         diff, sd = gain_over(spec, model, pool, ref)

@@ -28,8 +28,8 @@ from scipy.stats import norm
 from optimizer import attrs as A
 from optimizer import confirmation as confirm
 from optimizer import stop_rules as R
+from optimizer.gains import gain_over, objective_levels, observations_of
 from optimizer.memo import PerStudyMemo
-from optimizer.model_sampler import gain_over, objective_levels, observations_of
 from optimizer.perf_model import MODEL_FLOOR, Candidates, FittedModel, fit
 from optimizer.policy import DEFAULT_POLICY
 from optimizer.space import SpecConfig

@@ -28,77 +28,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from optimizer.errors import SpecError
 from optimizer.policy import DEFAULT_POLICY
+from spectune_protocol.speculative import BOUND_TEXT as BOUND_TEXT
+from spectune_protocol.speculative import MAX_DRAFT_TOKENS as MAX_DRAFT_TOKENS
+from spectune_protocol.speculative import MAX_STEPS as MAX_STEPS
+from spectune_protocol.speculative import MAX_TOPK as MAX_TOPK
+from spectune_protocol.speculative import MIN_DRAFT_TOKENS as MIN_DRAFT_TOKENS
+from spectune_protocol.speculative import SpecConfig as SpecConfig
+from spectune_protocol.speculative import max_draft_tokens as max_draft_tokens
 
-MIN_DRAFT_TOKENS = 2
-# The most draft tokens a configuration may ask for (SpecConfig's limit; SGLang allocates a tree
-# of this many nodes per request).
-MAX_DRAFT_TOKENS = 1024
-MAX_STEPS = 64
-MAX_TOPK = 64
-
-
-BOUND_TEXT = "draft tokens - 1 <= topk + (steps - 1) * topk^2"
-
-
-def max_draft_tokens(num_steps: int, topk: int) -> int:
-    """The largest draft-token count SGLang can fill for a tree of this depth and width.
-
-    A chain (topk 1) has exactly steps + 1; a tree offers topk candidates after the first draft
-    step and topk^2 after each later one, plus the root.
-    """
-    if topk == 1:
-        return num_steps + 1
-    return topk + (num_steps - 1) * topk * topk + 1
-
-
-class SpecConfig(BaseModel):
-    """One speculative configuration, as SGLang will run it once `canonical()` has been applied."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    num_steps: int = Field(ge=1, le=MAX_STEPS)
-    topk: int = Field(ge=1, le=MAX_TOPK)
-    num_draft_tokens: int = Field(ge=1, le=MAX_DRAFT_TOKENS)
-    # Largest captured CUDA-graph batch size; None means "whatever the study's workload needs".
-    cuda_graph_max_bs: int | None = Field(default=None, ge=1, le=4096)
-
-    def canonical(self) -> SpecConfig:
-        """The configuration SGLang would actually run for these flags."""
-        if self.topk == 1 and self.num_draft_tokens != self.num_steps + 1:
-            return self.model_copy(update={"num_draft_tokens": self.num_steps + 1})
-        return self
-
-    def check(self) -> SpecConfig:
-        """Return the canonical form, or raise SpecError when SGLang cannot run it."""
-        c = self.canonical()
-        limit = max_draft_tokens(c.num_steps, c.topk)
-        if c.num_draft_tokens > limit:
-            raise SpecError(
-                "num_draft_tokens",
-                f"{c.num_draft_tokens} draft tokens cannot be filled by {c.num_steps} steps of topk "
-                f"{c.topk}: SGLang needs {BOUND_TEXT}, so at most {limit}",
-            )
-        if c.num_draft_tokens < MIN_DRAFT_TOKENS:
-            raise SpecError("num_draft_tokens", f"must be at least {MIN_DRAFT_TOKENS}")
-        return c
-
-    @property
-    def dominated(self) -> bool:
-        """A tree deeper in steps than its draft tokens can use: same tree as steps = draft tokens - 1,
-        more draft passes (module docstring).  Valid for SGLang, never worth a launch."""
-        c = self.canonical()
-        return c.topk > 1 and c.num_steps > c.num_draft_tokens - 1
-
-    @property
-    def key(self) -> str:
-        """A stable text key of the canonical form (used for de-duplication in storage)."""
-        c = self.canonical()
-        bs = "auto" if c.cuda_graph_max_bs is None else str(c.cuda_graph_max_bs)
-        return f"s{c.num_steps}-k{c.topk}-n{c.num_draft_tokens}-bs{bs}"
-
-    @property
-    def per_token_accept_denominator(self) -> int:
-        return self.canonical().num_draft_tokens - 1
+# The configuration itself (its fields and SGLang's rules on them) travels in leases, so it is the
+# wire package's (spectune_protocol.speculative); the space searched over it is this module's.
 
 
 class IntRange(BaseModel):

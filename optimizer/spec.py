@@ -14,18 +14,18 @@ from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, StringConstraint
 
 from optimizer.errors import SpecError
 from optimizer.space import SearchSpace, SpecConfig
-
-# `\Z`, not `$`: `$` also matches before a trailing newline, so "abc\n" would pass.
-NAME_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}\Z")
-MODEL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,127}\Z")
+from spectune_protocol.fields import LABEL_KEY_RE as LABEL_KEY_RE
+from spectune_protocol.fields import LABEL_VALUE_RE as LABEL_VALUE_RE
+from spectune_protocol.fields import MODEL_NAME_RE as MODEL_NAME_RE
+from spectune_protocol.fields import NAME_RE as NAME_RE
+from spectune_protocol.workload import MAX_CONCURRENCY_LEVELS as MAX_CONCURRENCY_LEVELS
+from spectune_protocol.workload import Workload as Workload
 
 # Seeds Optuna's samplers (numpy) accept; optimizer.study derives per-ask seeds from it modulo 2**32.
 MAX_SEED = 2**32 - 1
 # Budgets must stay within what datetime arithmetic handles (timedelta overflows near 2.7e10 h);
 # 100,000 hours is about 11 years, longer than any study.
 MAX_HOURS = 100_000.0
-# A trial reports at most this many levels (api.protocol.Metrics), so a spec may ask for no more.
-MAX_CONCURRENCY_LEVELS = 64
 MAX_PATIENCE = 10_000
 # Numeric extra_args values: within what SGLang's int/float flags can hold.
 MAX_INT_ARG = 2**31 - 1
@@ -79,11 +79,6 @@ EXTRA_ARG_ALLOWLIST: dict[str, type | None] = {
 }
 # A word value starts with a letter or digit: "--host" or "-x" would read as an option to argparse.
 _SAFE_VALUE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+-]{0,63}\Z")
-# Placement labels: the keys and values a worker may carry (spectune_protocol.Inventory).
-LABEL_KEY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,62}\Z")
-LABEL_VALUE_RE = re.compile(r"[^\x00-\x1f\x7f]{0,128}\Z")
-_BUILTIN_PROMPTS_RE = re.compile(r"builtin:[a-z0-9_-]{1,32}\Z")
-_PROMPT_FILE_RE = re.compile(r"[A-Za-z0-9._-]{1,128}\Z")
 
 # Every spec model refuses NaN and +-Infinity (JSON `NaN`, `Infinity`, and `1e309`, which Python
 # reads as infinity): they would be stored, then sent to workers as null, or break arithmetic.
@@ -152,73 +147,6 @@ class ModelSection(BaseModel):
                     f"{flag} takes a short word (letters, digits, . _ : + -) starting with a letter or digit, "
                     f"got {str(value)[:70]!r}"
                 )
-        return v
-
-
-class Workload(BaseModel):
-    model_config = _STRICT
-
-    # "builtin:<name>" for a prompt set shipped with spectune, or a file name inside the worker's
-    # configured prompt folder (never a path chosen here).
-    prompts: str = Field(default="builtin:chat", max_length=128)
-    output_len: int = Field(default=256, ge=1, le=32768)
-    num_prompts: int = Field(default=64, ge=1, le=100_000)
-    concurrency: list[int] = Field(default_factory=lambda: [1], max_length=MAX_CONCURRENCY_LEVELS)
-    warmup_requests: int = Field(default=4, ge=0, le=10_000)
-    repeats: int = Field(default=3, ge=1, le=100)
-    # Output lengths: "fixed" (every request output_len tokens), "uniform" (each request draws
-    # from output_len_min..output_len), or "dataset" (the lengths the prompt file records: an
-    # explicit output_len / max_tokens, or the recorded reply's length; output_len for records
-    # without one).  Drawn with a fixed seed: the baseline and every trial send the same requests.
-    output_len_source: Literal["fixed", "uniform", "dataset"] = "fixed"
-    output_len_min: int | None = Field(default=None, ge=1, le=32768)
-    # Input lengths: None sends the prompts as they are; else each prompt is cut or repeated to a
-    # length drawn from input_len_min..input_len (estimated tokens, 4 characters a token).
-    input_len: int | None = Field(default=None, ge=1, le=131072)
-    input_len_min: int | None = Field(default=None, ge=1, le=131072)
-    # Open loop: requests arrive at this rate (req/s, Poisson arrivals with a fixed seed, as
-    # `sglang.bench_serving --request-rate`), each concurrency level capping the requests in
-    # flight (its --max-concurrency).  None: closed loop, `concurrency` requests always in flight.
-    request_rate: float | None = Field(default=None, gt=0, le=100_000)
-    # Fixed: greedy decoding and ignore_eos make every request exactly its output length long and
-    # acceptance reproducible (docs/sglang.md §9).
-    temperature: Literal[0] = 0
-    ignore_eos: Literal[True] = True
-
-    @model_validator(mode="after")
-    def _lengths(self) -> Workload:
-        if self.output_len_source == "uniform":
-            low = self.output_len_min
-            if low is None or low > self.output_len:
-                raise ValueError(
-                    "output_len_source 'uniform' needs output_len_min <= output_len (the range drawn from)"
-                )
-        elif self.output_len_min is not None:
-            raise ValueError("output_len_min is only used with output_len_source 'uniform'")
-        if self.input_len_min is not None and (self.input_len is None or self.input_len_min > self.input_len):
-            raise ValueError("input_len_min needs input_len, and input_len_min <= input_len")
-        return self
-
-    @field_validator("concurrency")
-    @classmethod
-    def _levels(cls, v: list[int]) -> list[int]:
-        if not v:
-            raise ValueError("give at least one concurrency level, e.g. [1]")
-        if any(c < 1 or c > 4096 for c in v) or len(set(v)) != len(v):
-            raise ValueError(f"levels must be distinct integers in 1..4096, got {v}")
-        return sorted(v)
-
-    @field_validator("prompts")
-    @classmethod
-    def _prompts(cls, v: str) -> str:
-        if v.startswith("builtin:"):
-            if not _BUILTIN_PROMPTS_RE.match(v):
-                raise ValueError("builtin prompt sets are named like 'builtin:chat'")
-            return v
-        if "/" in v or "\\" in v or v.startswith(".") or not _PROMPT_FILE_RE.match(v):
-            raise ValueError(
-                "prompts is 'builtin:<set>' or a plain file name inside the worker's prompt folder (no path)"
-            )
         return v
 
 

@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from spectune_sim.landscapes import Landscape
+from spectune_sim.landscape import Landscape
 from spectune_sim.model import NoiseModel, check_memory, true_optimum
 from spectune_sim.rules import DraftTree, TreeGrid
 

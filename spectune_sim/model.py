@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Literal, Protocol, TypedDict, TypeVar, Unpack
 
-from spectune_sim.landscapes import Landscape
+from spectune_sim.landscape import Landscape
 from spectune_sim.rules import AdaptivePlan, DraftLike, DraftTree, draft_token_limit
 
 C = TypeVar("C", bound=DraftLike)

@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -180,7 +180,7 @@ class ApiClient:
     def lease(self, inventory: Inventory, *, retry_for_s: float | None = None) -> LeaseOut | None:
         """Ask for work: a lease, or None when the API has none for this worker (204)."""
         path = f"/v1/workers/{quote(self._worker_id, safe='')}/lease"
-        resp = self._request("POST", path, inventory.model_dump(mode="json"), "lease", retry_for_s)
+        resp = self._request("POST", path, inventory, "lease", retry_for_s)
         self.standing = _standing_of(resp)
         if resp.status_code == 204:
             return None
@@ -198,13 +198,13 @@ class ApiClient:
 
     def progress(self, lease_id: str, body: ProgressIn, *, retry_for_s: float | None = None) -> ProgressOut:
         path = self._lease_path(lease_id, "progress")
-        resp = self._request("POST", path, body.model_dump(mode="json"), "progress", retry_for_s)
+        resp = self._request("POST", path, body, "progress", retry_for_s)
         return self._parse(resp, ProgressOut, "progress")
 
     def complete(self, lease_id: str, body: CompleteIn, *, retry_for_s: float | None = None) -> CompleteOut:
         """Report a lease's outcome.  Idempotent on the API side, so a retry after a lost answer is safe."""
         path = self._lease_path(lease_id, "complete")
-        resp = self._request("POST", path, body.model_dump(mode="json"), "complete", retry_for_s)
+        resp = self._request("POST", path, body, "complete", retry_for_s)
         return self._parse(resp, CompleteOut, "complete")
 
     # -- plumbing -----------------------------------------------------------------------------
@@ -214,14 +214,16 @@ class ApiClient:
         return f"/v1/leases/{quote(lease_id, safe='')}/{action}"
 
     def _request(
-        self, method: str, path: str, body: dict[str, Any] | None, what: str, retry_for_s: float | None
+        self, method: str, path: str, body: BaseModel | None, what: str, retry_for_s: float | None
     ) -> httpx.Response:
+        # Every body is a protocol model, written as JSON once (the same text on every retry).
+        json_body = None if body is None else body.model_dump(mode="json")
         window = self._retry_for_s if retry_for_s is None else retry_for_s
         deadline = self._clock() + window
         attempt = 0
         while True:
             try:
-                resp = self._http.request(method, path, json=body, headers=self._auth)
+                resp = self._http.request(method, path, json=json_body, headers=self._auth)
             except httpx.TransportError as e:
                 problem, hint = f"{type(e).__name__}: {e}", None
             else:

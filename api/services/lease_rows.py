@@ -10,41 +10,81 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime, timedelta
-from enum import StrEnum
-from typing import Any
+from typing import cast
+
+from pydantic import BaseModel, ConfigDict, JsonValue
 
 from api.models import LeaseRow
 from optimizer.objective import slo_of
 from optimizer.plan import server_settings, workload_doc
-from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 
-
-class LeaseKind(StrEnum):
-    BASELINE = "baseline"
-    TRIAL = "trial"
-    CONFIRM = "confirm"
-
-
-class LeaseState(StrEnum):
-    QUEUED = "queued"
-    ACTIVE = "active"
-    COMPLETED = "completed"
-    FAILED = "failed"
-    EXPIRED = "expired"
-    SUPERSEDED = "superseded"
+# Defined once, in the wire package (a worker reads a lease's kind too); imported from here by
+# the lease service and study_life as before.
+from spectune_protocol import LeaseKind as LeaseKind
+from spectune_protocol import LeaseState as LeaseState
+from spectune_protocol import Resolve, ServerSettings, Slo, SpecConfig, Workload
 
 
-def lease_payload(spec: StudySpec, config: SpecConfig | None, **extra: Any) -> dict[str, Any]:
+class ConfirmInfo(BaseModel):
+    """A confirm lease's bookkeeping, stored with its payload and never sent to the worker.
+
+    Each key is in the stored JSON only where it was written (`LeasePayload.doc`): an adaptive
+    proof has no `tier`, and `baseline_id` / `baseline_fresh` come when a worker claims it.
+    Keys of another release are kept as they were."""
+
+    model_config = ConfigDict(extra="allow")
+
+    adaptive: bool | None = None  # True for the adaptive proof (no tier: no smaller envelope)
+    avoid_worker: str | None = None  # confirm elsewhere than where it was found
+    search_speedup: float | None = None  # what the search measured
+    tier: int | None = None  # the deployment envelope it is queued or launched in
+    envelope_note: str | None = None
+    baseline_id: int | None = None  # the baseline it is paired with, once claimed
+    baseline_fresh: bool | None = None
+
+
+class LeasePayload(BaseModel):
+    """What a lease row stores to run it: what the worker receives (spectune_protocol.LeaseOut
+    adds the lease's id, kind, study and deadline), and a confirmation's bookkeeping."""
+
+    model_config = ConfigDict(extra="allow")
+
+    server: ServerSettings
+    workload: Workload
+    config: SpecConfig | None = None
+    # Only a goodput objective sends one: every other lease's payload is as before.
+    slo: Slo | None = None
+    resolve: Resolve | None = None
+    confirm: ConfirmInfo | None = None
+
+    @classmethod
+    def of(cls, row: LeaseRow) -> LeasePayload:
+        return cls.model_validate(row.payload)
+
+    def doc(self) -> dict[str, JsonValue]:
+        """The stored JSON: the settings and configuration whole, the workload in the form baseline
+        keys hash (optimizer.plan.workload_doc), the optional parts only where they were set."""
+        out: dict[str, JsonValue] = self.model_dump(mode="json", exclude_unset=True)
+        out["server"] = self.server.model_dump(mode="json")
+        out["workload"] = cast(JsonValue, workload_doc(self.workload))
+        out["config"] = None if self.config is None else self.config.model_dump(mode="json")
+        for part in ("slo", "resolve"):
+            model = getattr(self, part)
+            if model is not None:
+                out[part] = model.model_dump(mode="json")
+        return out
+
+
+def lease_payload(spec: StudySpec, config: SpecConfig | None, *, confirm: ConfirmInfo | None = None) -> LeasePayload:
     """What a worker needs to run a lease: server settings, workload and configuration."""
-    return {
-        "server": server_settings(spec, config).model_dump(mode="json"),
-        "workload": workload_doc(spec.workload),
-        "config": None if config is None else config.model_dump(mode="json"),
-        # Only a goodput objective sends one: every other lease's payload is as before.
-        **({"slo": slo} if (slo := slo_of(spec.objective)) is not None else {}),
-        **extra,
-    }
+    slo = slo_of(spec.objective)
+    payload = LeasePayload(server=server_settings(spec, config), workload=spec.workload, config=config)
+    if slo is not None:
+        payload.slo = Slo.model_validate(slo)
+    if confirm is not None:
+        payload.confirm = confirm
+    return payload
 
 
 def new_lease_id() -> str:
@@ -61,7 +101,7 @@ def new_lease_row(
     config: SpecConfig | None,
     number: int | None,
     attempt: int = 1,
-    payload: dict[str, Any] | None = None,
+    payload: LeasePayload | None = None,
 ) -> LeaseRow:
     """A new lease: active for `worker_id`, or queued for any worker when it is None."""
     active = worker_id is not None
@@ -74,7 +114,7 @@ def new_lease_row(
         trial_number=number,
         attempt=attempt,
         config_key=None if config is None else config.key,
-        payload=payload if payload is not None else lease_payload(spec, config),
+        payload=(payload if payload is not None else lease_payload(spec, config)).doc(),
         created_at=now,
         leased_at=now if active else None,
         deadline=now + timedelta(seconds=ttl_s) if active else None,

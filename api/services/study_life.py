@@ -25,7 +25,7 @@ from api.errors import ConflictError
 from api.models import ApiToken, BaselineRow, EventRow, LeaseRow, StudyRow, TrialConfigRow, WorkerIdentity, WorkerRow
 from api.services.eligibility import requirements_unmet
 from api.services.launch_noise import confirm_measurement
-from api.services.lease_rows import LeaseKind, LeaseState, lease_payload, new_lease_row
+from api.services.lease_rows import ConfirmInfo, LeaseKind, LeaseState, lease_payload, new_lease_row
 from api.services.refusals import active_refusals
 from api.services.study_specs import baseline_key_of
 from api.settings import Settings
@@ -96,8 +96,8 @@ def snapshot(
     leases = [
         c.LeaseView(
             id=r.id,
-            kind=r.kind,
-            state=r.state,
+            kind=LeaseKind(r.kind),
+            state=LeaseState(r.state),
             trial_number=r.trial_number,
             worker_id=r.worker_id,
             config_key=r.config_key,
@@ -381,18 +381,14 @@ def _queue_confirmations(s: Session, spec: StudySpec, candidates: Sequence[c.Can
         # The adaptive proof has no tier: if it does not start, the next smaller graph envelope of
         # its own server is tried (api.services.leasing.confirm), and when none is left the answer
         # falls back to what the other confirmations proved (api.services.studies).
-        info: dict[str, Any] = (
-            {"adaptive": True, "avoid_worker": None, "search_speedup": None, "envelope_note": ""}
+        info = (
+            ConfirmInfo(adaptive=True, avoid_worker=None, search_speedup=None, envelope_note="")
             if cand.adaptive
-            else {
-                "avoid_worker": cand.avoid_worker,
-                "search_speedup": cand.search_speedup,
-                "tier": tier,
-                "envelope_note": env.note,
-            }
+            else ConfirmInfo(
+                avoid_worker=cand.avoid_worker, search_speedup=cand.search_speedup, tier=tier, envelope_note=env.note
+            )
         )
-        payload = lease_payload(spec, cand.config, confirm=info)
-        payload["server"] = env.settings.model_dump(mode="json")
+        payload = lease_payload(spec, cand.config, confirm=info).model_copy(update={"server": env.settings})
         row_ = new_lease_row(
             spec,
             LeaseKind.CONFIRM,

@@ -15,13 +15,14 @@ from sqlalchemy.orm import Session
 
 from api.db import db_now
 from api.models import BaselineRow, EventRow, LeaseRow, TrialConfigRow, WorkerIdentity, WorkerRow
+from api.services.lease_rows import LeasePayload
 from api.services.leasing.states import ConfigState
 from api.settings import Settings
 from optimizer.store import CONFIG_FAILURES as CONFIG_FAILURES
 from optimizer.store import DEPLOY_FAILED as DEPLOY_FAILED
 from optimizer.store import DEPLOY_RETRY as DEPLOY_RETRY
 from optimizer.words import plural
-from spectune_protocol import LeaseOut
+from spectune_protocol import LeaseKind, LeaseOut
 
 log = logging.getLogger("spectune.api.leasing")
 
@@ -42,22 +43,20 @@ def counts_against_host(kind: str) -> bool:
 
 def lease_out(lease: LeaseRow, settings: Settings) -> LeaseOut:
     assert lease.deadline is not None
-    p = lease.payload
-    return LeaseOut.model_validate(
-        {
-            "lease_id": lease.id,
-            "kind": lease.kind,
-            "study": lease.study_name,
-            "trial_number": lease.trial_number,
-            "attempt": lease.attempt,
-            "deadline": lease.deadline.replace(tzinfo=UTC),
-            "heartbeat_interval_s": settings.heartbeat_interval_s,
-            "server": p["server"],
-            "workload": p["workload"],
-            "config": p.get("config"),
-            "resolve": p.get("resolve"),
-            "slo": p.get("slo"),
-        }
+    p = LeasePayload.of(lease)
+    return LeaseOut(
+        lease_id=lease.id,
+        kind=LeaseKind(lease.kind),
+        study=lease.study_name,
+        trial_number=lease.trial_number,
+        attempt=lease.attempt,
+        deadline=lease.deadline.replace(tzinfo=UTC),
+        heartbeat_interval_s=settings.heartbeat_interval_s,
+        server=p.server,
+        workload=p.workload,
+        config=p.config,
+        resolve=p.resolve,
+        slo=p.slo,
     )
 
 

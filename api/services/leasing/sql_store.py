@@ -127,7 +127,9 @@ class SqlStudyStore:
                 rec = lease_record(r)
                 failure = ((r.result or {}).get("failure") or {}).get("kind")
                 views.append(
-                    conductor.LeaseView(r.id, r.kind, r.state, config=rec.config, tier=rec.tier, failure=failure)
+                    conductor.LeaseView(
+                        r.id, LeaseKind(r.kind), LeaseState(r.state), config=rec.config, tier=rec.tier, failure=failure
+                    )
                 )
         return st.deploy_failures(views)
 

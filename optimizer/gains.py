@@ -1,0 +1,64 @@
+"""How much the performance model expects one configuration to gain over another.
+
+What the sampler aims with (optimizer.model_sampler) and what the ranking of candidates is built
+on (optimizer.ranking): both import it, so neither imports the other for it (the sampler asks the
+ranking for the bar its proposals must beat).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import numpy as np
+from optuna.trial import FrozenTrial, TrialState
+
+from optimizer import attrs as A
+from optimizer.perf_model import MODEL_FLOOR, Candidates, FittedModel, FloatArray, Observation, observations_from_attrs
+from optimizer.space import SpecConfig
+from optimizer.spec import StudySpec
+
+
+def objective_levels(spec: StudySpec) -> tuple[list[int], list[float]]:
+    if spec.objective.concurrency is not None:
+        return [spec.objective.concurrency], [1.0]
+    levels = list(spec.workload.concurrency)
+    return levels, [1.0] * len(levels)
+
+
+def observations_of(trials: Sequence[FrozenTrial]) -> list[Observation]:
+    out: list[Observation] = []
+    for r in A.records(trials):
+        if r.state not in (TrialState.COMPLETE, TrialState.PRUNED) or r.has(A.DUPLICATE_OF):
+            continue
+        if not r.has(A.LEVELS) or not r.has_config:
+            continue
+        obs = observations_from_attrs(r.config.model_dump(mode="json"), r.levels, r.baseline_levels, r.worker_id)
+        # A believed launch (optimizer.believer) lies on the fit by construction: the fixed form
+        # takes it, the residual GP does not (it would only shrink the misfit sized on real results).
+        out.extend(dataclasses.replace(o, believed=True) for o in obs) if r.has(A.BELIEVED) else out.extend(obs)
+    return out
+
+
+def coords(configs: Sequence[SpecConfig]) -> FloatArray:
+    """Where a configuration sits for "how alike are two servers": steps in twos, log2 topk,
+    log2 draft tokens in halves."""
+    return np.array(
+        [[c.num_steps / 2.0, math.log2(c.topk), 2.0 * math.log2(c.num_draft_tokens)] for c in configs], dtype=float
+    ).reshape(len(configs), 3)
+
+
+def gain_over(
+    spec: StudySpec, model: FittedModel, pool: Sequence[SpecConfig], ref: SpecConfig, floor_sd: float = MODEL_FLOOR
+) -> tuple[FloatArray, FloatArray]:
+    """Mean and sd of log(candidate / incumbent) by the model (FittedModel.predict_gain).
+
+    The model's misspecification floor (`floor_sd` far from the incumbent; the convergence stop
+    passes what the model's own predictions missed by) hits a near-copy of the incumbent as much
+    as the incumbent itself, so it grows with the distance between the two servers (`coords`).
+    """
+    levels, weights = objective_levels(spec)
+    dist = np.sqrt(((coords(pool) - coords([ref])) ** 2).sum(axis=1))
+    floor = floor_sd * np.minimum(1.0, dist / 8.0)
+    return model.predict_gain(Candidates.of(pool), Candidates.of([ref]), levels, weights, floor)
