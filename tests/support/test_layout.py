@@ -114,7 +114,7 @@ def test_every_folder_stands_for_a_first_party_package_or_a_named_exception() ->
 
 def test_every_folder_is_a_package_so_two_folders_may_hold_one_file_name() -> None:
     """pytest's default import mode (prepend) names a test module by its package path: without
-    `__init__.py`, tests/api/test_cli.py and a tests/workers/test_cli.py would both be `test_cli`."""
+    `__init__.py`, a test_config.py in two folders would be one module, `test_config`."""
     config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
     assert "--import-mode" not in " ".join(config.get("addopts", [])), "the check below assumes prepend mode"
     assert (TESTS / "__init__.py").is_file()
