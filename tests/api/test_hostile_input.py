@@ -5,7 +5,7 @@ terminal escapes printed raw by `study show`; spreadsheet formulas in the CSV ex
 cross-origin sign-in; `?after=abc` answered 500 by the dashboard; an anonymous body parsed (422)
 before the token was checked (401).  The worker's side (a NaN heartbeat interval from a
 compromised API, a busy loop; a newline in a lease's study name, a forged worker log line) is in
-tests/workers/test_untrusted_api.py.
+tests/workers/test_hostile_input.py.
 """
 
 from __future__ import annotations
