@@ -75,7 +75,7 @@ typecheck: setup
 
 # spectune's flags, defaults and adaptive schema against the source of every SGLang wheel listed in
 # workers/launcher/supported.py (downloaded once into ~/.cache/spectune/sglang-wheels; keep that
-# folder in CI's cache).  tests/test_conformance.py runs the same check inside `make test`.
+# folder in CI's cache).  tests/spectune/test_conformance.py runs the same check inside `make test`.
 conformance: setup
 	$(BIN)/python -m spectune.conformance
 

@@ -77,7 +77,7 @@ def install_sqlite_transactions(engine: Engine, *, immediate: bool = True) -> No
     deferred transaction reads, then fails with "database is locked" (without waiting: the busy
     timeout does not apply to a read lock that must be upgraded) or, worse, two of them read the
     same row before either writes.  That is how two concurrent asks once popped the same enqueued
-    Optuna trial and a worker relaunched its server in a loop (tests/test_lease_livelock.py).
+    Optuna trial and a worker relaunched its server in a loop (tests/api/test_lease_livelock.py).
     `BEGIN IMMEDIATE` waits for the busy timeout instead and serialises read-then-write steps.
     """
 

@@ -47,7 +47,7 @@ def running_trials_started_before(engine: Engine, before: datetime) -> dict[str,
     `before` is naive UTC (the database clock), as Optuna 5 stores `datetime_start` in its table
     whatever the process's zone (its model converts local time to naive UTC on write and back on
     read, `storages/_rdb/models.py`): the comparison holds under any TZ
-    (tests/test_chaos_orphan_trial.py, in zones west and east of UTC)."""
+    (tests/api/test_orphan_trial.py, in zones west and east of UTC)."""
     out: dict[str, list[int]] = {}
     with engine.connect() as conn:
         for study, number in conn.execute(_STALE_RUNNING, {"before": before}):

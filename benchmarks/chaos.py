@@ -21,7 +21,7 @@ spectune promises, each check printed as a figure:
   trial was leased again;
 * no token value in any API or worker log.
 
-Everything runs on 127.0.0.1; every wait has a deadline.  `tests/test_chaos.py` runs a small
+Everything runs on 127.0.0.1; every wait has a deadline.  `tests/benchmarks/test_chaos.py` runs a small
 version in CI.  Results of the full run: benchmarks/README.md, "Chaos run".
 """
 
@@ -48,8 +48,8 @@ from typing import Any
 import httpx
 
 from optimizer.attrs import records
-from tests.e2e_support import WorkerProc, group_alive, kill_engines, start_worker, write_worker_config
-from tests.helpers import free_port, spawn_api
+from tests.support.cluster import WorkerProc, group_alive, kill_engines, start_worker, write_worker_config
+from tests.support.helpers import free_port, spawn_api
 from workers.lifeline import child_env
 
 MODELS = {"moe-pcie": "moe-pcie", "moe-pcie-eagle3": "moe-pcie-eagle3"}

@@ -25,7 +25,7 @@ geometric mean) and seed:
   and optimizer/rehearsal.py (shared with `spectune study plan`) runs simulated hosts on one clock, `--workers` of them asking in the order of their clocks, so proposals are made while
   other hosts' launches are in flight.  Duplicates are answered as the service answers them, and
   the answer is the service's (the cheapest confirmed candidate tied with the best within
-  `min_gain`, optimizer.answer.winner).  tests/test_search_efficiency.py checks that the
+  `min_gain`, optimizer.answer.winner).  tests/benchmarks/test_search_efficiency.py checks that the
   service, through its REST API, runs the same launches and finishes with the same reason.
 * `budget20` - the same study with the convergence stop off and `max_trials: 20`.
 * `tpe` - Optuna's default TPESampler() over the raw space (steps 1-10, topk {1,2,4,8}, draft

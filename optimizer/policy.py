@@ -11,7 +11,7 @@ benchmarks/README.md (with the section that states its command), a published met
 statistics it rests on, restated), a stated risk, or, where that is the truth, "tuned between
 cases of benchmarks/search_efficiency.py".  Physical facts and SGLang's own values (a flag's
 default, the capture list, the space's bounds) are not policy and stay in their modules;
-tests/test_policy.py lists them and fails on any new numeric module constant in `optimizer/` that
+tests/optimizer/test_policy.py lists them and fails on any new numeric module constant in `optimizer/` that
 is neither.
 
 Fields in `SNAPSHOT_FIELDS` reach the rules through the snapshot.  The rest (the performance

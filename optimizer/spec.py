@@ -47,7 +47,7 @@ MAX_LEVEL_S = 4 * 3600.0
 # for the per-request slowdown of larger batches.
 FLOOR_TOK_S_PER_REQUEST = 20.0
 
-# Every string and list a spec holds is bounded (tests/test_spec_bounds.py walks the JSON schema):
+# Every string and list a spec holds is bounded (tests/optimizer/test_spec_bounds.py walks the JSON schema):
 # each is stored, sent to workers and shown, so its size is fixed here, not by the request body.
 # The lengths match the patterns that check them below.
 _LabelKey = Annotated[str, StringConstraints(max_length=63)]

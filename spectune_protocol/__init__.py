@@ -2,7 +2,7 @@
 
 A package of its own, imported by both sides: the API (`api/`) and the worker (`workers/`), so a
 GPU host's worker-only install (the wheel with its `sglang` extra) needs neither the web framework
-nor Optuna.  It imports the standard library and pydantic only (tests/test_import_cycles.py
+nor Optuna.  It imports the standard library and pydantic only (tests/support/test_import_cycles.py
 checks it): the server settings, configurations and workloads a lease carries are defined here,
 and `optimizer` imports them from here.
 

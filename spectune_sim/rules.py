@@ -3,7 +3,7 @@
 The simulator is a test double for the tuner: it must not import the tuner's rule code, or a bug
 there would be copied faithfully by the engine meant to catch it.  So the flag generations, the
 draft-tree bound and the topk-1 rewrite are written here again, from SGLang's behaviour, and
-`tests/test_simulator_rules.py` checks on a sample that both statements agree.
+`tests/sim/test_rules.py` checks on a sample that both statements agree.
 
 - CUDA-graph flag names: <= 0.5.13 `--cuda-graph-max-bs`/`--cuda-graph-bs`; 0.5.16-0.5.19 the
   `-decode` names with the old ones as aliases; >= 0.5.20 the `-decode` names only (the old ones

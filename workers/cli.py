@@ -2,7 +2,7 @@
 
 Deliberately argparse and nothing of `api/`: a worker-only install (the wheel with its
 `sglang` extra) has no FastAPI, Optuna, typer or matplotlib, and this must still run there
-(`tests/test_worker_install.py` checks it in a clean virtualenv).
+(`tests/e2e/test_worker_install.py` checks it in a clean virtualenv).
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ MAX_LAG_SHARE = 0.10
 # The engine held fewer than this share of the requests in flight on average.
 MIN_ENGINE_RUNNING_SHARE = 0.75
 # An engine process that waited this share of the wall time for a CPU ran on an oversubscribed host.
-# Measured on a 2-core box (tests/test_saturation.py's engines): an engine at real time waited
+# Measured on a 2-core box (tests/workers/test_saturation.py's engines): an engine at real time waited
 # 0.04 idle and 0.14-0.16 beside a busy loop per core; the sped-up one beside two per core waited
 # 0.59-0.66, and its timed passes then disagreed by up to 2.5x.  0.6 let 0.59 through as clean.
 MAX_ENGINE_WAIT_SHARE = 0.4

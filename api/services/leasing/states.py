@@ -12,7 +12,7 @@ caller's transaction, so two API processes (or two threads on SQLite) can never 
 lease: the loser gets `LeaseRaceError` and its transaction is rolled back.  The database holds the
 same vocabulary as CHECK constraints (migrations/versions/0002_state_checks.py).
 
-Invariants the lease service keeps with these moves (tests/test_lease_stress.py checks them on
+Invariants the lease service keeps with these moves (tests/benchmarks/test_lease_stress.py checks them on
 database snapshots while workers run):
 * an active trial lease's Optuna trial is RUNNING: a trial that finishes ends its live leases in
   the same step (`supersede_live`), and a lease found out of step is superseded before it is

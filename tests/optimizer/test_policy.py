@@ -1,0 +1,250 @@
+"""One `Policy` (issue 31 item 4): every tuned decision value of `optimizer/` is a field of
+`optimizer.policy.Policy`, the rules read it from the study's snapshot, and a changed field changes
+the decision it governs."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import pathlib
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from optuna.trial import FrozenTrial
+
+from optimizer import conductor as c
+from optimizer import convergence, stop_rules
+from optimizer.memory_store import MemoryStudy
+from optimizer.policy import DEFAULT_POLICY, SNAPSHOT_FIELDS, Policy
+from optimizer.space import SpecConfig
+from optimizer.spec import StudySpec
+from optimizer.stop_rules import StopRule
+from optimizer.study_state import Phase, StudyState
+from tests.optimizer.test_convergence import ZIGZAG_RUN, _run_with_predictions
+from tests.optimizer.test_convergence import spec as zigzag_spec
+from tests.support.specs import small_spec
+
+OPTIMIZER = pathlib.Path(__file__).resolve().parents[2] / "optimizer"
+
+# Numeric module constants of optimizer/ that are not tuned decision values: physical and
+# statistical facts, SGLang's own values, input limits, and numerical devices.  A new numeric
+# module constant must be a Policy field or be added here with its reason.
+NOT_POLICY: dict[str, str] = {
+    "actions.MAX_DUPLICATE_PROPOSALS": "a loop bound: how often the sampler may repeat itself before the study says so",
+    "estimate.DEFAULT_DRAWS": "the pre-study estimate's simulation size, not a search decision (benchmarks/plan_calibration.py)",
+    "estimate.POSITIONS": "the pre-study estimate's simulation settings, not a search decision",
+    "estimate.SPEC_HOST_SD": "the pre-study estimate's simulated host offsets, not a search decision",
+    "estimate.WARMUP_S": "the pre-study estimate's simulated warm-up, not a search decision",
+    "rehearsal.POLL_S": "the simulated worker's poll interval (the worker's own default)",
+    "residual_gp.KEEP_SETTINGS": "numerics: a bound on the work per prediction",
+    "residual_gp.MAX_LEVERAGE": "numerics: the leave-one-out inflation cap (a point fitted exactly)",
+    "residual_gp._JITTER": "numerics: a Cholesky jitter",
+    "verify_probe.DEFAULT_PREFIX_TOKENS": "the probe's measurement plan: a verify's context length",
+    "verify_probe.MAX_BATCH_TOKENS": "SGLang: the smallest default chunked-prefill size",
+    "verify_probe.PROBE_TOKENS": "SGLang: the draft token counts a tree can carry, up to 64",
+    "verify_probe.SINGLE_RUN_SD": "the probe's measurement prior: a call's timing noise on a quiet host",
+    "analysis.Z95": "statistics: the two-sided 95% normal quantile",
+    "costs.GRID_STEPS": "SGLang: bench_speculative.py's grid",
+    "costs.GRID_TOPK": "SGLang: bench_speculative.py's grid",
+    "costs.GRID_NDT": "SGLang: bench_speculative.py's grid",
+    "deploy.SPEC_DEFAULT_MAX_RUNNING_REQUESTS": "SGLang: its default with speculation",
+    "deploy.DEFAULT_PORT": "SGLang: its default port",
+    "launch_cost.N_FEATURES": "the launch-cost regression's shape",
+    "memory_boundary._ANGLES": "numerics: the grid resolution of the boundary's direction",
+    "memory_boundary._TIE": "numerics: loads this close are one load",
+    "memory_boundary._MAX_SPAN": "numerics: an unbounded interval counted as this wide",
+    "memory_boundary._SPEC_SIZES": "SGLang: its capture list with speculation",
+    "model_sampler.MAX_SCORED": "compute: the most configurations scored per ask",
+    "objective.FAILED_LAUNCH_VIOLATION": "an encoding: larger than any latency overrun, for Optuna",
+    "objective.GOODPUT_FLOOR_SHARE": "measurement: the resolution of a benchmark of a few hundred requests",
+    "plausibility.SPEEDUP_OVER_ACCEPT": "physics: speedup <= accept length, with noise room",
+    "plausibility.ACCEPT_OVER_STEPS": "SGLang: accept length <= steps + 1, with noise room",
+    "plausibility.BASELINE_FACTOR": "physics: GPUs' memory bandwidth spread (H200 to L40S 5.6x)",
+    "plausibility.PACE_SLACK_S": "input check: clock granularity of a report",
+    "plausibility.PACE_CHECKED_BELOW_TOK_S": "input check: far below the slowest server seen",
+    "sglang.ADAPTIVE_SINCE": "SGLang: the version with adaptive speculation",
+    "sglang.ADAPTIVE_STEPS_OFF_SINCE": "SGLang: a version",
+    "sglang.MAX_ADAPTIVE_SLOTS": "SGLang: its slot limit",
+    "space.MIN_DRAFT_TOKENS": "SGLang: the smallest draft",
+    "space.MAX_DRAFT_TOKENS": "SGLang: the tree it allocates",
+    "space.MAX_STEPS": "input limit of the space",
+    "space.MAX_TOPK": "input limit of the space",
+    "spec.MAX_SEED": "input limit",
+    "spec.MAX_HOURS": "input limit",
+    "spec.MAX_CONCURRENCY_LEVELS": "input limit",
+    "spec.MAX_PATIENCE": "input limit",
+    "spec.MAX_INT_ARG": "input limit",
+    "spec.MAX_FLOAT_ARG": "input limit",
+    "spec.MAX_SPACE_CONFIGS": "input limit",
+    "spec.MAX_GRID_CONFIGS": "input limit",
+    "spec.MAX_LEVEL_S": "input limit",
+    "spec.FLOOR_TOK_S_PER_REQUEST": "input check: a workload no server is that slow at",
+}
+
+
+def _numeric(node: ast.expr) -> bool:
+    """A value written as numbers: a literal, arithmetic of literals, a tuple of them, math.log of
+    them, or a range of them spread into a tuple."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, int | float) and not isinstance(node.value, bool)
+    if isinstance(node, ast.UnaryOp):
+        return _numeric(node.operand)
+    if isinstance(node, ast.BinOp):
+        return _numeric(node.left) and _numeric(node.right)
+    if isinstance(node, ast.Tuple | ast.List):
+        return bool(node.elts) and all(_numeric(e) for e in node.elts)
+    if isinstance(node, ast.Starred):
+        return _numeric(node.value)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name | ast.Attribute):
+        name = node.func.id if isinstance(node.func, ast.Name) else node.func.attr
+        return name in ("range", "log", "sqrt", "exp") and all(_numeric(a) for a in node.args)
+    return False
+
+
+def numeric_constants() -> dict[str, int]:
+    """Every module-level UPPER_CASE name in optimizer/*.py assigned a number, with its line."""
+    out: dict[str, int] = {}
+    for path in sorted(OPTIMIZER.glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign):
+                targets, value = node.targets, node.value
+            elif isinstance(node, ast.AnnAssign) and node.value is not None:
+                targets, value = [node.target], node.value
+            else:
+                continue
+            for t in targets:
+                if isinstance(t, ast.Name) and t.id.lstrip("_").isupper() and _numeric(value):
+                    out[f"{path.stem}.{t.id}"] = node.lineno
+    return out
+
+
+def test_every_numeric_constant_left_in_the_optimizer_is_a_listed_fact() -> None:
+    found = numeric_constants()
+    tuned = sorted(f"{k} (line {line})" for k, line in found.items() if k not in NOT_POLICY)
+    assert not tuned, f"tuned values belong in optimizer.policy.Policy, or in NOT_POLICY with a reason: {tuned}"
+    # The list stays honest: each fact it names is still a numeric constant.
+    assert sorted(set(NOT_POLICY) - set(found)) == []
+
+
+def test_the_walk_catches_a_tuned_constant_added_as_a_module_global() -> None:
+    tree = ast.parse("NEW_BAR = 0.25\nPAIR = (1, -2.0)\nSIZES = (*range(1, 9),)\nNAME = 'x'\nMEMO = Memo(256)\n")
+    values = {t.targets[0].id: _numeric(t.value) for t in tree.body if isinstance(t, ast.Assign)}  # type: ignore[attr-defined]
+    assert values == {"NEW_BAR": True, "PAIR": True, "SIZES": True, "NAME": False, "MEMO": False}
+
+
+def test_every_field_says_where_its_value_comes_from() -> None:
+    source = (OPTIMIZER / "policy.py").read_text()
+    lines = source.splitlines()
+    for f in dataclasses.fields(Policy):
+        at = next(i for i, line in enumerate(lines) if line.strip().startswith(f"{f.name}:"))
+        comment = []
+        i = at - 1
+        while lines[i].strip().startswith("#"):
+            comment.append(lines[i])
+            i -= 1
+        # A field shares the comment of the group it is written in (the priors, the noise pair).
+        assert comment or lines[at - 1].strip().endswith(")") or ":" in lines[at - 1], f.name
+    assert SNAPSHOT_FIELDS <= {f.name for f in dataclasses.fields(Policy)}
+
+
+# --------------------------------------------------------------------------- a field governs its rule
+
+
+def test_the_improvement_rate_backstop_reads_stall_min_from_the_policy() -> None:
+    # The same nine zigzag-tiles launches the backstop ends with the default policy
+    # (tests/optimizer/test_convergence.py): with stall_min 12 it still waits.
+    extra = [
+        SpecConfig(num_steps=1, topk=1, num_draft_tokens=2),
+        SpecConfig(num_steps=2, topk=2, num_draft_tokens=3),
+        SpecConfig(num_steps=4, topk=1, num_draft_tokens=5),
+        SpecConfig(num_steps=3, topk=4, num_draft_tokens=6),
+    ]
+    trials = _run_with_predictions(ZIGZAG_RUN + extra, miss=1.0)
+    default = convergence.assess(zigzag_spec(), trials)
+    assert default.settled and default.rule is StopRule.IMPROVEMENT_RATE, default.reason
+    patient = convergence.assess(zigzag_spec(), trials, dataclasses.replace(DEFAULT_POLICY, stall_min=12))
+    assert not patient.settled, patient.reason
+
+
+def test_the_prediction_check_reads_its_level_from_the_policy() -> None:
+    # Predictions 25% off: the default check distrusts the model and the empirical rule stops the
+    # study; at check_level 1.0 (the check off) the model stays trusted and the empirical rule
+    # never speaks.
+    trials = _run_with_predictions(ZIGZAG_RUN, miss=1.25)
+    default = convergence.assess(zigzag_spec(), trials)
+    assert default.rule is StopRule.EMPIRICAL and not default.model_trusted, default.reason
+    off = dataclasses.replace(DEFAULT_POLICY, check_level=1.0)
+    assert stop_rules.prediction_check(trials, off).trusted
+    kept = convergence.assess(zigzag_spec(), trials, off)
+    assert kept.model_trusted and kept.rule is not StopRule.EMPIRICAL, kept.reason
+
+
+T0 = datetime(2026, 12, 4, 9, 0, tzinfo=UTC)
+
+
+def _running(number: int) -> c.LeaseView:
+    return c.LeaseView(f"t{number}", "trial", "active", trial_number=number, worker_id=f"w{number}")
+
+
+def _snapshot(spec: StudySpec, trials: Sequence[FrozenTrial], policy: Policy, flying: int) -> c.Snapshot:
+    hosts = [c.HostView(f"w{k}", T0) for k in range(4)]
+    return c.Snapshot(
+        spec=spec,
+        state=StudyState.RUNNING,
+        phase=Phase.SEARCH,
+        created_at=T0 - timedelta(hours=1),
+        now=T0,
+        trials=trials,
+        launched=frozenset(),
+        leases=[_running(k) for k in range(flying)],
+        baselines=[c.Baseline(k, f"w{k}", T0 - timedelta(minutes=5), {1: 100.0}) for k in range(4)],
+        hosts=hosts,
+        policy=policy,
+    )
+
+
+def test_the_parallel_cap_reads_model_parallel_from_the_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The model has its first results and is unsure (a 50% chance left): two proposals in flight
+    # hold the next host back under the default policy; a policy allowing three lets it ask.
+    unsure = convergence.Assessment(False, "unsure", 5, 100, 0.5, "k", 1.0, None)
+    seen: list[Policy] = []
+
+    def assess(spec: StudySpec, trials: list[FrozenTrial], policy: Policy = DEFAULT_POLICY) -> Any:
+        seen.append(policy)
+        return unsure
+
+    monkeypatch.setattr(c.convergence, "assess", assess)
+    spec = StudySpec.model_validate(small_spec("policy-cap"))
+    wider = dataclasses.replace(DEFAULT_POLICY, model_parallel=3)
+    held = c.next_action(_snapshot(spec, [], DEFAULT_POLICY, 2), "w3")
+    assert isinstance(held, c.Wait) and "at most 2 at once" in held.reason, held
+    spec3 = spec.model_copy(update={"name": "policy-cap-3"})
+    assert isinstance(c.next_action(_snapshot(spec3, [], wider, 2), "w3"), c.Ask)
+    # The rule was handed the snapshot's policy, not a module's.
+    assert wider in seen
+
+
+# --------------------------------------------------------------------------- the policy travels
+
+
+def test_the_policy_round_trips_through_the_snapshot_and_its_json() -> None:
+    p = DEFAULT_POLICY.with_overrides(["stall_min=11", "depth_probe=off", "belief_margin=0.25"])
+    assert p.changed() == {"stall_min": 11, "depth_probe": False, "belief_margin": 0.25}
+    spec = StudySpec.model_validate(small_spec("policy-trip"))
+    snap = MemoryStudy(spec, T0, policy=p).snapshot(T0, ["w1"])
+    assert snap.policy == p and dataclasses.replace(snap, now=T0 + timedelta(seconds=1)).policy == p
+    assert Policy.from_json(json.loads(json.dumps(p.as_json()))) == p
+    assert Policy.from_json(json.loads(json.dumps(DEFAULT_POLICY.as_json()))) == DEFAULT_POLICY
+
+
+def test_a_benchmark_cannot_set_what_the_snapshot_does_not_carry() -> None:
+    with pytest.raises(ValueError, match="key=value"):
+        DEFAULT_POLICY.with_overrides(["no_such_field=1"])
+    with pytest.raises(ValueError, match="not a int"):
+        DEFAULT_POLICY.with_overrides(["stall_min=many"])
+    # Read by the performance model from the default policy: a change there would not be made.
+    with pytest.raises(ValueError, match="default policy"):
+        DEFAULT_POLICY.with_overrides(["eager_penalty=2.0"])
