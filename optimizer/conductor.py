@@ -18,7 +18,7 @@ A study's life:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -38,7 +38,6 @@ from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
-from optimizer.store import deploy_failures
 from optimizer.study import best_trial_of, is_feasible
 from optimizer.study_state import Ending, FinishReason, Phase, StudyState, confirmed_detail
 from spectune_protocol import MAX_RESOLVE_THRESHOLD, LeaseKind, LeaseState, Resolve
@@ -1210,3 +1209,13 @@ def confirmation_waits(snap: Snapshot) -> str | None:
 
 def _levels(b: Baseline) -> list[dict[str, float]]:
     return [{"concurrency": c, "output_tok_s": v} for c, v in b.tok_s.items()]
+
+
+def deploy_failures(leases: Iterable[LeaseView]) -> list[tuple[SpecConfig, int]]:
+    """(configuration, tier) of the confirmations among `leases` that ran out of memory at start-up:
+    what the next deployment envelope is chosen past (optimizer.deploy.envelopes_to_try)."""
+    return [
+        (le.config, le.tier)
+        for le in leases
+        if le.kind == "confirm" and le.state == "failed" and le.failure == "oom" and le.config and le.tier is not None
+    ]

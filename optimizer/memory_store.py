@@ -18,7 +18,6 @@ import optuna
 from optuna.trial import FrozenTrial
 
 from optimizer import conductor, confirmation, deploy
-from optimizer import store as st
 from optimizer import study as opt
 from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.sglang import ServerSettings
@@ -154,7 +153,7 @@ class MemoryStudy:
         return next(le for le in self.leases if le.id == lease_id)
 
     def deploy_failures(self) -> list[tuple[SpecConfig, int]]:
-        return st.deploy_failures(le.view() for le in self.leases)
+        return conductor.deploy_failures(le.view() for le in self.leases)
 
     def levels_measured(self, trial_number: int) -> list[dict[str, Any]]:
         return []  # the simulated hosts never stop a launch part-way

@@ -11,7 +11,7 @@ actions read and write are typed here.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
@@ -25,7 +25,7 @@ from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 
-if TYPE_CHECKING:  # the conductor imports `deploy_failures` from here: no import back at run time
+if TYPE_CHECKING:  # types only: the conductor imports nothing from here
     from optimizer import conductor
     from optimizer.study import AskedTrial
 
@@ -211,13 +211,3 @@ class StudyStore(Protocol):
         ...
 
     def event(self, kind: str, lease: LeaseRecord, detail: str) -> None: ...
-
-
-def deploy_failures(leases: Iterable[conductor.LeaseView]) -> list[tuple[SpecConfig, int]]:
-    """(configuration, tier) of the confirmations among `leases` that ran out of memory at start-up:
-    what the next deployment envelope is chosen past (optimizer.deploy.envelopes_to_try)."""
-    return [
-        (le.config, le.tier)
-        for le in leases
-        if le.kind == "confirm" and le.state == "failed" and le.failure == "oom" and le.config and le.tier is not None
-    ]

@@ -82,7 +82,7 @@ def _seen(snap: conductor.Snapshot | None) -> dict[str, Any]:
         "launched": snap.launched,
         "leases": sorted(
             (
-                repr((le.kind, le.state, le.trial_number, le.config_key, le.avoid_worker))
+                repr((str(le.kind), str(le.state), le.trial_number, le.config_key, le.avoid_worker))
                 + repr((le.config, le.tier, le.server, le.failure, le.measurement, le.independent))
             )
             for le in snap.leases

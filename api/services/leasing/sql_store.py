@@ -34,7 +34,6 @@ from api.services.leasing import records
 from api.services.leasing.states import LeaseKind, LeaseState, StudyState, claim, end
 from api.services.study_specs import launched_count, load_study, spec_of, study_trials
 from optimizer import conductor
-from optimizer import store as st
 from optimizer import study as opt
 from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
@@ -131,7 +130,7 @@ class SqlStudyStore:
                         r.id, LeaseKind(r.kind), LeaseState(r.state), config=rec.config, tier=rec.tier, failure=failure
                     )
                 )
-        return st.deploy_failures(views)
+        return conductor.deploy_failures(views)
 
     def levels_measured(self, trial_number: int) -> list[dict[str, Any]]:
         best: list[dict[str, Any]] = []
