@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from benchmarks.search_efficiency import Truth, drive
+from benchmarks.search_efficiency import Truth, add_policy_flag, drive, policy_of
 from optimizer import answer, conductor, deploy, ranking
 from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.rehearsal import Host, Workload, spectune_plan
@@ -244,20 +244,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--tie-within", type=float, default=None, help="prefer the cheapest tied candidate within this share"
     )
-    ap.add_argument(
-        "--policy",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a field of optimizer.policy.Policy (repeatable)",
-    )
+    add_policy_flag(ap)
     args = ap.parse_args(argv)
     global TIE_WITHIN, POLICY
     TIE_WITHIN = args.tie_within
-    try:
-        POLICY = DEFAULT_POLICY.with_overrides(args.policy)
-    except ValueError as e:
-        ap.error(str(e))
+    POLICY = policy_of(ap, args)
     t0 = time.monotonic()
     for case in args.cases.split(","):
         outs = run(case, args.seeds or CASES[case][4], args.launch_sd)

@@ -53,8 +53,10 @@ from benchmarks.search_efficiency import (
     Case,
     Truth,
     _study_answer,
+    add_policy_flag,
     below_min_gain,
     drive,
+    policy_of,
     spec_for,
 )
 from optimizer import attrs as A
@@ -320,18 +322,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--deadline-s", type=float, help="summarise the engines finished (in index order) after this many seconds"
     )
-    ap.add_argument(
-        "--policy",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a field of optimizer.policy.Policy (repeatable)",
-    )
+    add_policy_flag(ap)
     args = ap.parse_args(argv)
-    try:
-        policy = DEFAULT_POLICY.with_overrides(args.policy)
-    except ValueError as e:
-        ap.error(str(e))
+    policy = policy_of(ap, args)
     if args.engines < 1 or args.first < 0:
         ap.error("--engines must be at least 1 and --first at least 0")
     if not 1 <= args.workers <= F.HOSTS:

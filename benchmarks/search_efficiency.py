@@ -565,6 +565,21 @@ def _worker_counts(text: str) -> list[int]:
     return counts
 
 
+def add_policy_flag(ap: argparse.ArgumentParser) -> None:
+    """`--policy KEY=VALUE` (repeatable): a field of optimizer.policy.Policy; `policy_of` reads it."""
+    ap.add_argument(
+        "--policy", action="append", default=[], metavar="KEY=VALUE", help="a field of optimizer.policy.Policy"
+    )
+
+
+def policy_of(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Policy:
+    """The policy `--policy` asks for, or the parser's usage error naming the field it refuses."""
+    try:
+        return DEFAULT_POLICY.with_overrides(args.policy)
+    except ValueError as e:
+        ap.error(str(e))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--seeds", type=int, default=20)
@@ -582,18 +597,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--spec-host-sd", type=float, default=SPEC_HOST_SD)
     ap.add_argument("--jobs", type=int, default=1, help="processes running (case, seed) pairs side by side")
     ap.add_argument("--per-seed", action="store_true", help="one line per default study: launches, shares, reason")
-    ap.add_argument(
-        "--policy",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a field of optimizer.policy.Policy (repeatable)",
-    )
+    add_policy_flag(ap)
     args = ap.parse_args(argv)
-    try:
-        policy = DEFAULT_POLICY.with_overrides(args.policy)
-    except ValueError as e:
-        ap.error(str(e))
+    policy = policy_of(ap, args)
     by_label = {c.label: c for c in CASES}
     strategies = [s for s in args.strategies.split(",") if s]
     try:

@@ -1,22 +1,8 @@
-"""EAGLE-3 configurations as typed values, with SGLang's resolution rules.
+"""The search space over EAGLE-3 configurations: which (steps, topk, draft tokens) a study may
+launch and how many there are.
 
-The rules (docs/sglang.md §2, `speculative_hook.py::_handle_eagle_family` in SGLang 0.5.23):
-
-* topk = 1 forces num_draft_tokens = num_steps + 1 (SGLang only warns and adjusts), so with a
-  chain the draft-token count is derived, never searched;
-* num_draft_tokens - 1 <= topk + (num_steps - 1) * topk^2: `organize_draft_results` takes the
-  top (draft tokens - 1) of the candidate scores of every draft step (topk after the first step,
-  topk*topk after each later one); asking for more fails at run time, and SGLang does not check
-  it at start-up, so we never launch such a point.  (`bench_speculative.py`'s steps*topk + 1 is
-  stricter than the server and leaves out real trees such as 3/2/10 or 5/8/49.);
-* num_draft_tokens >= 2 (the root plus at least one draft token);
-* with topk > 1, steps beyond draft tokens - 1 are dominated: a selected node's ancestors score
-  higher, so the tree is at most draft tokens - 1 deep, and more steps are extra draft passes
-  whose candidates are never selected.  Such configurations are valid for SGLang but never worth
-  a launch: the search space leaves them out (`SpecConfig.dominated`).
-
-`canonical()` applies these rules, so two parameter sets that SGLang resolves to the same server
-compare (and hash, and key) equal.
+A configuration itself, with SGLang's resolution rules (`canonical()`, `dominated`), is the wire
+type `spectune_protocol.speculative.SpecConfig`, re-exported here; those rules are stated there.
 """
 
 from __future__ import annotations
