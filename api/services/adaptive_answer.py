@@ -21,6 +21,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from api import documents as D
 from api.models import LeaseRow
+from api.services.lease_rows import LeasePayload
 from optimizer import attrs as A
 from optimizer import deploy
 from optimizer.analysis import Interval
@@ -39,7 +40,7 @@ class AdaptiveOutcome:
 
 
 def is_adaptive_proof(row: LeaseRow) -> bool:
-    return bool((row.payload.get("confirm") or {}).get("adaptive"))
+    return bool(LeasePayload.of(row).confirm_info.adaptive)
 
 
 def proven(record: D.Confirmation) -> bool:

@@ -18,6 +18,7 @@ from api.models import LeaseRow
 from optimizer.objective import slo_of
 from optimizer.plan import server_settings, workload_doc
 from optimizer.spec import StudySpec
+from optimizer.store import ConfirmInfo as ConfirmRecord
 
 # Defined once, in the wire package (a worker reads a lease's kind too); imported from here by
 # the lease service and study_life as before.
@@ -43,6 +44,20 @@ class ConfirmInfo(BaseModel):
     baseline_id: int | None = None  # the baseline it is paired with, once claimed
     baseline_fresh: bool | None = None
 
+    @property
+    def launch_tier(self) -> int | None:
+        """The envelope it launches in: None for the adaptive proof (it has none), or where none was stored."""
+        return None if self.adaptive or self.tier is None else self.tier
+
+    def record(self) -> ConfirmRecord:
+        """As the actions carry it (optimizer.store.ConfirmInfo), the keys of another release kept."""
+        return ConfirmRecord.from_json(self.model_dump(mode="json", exclude_unset=True))
+
+    @classmethod
+    def of_record(cls, record: ConfirmRecord) -> ConfirmInfo:
+        """Back from the actions' record, stored as the record writes it (optimizer.store.ConfirmInfo.as_json)."""
+        return cls.model_validate(record.as_json())
+
 
 class LeasePayload(BaseModel):
     """What a lease row stores to run it: what the worker receives (spectune_protocol.LeaseOut
@@ -60,7 +75,14 @@ class LeasePayload(BaseModel):
 
     @classmethod
     def of(cls, row: LeaseRow) -> LeasePayload:
+        """The one reader of a lease row's payload column (api/models.py keeps it as JSON): every
+        other read goes through this model, and tests/api/test_typed_payloads.py fails on a raw one."""
         return cls.model_validate(row.payload)
+
+    @property
+    def confirm_info(self) -> ConfirmInfo:
+        """The confirmation's bookkeeping, empty where the lease has none (a trial or baseline)."""
+        return self.confirm if self.confirm is not None else ConfirmInfo()
 
     def doc(self) -> dict[str, JsonValue]:
         """The stored JSON: the settings and configuration whole, the workload in the form baseline

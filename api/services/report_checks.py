@@ -10,14 +10,13 @@ never make a study's later speedups impossible to compute.
 
 from __future__ import annotations
 
-from typing import Any
-
 from api.errors import InvalidInputError
+from api.services.lease_rows import LeasePayload
 from spectune_protocol import CompleteIn
 
 
-def check_report(kind: str, payload: dict[str, Any], body: CompleteIn) -> None:
-    expected = set((payload.get("workload") or {}).get("concurrency") or [])
+def check_report(kind: str, payload: LeasePayload, body: CompleteIn) -> None:
+    expected = set(payload.workload.concurrency)
     if body.failure is not None and body.failure.levels:
         _check_levels("failure.levels", [lv.concurrency for lv in body.failure.levels], expected)
     if body.outcome != "ok" or body.metrics is None:

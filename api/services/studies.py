@@ -27,6 +27,7 @@ from api.models import BaselineRow, EventRow, LeaseRow, StudyRow, TrialConfigRow
 from api.optuna_tables import empty_counts, trial_counts
 from api.services import adaptive_answer, estimates, launch_noise, study_life, trial_records
 from api.services import eligibility as elig
+from api.services.lease_rows import LeasePayload
 from api.services.leasing.baseline import verify_probe_of
 from api.services.leasing.expiry import lost_work_note
 from api.services.leasing.records import DEPLOY_FAILED, DEPLOY_RETRY
@@ -669,18 +670,18 @@ def _confirmations(spec: StudySpec, rows: Sequence[LeaseRow], extra_var: float =
         pooled = launches.get(number, []) if number is not None else []
         if measured is not None:
             info |= confirm.pooled_result(spec, pooled or [(measured[1], measured[2])], extra_var).as_json()
-        config = r.payload.get("config")
+        payload = LeasePayload.of(r)
         saturated = confirm.saturated_levels(
             ((r.result or {}).get("metrics") or {}).get("levels"), info.get("baseline_levels")
         )
         out.append(
             D.Confirmation(
                 trial_number=number,
-                config=None if config is None else SpecConfig.model_validate(config),
+                config=payload.config,
                 state=r.state,
                 attempt=r.attempt,
                 worker_id=r.worker_id,
-                search_speedup=(r.payload.get("confirm") or {}).get("search_speedup"),
+                search_speedup=payload.confirm_info.search_speedup,
                 speedup=info.get("speedup", r.speedup),
                 speedup_interval=info.get("speedup_interval"),
                 speedup_by_level=info.get("speedup_by_level"),

@@ -25,15 +25,13 @@ from api.errors import ConflictError
 from api.models import ApiToken, BaselineRow, EventRow, LeaseRow, StudyRow, TrialConfigRow, WorkerIdentity, WorkerRow
 from api.services.eligibility import requirements_unmet
 from api.services.launch_noise import confirm_measurement
-from api.services.lease_rows import ConfirmInfo, LeaseKind, LeaseState, lease_payload, new_lease_row
+from api.services.lease_rows import ConfirmInfo, LeaseKind, LeasePayload, LeaseState, lease_payload, new_lease_row
 from api.services.refusals import active_refusals
 from api.services.study_specs import baseline_key_of
 from api.settings import Settings
 from optimizer import conductor as c
 from optimizer import deploy
 from optimizer.errors import StudyNotFoundError
-from optimizer.sglang import ServerSettings
-from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 from optimizer.study_state import Ending, FinishReason, Phase, StudyState
 
@@ -104,7 +102,7 @@ def snapshot(
             created_at=r.created_at,
             leased_at=r.leased_at,
             finished_at=r.finished_at,
-            avoid_worker=(r.payload.get("confirm") or {}).get("avoid_worker") if r.kind == LeaseKind.CONFIRM else None,
+            avoid_worker=LeasePayload.of(r).confirm_info.avoid_worker if r.kind == LeaseKind.CONFIRM else None,
             measurement=_measurement(r),
             independent=not ((r.result or {}).get("confirmation") or {}).get("not_independent"),
             **_deployment(r),
@@ -203,12 +201,11 @@ def _deployment(r: LeaseRow) -> dict[str, Any]:
     """A confirm lease's deployment as the conductor weighs it: configuration, tier, server, failure."""
     if r.kind != LeaseKind.CONFIRM:
         return {}
-    info = r.payload.get("confirm") or {}
-    config, server = r.payload.get("config"), r.payload.get("server")
+    payload = LeasePayload.of(r)
     return {
-        "config": None if config is None else SpecConfig.model_validate(config),
-        "tier": None if info.get("adaptive") or "tier" not in info else int(info["tier"]),
-        "server": None if server is None else ServerSettings.model_validate(server),
+        "config": payload.config,
+        "tier": payload.confirm_info.launch_tier,
+        "server": payload.server,
         "failure": ((r.result or {}).get("failure") or {}).get("kind") if r.state == "failed" else None,
     }
 

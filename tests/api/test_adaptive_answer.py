@@ -18,6 +18,7 @@ from api.models import LeaseRow
 from api.report.export import to_csv, to_json
 from api.report.tables import study_summary
 from api.services.adaptive_answer import outcome
+from api.services.lease_rows import ConfirmInfo, lease_payload
 from api.services.studies import _confirmations
 from optimizer import answer, deploy
 from optimizer import attrs as A
@@ -115,7 +116,9 @@ def test_no_adaptive_answer_no_proof(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _row(state: str, id_: str = "a1", **kw: Any) -> LeaseRow:
-    return LeaseRow(id=id_, state=state, kind="confirm", payload={"confirm": {"adaptive": True}}, attempt=1, **kw)
+    # Stored as the service stores an adaptive proof's payload (api/services/lease_rows.py).
+    proof = lease_payload(spec_of("adaptive-doc", **SPEC), None, confirm=ConfirmInfo(adaptive=True))
+    return LeaseRow(id=id_, state=state, kind="confirm", payload=proof.doc(), attempt=1, **kw)
 
 
 def _record(rows: list[LeaseRow]) -> Confirmation | None:

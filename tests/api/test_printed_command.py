@@ -213,7 +213,10 @@ def test_a_confirmation_whose_every_envelope_is_known_to_run_out_of_memory_is_no
     from datetime import UTC, datetime
 
     from api.models import EventRow, LeaseRow
+    from api.services.lease_rows import ConfirmInfo, lease_payload
     from api.services.leasing.records import DEPLOY_FAILED
+    from api.services.study_specs import spec_of
+    from optimizer.space import SpecConfig
 
     _create(api, "known-oom", max_trials=3, top=1, deployed_requests=48)
     ctx = api.client.app.state.ctx  # type: ignore[attr-defined]
@@ -227,6 +230,9 @@ def test_a_confirmation_whose_every_envelope_is_known_to_run_out_of_memory_is_no
             # The smallest configuration failed at start-up in every tier (what another
             # candidate's confirmations would have taught).
             with ctx.write_sessions() as s, s.begin():
+                # As the service stores a confirmation's payload: every read of it is typed.
+                known_oom = spec_of(s, "known-oom")
+                smallest = SpecConfig(num_steps=1, topk=1, num_draft_tokens=2)
                 for tier in range(6):
                     s.add(
                         LeaseRow(
@@ -238,10 +244,7 @@ def test_a_confirmation_whose_every_envelope_is_known_to_run_out_of_memory_is_no
                             trial_number=None,
                             attempt=1,
                             config_key=None,
-                            payload={
-                                "config": {"num_steps": 1, "topk": 1, "num_draft_tokens": 2},
-                                "confirm": {"tier": tier},
-                            },
+                            payload=lease_payload(known_oom, smallest, confirm=ConfirmInfo(tier=tier)).doc(),
                             created_at=datetime.now(UTC).replace(tzinfo=None),
                             result={"outcome": "failed", "failure": {"kind": "oom", "message": "capturing cuda graph"}},
                         )

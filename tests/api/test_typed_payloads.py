@@ -5,6 +5,7 @@ defined once."""
 
 from __future__ import annotations
 
+import ast
 import inspect
 import typing
 from datetime import UTC, datetime
@@ -22,6 +23,7 @@ from optimizer.plan import server_settings, workload_doc
 from optimizer.space import SpecConfig
 from optimizer.spec import parse_spec
 from spectune_protocol import LeaseKind, LeaseOut, LeaseState
+from tests.support.helpers import REPO
 from tests.support.specs import small_spec
 
 ROUTERS = (fleet.router, leases.router, studies.router)
@@ -137,3 +139,81 @@ def test_a_worker_view_sends_its_database_times_with_their_utc_offset() -> None:
     doc = view.model_dump(mode="json")
     assert doc["last_seen"] == doc["refusals"][0]["at"] == doc["current_lease"]["deadline"] == "2026-01-01T12:00:00Z"
     assert doc["current_lease"]["kind"] == "trial" and doc["inventory"]["gpus"][0]["memory_mib"] == 81559
+
+
+# The one reader of the payload column (LeasePayload.of) and the column's declaration.
+PAYLOAD_OWNERS = {"api/services/lease_rows.py", "api/models.py"}
+DICT_METHODS = {"get", "items", "keys", "values", "copy", "pop", "setdefault", "update"}
+
+
+def _is_payload(node: ast.AST) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "payload"
+
+
+def raw_payload_reads(source: str) -> list[int]:
+    """Lines where an attribute named `payload` is used as a dict: subscripted, a dict method called
+    on it, copied with dict(...) or spread with `**` into a dict display."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Subscript) and _is_payload(node.value):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Attribute) and func.attr in DICT_METHODS and _is_payload(func.value):
+                lines.append(node.lineno)
+            elif isinstance(func, ast.Name) and func.id == "dict" and any(_is_payload(a) for a in node.args):
+                lines.append(node.lineno)
+        elif isinstance(node, ast.Dict) and any(
+            k is None and _is_payload(v) for k, v in zip(node.keys, node.values, strict=True)
+        ):
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_no_raw_read_of_a_lease_payload_outside_its_typed_model() -> None:
+    walked = 0
+    bad = []
+    for package in ("api", "optimizer"):
+        for path in sorted((REPO / package).rglob("*.py")):
+            where = path.relative_to(REPO).as_posix()
+            walked += 1
+            if where in PAYLOAD_OWNERS:
+                continue
+            bad += [f"{where}:{line}" for line in raw_payload_reads(path.read_text())]
+    assert walked > 50  # both packages were walked
+    assert not bad, f"read a lease payload through LeasePayload.of (api/services/lease_rows.py): {bad}"
+
+
+def test_the_raw_payload_check_sees_each_form_of_a_dict_read() -> None:
+    reads = [
+        'row.payload["tier"]',
+        'lease.payload.get("confirm")',
+        '(r.payload.get("confirm") or {}).get("adaptive")',
+        "dict(row.payload)",
+        '{**row.payload, "confirm": {}}',
+        'row.payload["server"] = {}',
+    ]
+    for text in reads:
+        assert raw_payload_reads(text) == [1], text
+    typed = 'LeasePayload.of(row).confirm_info.tier\npayload.get("x")\nrow.payload = doc\nreport.payload.model_dump()'
+    assert raw_payload_reads(typed) == []
+
+
+def test_a_confirmation_record_read_and_written_back_stores_the_same_keys() -> None:
+    """The actions carry a confirmation as optimizer.store.ConfirmInfo; a payload read into it and
+    written back (as a claim or a retry does) keeps its keys, a newer release's included."""
+    spec = _spec()
+    config = SpecConfig(num_steps=3, topk=1, num_draft_tokens=4)
+    info = lease_rows.ConfirmInfo(avoid_worker="w1", search_speedup=1.4, tier=2, envelope_note="smaller graphs")
+    doc = lease_rows.lease_payload(spec, config, confirm=info).doc()
+    doc["confirm"] = {**doc["confirm"], "hint": "from a newer API"}  # type: ignore[dict-item]
+    payload = lease_rows.LeasePayload.of(LeaseRow(payload=doc))
+    record = payload.confirm_info.record()
+    assert (record.tier, record.avoid_worker, record.extra) == (2, "w1", {"hint": "from a newer API"})
+    payload.confirm = lease_rows.ConfirmInfo.of_record(record)
+    assert payload.doc() == doc
+    # The adaptive proof launches in no envelope; a trial's payload has an empty confirmation.
+    adaptive = lease_rows.ConfirmInfo.of_record(lease_rows.ConfirmInfo(adaptive=True, tier=3).record())
+    assert adaptive.launch_tier is None and "tier" not in adaptive.model_dump(exclude_unset=True)
+    trial = lease_rows.LeasePayload.of(LeaseRow(payload=lease_rows.lease_payload(spec, config).doc()))
+    assert trial.confirm is None and trial.confirm_info.launch_tier is None and trial.config == config

@@ -21,6 +21,7 @@ from api.db import db_now
 from api.models import BaselineRow, LeaseRow
 from api.services import study_life
 from api.services.launch_noise import study_noise
+from api.services.lease_rows import LeasePayload
 from api.services.leasing import records
 from api.services.leasing.records import CONFIG_FAILURES, HostHealth, event
 from api.services.leasing.sql_store import SqlStudyStore, lease_record
@@ -66,11 +67,12 @@ class ConfirmLeases:
             now = db_now(s)
             lease = s.get(LeaseRow, lease_id)
             assert lease is not None and lease.worker_id is not None
-            info = dict(lease.payload.get("confirm") or {})
+            payload = LeasePayload.of(lease)
+            info = payload.confirm_info
             key = baseline_key_of(spec)
-            base_row = s.get(BaselineRow, info["baseline_id"]) if "baseline_id" in info else None
+            base_row = s.get(BaselineRow, info.baseline_id) if info.baseline_id is not None else None
             # Only the baseline the conductor paired it with is called fresh.
-            fresh = base_row is not None and bool(info.get("baseline_fresh"))
+            fresh = base_row is not None and bool(info.baseline_fresh)
             if base_row is None:
                 base_row = records.latest_baseline(s, lease.worker_id, key)
             if late:
@@ -104,10 +106,10 @@ class ConfirmLeases:
                     },
                     # The server this launch started: the deployment it proves (issue 17 item 1).
                     "deployment": {
-                        "tier": info.get("tier"),
-                        "note": info.get("envelope_note") or "",
-                        "server": lease.payload.get("server"),
-                        "adaptive": bool(info.get("adaptive")),
+                        "tier": info.tier,
+                        "note": info.envelope_note or "",
+                        "server": payload.server.model_dump(mode="json"),
+                        "adaptive": bool(info.adaptive),
                     },
                 }
                 end(s, lease, LeaseState.COMPLETED, now, speedup=result.value, result=stored)

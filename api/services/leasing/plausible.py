@@ -16,11 +16,11 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api.models import BaselineRow, LeaseRow
+from api.services.lease_rows import LeasePayload
 from api.services.leasing import records
 from api.services.leasing.states import LeaseKind
 from api.services.study_specs import baseline_key_of
 from optimizer import plausibility as P
-from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 from spectune_protocol import CompleteIn, Failure
 
@@ -43,16 +43,14 @@ def judge(s: Session, spec: StudySpec, lease: LeaseRow, body: CompleteIn, now: d
         return P.baseline_problem(
             levels, _peer_baselines(s, key, lease), None if own is None else records.baseline_tok_s(own)
         )
-    info = lease.payload.get("confirm") or {}
-    base_row = s.get(BaselineRow, info["baseline_id"]) if "baseline_id" in info else None
+    payload = LeasePayload.of(lease)
+    baseline_id = payload.confirm_info.baseline_id
+    base_row = s.get(BaselineRow, baseline_id) if baseline_id is not None else None
     if base_row is None:
         base_row = records.latest_baseline(s, lease.worker_id, key)
     if base_row is None:
         return None  # the lease's own path answers "no baseline"
-    config = lease.payload.get("config")
-    return P.speedup_problem(
-        None if config is None else SpecConfig.model_validate(config), levels, records.baseline_tok_s(base_row)
-    )
+    return P.speedup_problem(payload.config, levels, records.baseline_tok_s(base_row))
 
 
 def _peer_baselines(s: Session, key: str, lease: LeaseRow) -> list[dict[int, float]]:

@@ -30,6 +30,7 @@ from api.errors import BusyError, ConflictError, InvalidInputError, LeaseGoneErr
 from api.models import LeaseRow, StudyRow, WorkerRow
 from api.services import grants, identity, refusals, study_life
 from api.services.eligibility import requirements_unmet
+from api.services.lease_rows import LeasePayload
 from api.services.leasing import plausible, records
 from api.services.leasing.baseline import BaselineLeases
 from api.services.leasing.confirm import ConfirmLeases
@@ -373,7 +374,7 @@ class LeaseService:
                     return CompleteOut(lease_id=lease.id, state=lease.state, speedup=lease.speedup, duplicate=True)
                 if lease.state in (LeaseState.QUEUED, LeaseState.SUPERSEDED):
                     raise ConflictError(f"lease {lease.id} is {lease.state}; this report is not expected")
-                check_report(lease.kind, lease.payload, body)
+                check_report(lease.kind, LeasePayload.of(lease), body)
                 late = lease.state == LeaseState.EXPIRED
                 spec = spec_of(s, lease.study_name)
                 kind = lease.kind

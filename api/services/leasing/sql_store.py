@@ -45,20 +45,19 @@ log = logging.getLogger("spectune.api.leasing")
 
 def lease_record(r: LeaseRow) -> LeaseRecord:
     """A lease row as the actions carry it out."""
-    config = r.payload.get("config")
-    info = r.payload.get("confirm") if r.kind == LeaseKind.CONFIRM else None
-    server = r.payload.get("server") if r.kind == LeaseKind.CONFIRM else None
-    confirm = None if info is None else ConfirmInfo.from_json(info)
+    payload = lease_rows.LeasePayload.of(r)
+    is_confirm = r.kind == LeaseKind.CONFIRM
+    confirm = payload.confirm.record() if is_confirm and payload.confirm is not None else None
     return LeaseRecord(
         id=r.id,
         kind=r.kind,
         trial_number=r.trial_number,
-        config=None if config is None else SpecConfig.model_validate(config),
+        config=payload.config,
         config_key=r.config_key,
         attempt=r.attempt,
         worker_id=r.worker_id,
         tier=None if confirm is None else confirm.tier,
-        server=None if server is None else ServerSettings.model_validate(server),
+        server=payload.server if is_confirm else None,
         confirm=confirm,
     )
 
@@ -234,18 +233,18 @@ class SqlStudyStore:
             row = s.get(LeaseRow, lease.id)
             assert row is not None and lease.confirm is not None
             assert s.get(BaselineRow, action.baseline_id) is not None
-            info = ConfirmInfo.from_json(row.payload.get("confirm") or {})
+            payload = lease_rows.LeasePayload.of(row)
+            info = payload.confirm_info.record()
             info = dataclasses.replace(info, baseline_id=action.baseline_id, baseline_fresh=action.fresh_baseline)
-            payload = dict(row.payload)
             if action.resolve is not None:
                 # The conductor's order: more passes on the warm server while the answer straddles a decision.
-                payload["resolve"] = action.resolve.model_dump(mode="json")
+                payload.resolve = action.resolve
             if due is not None and due[0] != info.tier:
                 tier, env = due
                 info = dataclasses.replace(info, tier=tier, envelope_note=env.note)
-                payload["server"] = env.settings.model_dump(mode="json")
-            payload["confirm"] = info.as_json()
-            claim(s, row, action.worker_id, now, self.settings.lease_ttl_s, payload=payload)
+                payload.server = env.settings
+            payload.confirm = lease_rows.ConfirmInfo.of_record(info)
+            claim(s, row, action.worker_id, now, self.settings.lease_ttl_s, payload=payload.doc())
 
     def end_lease(self, lease: LeaseRecord, state: str, now: datetime) -> None:
         with self._write() as s:
@@ -260,9 +259,10 @@ class SqlStudyStore:
         with self._write() as s:
             row = s.get(LeaseRow, lease.id)
             assert row is not None
-            payload = {**row.payload, "confirm": info.as_json()}
+            payload = lease_rows.LeasePayload.of(row)
+            payload.confirm = lease_rows.ConfirmInfo.of_record(info)
             if server is not None:
-                payload["server"] = server.model_dump(mode="json")
+                payload.server = server
             s.add(
                 LeaseRow(
                     id=lease_rows.new_lease_id(),
@@ -273,7 +273,7 @@ class SqlStudyStore:
                     trial_number=row.trial_number,
                     attempt=row.attempt + 1,
                     config_key=row.config_key,
-                    payload=payload,
+                    payload=payload.doc(),
                     created_at=now,
                 )
             )

@@ -21,6 +21,7 @@ from api.db import db_now
 from api.errors import ConflictError
 from api.models import LeaseRow
 from api.services import study_life
+from api.services.lease_rows import LeasePayload
 from api.services.leasing import records
 from api.services.leasing.records import HostHealth, event, lease_out
 from api.services.leasing.sql_store import SqlStudyStore, lease_record
@@ -133,6 +134,7 @@ class TrialLeases:
         with u.step() as s:
             lease = s.get(LeaseRow, lease_id)
             assert lease is not None and lease.worker_id is not None and lease.trial_number is not None
+            config = LeasePayload.of(lease).config
             number = lease.trial_number
             worker_id = lease.worker_id
             base_row = records.latest_baseline(s, worker_id, baseline_key_of(spec))
@@ -141,7 +143,7 @@ class TrialLeases:
                 A.WORKER_ID: worker_id,
                 A.LEASE_ID: lease.id,
                 A.ATTEMPT: lease.attempt,
-                A.CONFIG: lease.payload["config"],
+                A.CONFIG: None if config is None else config.model_dump(mode="json"),
                 A.CONFIG_KEY: lease.config_key,
                 A.BASELINE_LEVELS: [] if base_row is None else base_row.metrics.get("levels", []),
             }
