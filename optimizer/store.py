@@ -145,7 +145,29 @@ class NotRecorded(Exception):
         self.worker_busy = worker_busy
 
 
-class StudyStore(Protocol):
+class ConfirmQueue(Protocol):
+    """Where queued confirmations are written (optimizer.actions.queue_confirmations): a study
+    store, or the service's study-level write step (api/services/study_life.py), which holds the
+    study's row lock in a session of its own."""
+
+    @property
+    def spec(self) -> StudySpec: ...
+
+    def queue_confirm(
+        self,
+        trial_number: int | None,
+        config: SpecConfig,
+        config_key: str,
+        info: ConfirmInfo,
+        envelope: Envelope,
+        now: datetime,
+    ) -> None:
+        """A confirmation's first attempt, queued for any host: `config` launched in `envelope`'s
+        server, `info` carried with it, grouped under `config_key` (the launch-noise groups)."""
+        ...
+
+
+class StudyStore(ConfirmQueue, Protocol):
     """One study's records: Optuna's trials, the launched configurations, the leases, the
     baselines and the events, as the conductor's actions read and write them."""
 
@@ -165,7 +187,8 @@ class StudyStore(Protocol):
         ...
 
     def persist(self, action: conductor.Action, now: datetime) -> None:
-        """Write a study-level decision (start or add confirmations, finish); others change nothing."""
+        """Write a study-level decision (start or add confirmations, finish); others change nothing.
+        The confirmations are queued by optimizer.actions.queue_confirmations."""
         ...
 
     def settle(self, now: datetime) -> None:

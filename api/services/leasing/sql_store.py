@@ -35,6 +35,7 @@ from api.services.leasing.states import LeaseKind, LeaseState, StudyState, claim
 from api.services.study_specs import launched_count, load_study, spec_of, study_trials
 from optimizer import conductor
 from optimizer import study as opt
+from optimizer.deploy import Envelope
 from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
@@ -246,6 +247,18 @@ class SqlStudyStore:
                 payload["server"] = env.settings.model_dump(mode="json")
             payload["confirm"] = info.as_json()
             claim(s, row, action.worker_id, now, self.settings.lease_ttl_s, payload=payload)
+
+    def queue_confirm(
+        self,
+        trial_number: int | None,
+        config: SpecConfig,
+        config_key: str,
+        info: ConfirmInfo,
+        envelope: Envelope,
+        now: datetime,
+    ) -> None:
+        with self._write() as s:
+            study_life.ConfirmRows(s, self.spec).queue_confirm(trial_number, config, config_key, info, envelope, now)
 
     def end_lease(self, lease: LeaseRecord, state: str, now: datetime) -> None:
         with self._write() as s:
