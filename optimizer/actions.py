@@ -44,6 +44,7 @@ from optimizer.store import (
     LeaseRecord,
     NotRecorded,
     PriorLaunch,
+    QueuedConfirm,
     StudyStore,
 )
 
@@ -263,7 +264,7 @@ def queue_confirmations(
                 search_speedup=cand.search_speedup,
             )
             key = cand.config.key
-        store.queue_confirm(cand.trial_number, cand.config, key, info, env, now)
+        store.queue_confirm(QueuedConfirm(cand.trial_number, cand.config, key, info, env), now)
 
 
 def _label(lease: LeaseRecord) -> str:

@@ -23,7 +23,7 @@ from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
-from optimizer.store import ConfigState, ConfirmInfo, Deployment, LeaseRecord, PriorLaunch
+from optimizer.store import ConfigState, ConfirmInfo, Deployment, LeaseRecord, PriorLaunch, QueuedConfirm
 from optimizer.study_state import Ending, Phase, StudyState
 from spectune_protocol import LeaseKind, LeaseState
 
@@ -228,20 +228,13 @@ class MemoryStudy:
             )
         )  # fmt: skip
 
-    def queue_confirm(
-        self,
-        trial_number: int | None,
-        config: SpecConfig,
-        config_key: str,
-        info: ConfirmInfo,
-        envelope: deploy.Envelope,
-        now: datetime,
-    ) -> None:
+    def queue_confirm(self, confirm: QueuedConfirm, now: datetime) -> None:
+        info = confirm.info
         self.leases.append(
             SimLease(
-                f"c{len(self.leases)}", "confirm", "queued", trial_number=trial_number, config=config,
-                created_at=now, avoid_worker=info.avoid_worker, tier=info.tier, envelope=envelope, info=info,
-                key=config_key,
+                f"c{len(self.leases)}", "confirm", "queued", trial_number=confirm.trial_number, config=confirm.config,
+                created_at=now, avoid_worker=info.avoid_worker, tier=info.tier, envelope=confirm.envelope, info=info,
+                key=confirm.config_key,
             )
         )  # fmt: skip
 

@@ -145,6 +145,19 @@ class NotRecorded(Exception):
         self.worker_busy = worker_busy
 
 
+@dataclass(frozen=True)
+class QueuedConfirm:
+    """A confirmation to queue, as optimizer.actions.queue_confirmations decides it: `config`
+    launched in `envelope`'s server, `info` carried with it, grouped under `config_key` (the
+    launch-noise groups: the adaptive proof has its own)."""
+
+    trial_number: int | None
+    config: SpecConfig
+    config_key: str
+    info: ConfirmInfo
+    envelope: Envelope
+
+
 class ConfirmQueue(Protocol):
     """Where queued confirmations are written (optimizer.actions.queue_confirmations): a study
     store, or the service's study-level write step (api/services/study_life.py), which holds the
@@ -153,17 +166,8 @@ class ConfirmQueue(Protocol):
     @property
     def spec(self) -> StudySpec: ...
 
-    def queue_confirm(
-        self,
-        trial_number: int | None,
-        config: SpecConfig,
-        config_key: str,
-        info: ConfirmInfo,
-        envelope: Envelope,
-        now: datetime,
-    ) -> None:
-        """A confirmation's first attempt, queued for any host: `config` launched in `envelope`'s
-        server, `info` carried with it, grouped under `config_key` (the launch-noise groups)."""
+    def queue_confirm(self, confirm: QueuedConfirm, now: datetime) -> None:
+        """A confirmation's first attempt, queued for any host."""
         ...
 
 

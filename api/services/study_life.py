@@ -29,13 +29,13 @@ from api.services.lease_rows import ConfirmInfo, LeaseKind, LeaseState, lease_pa
 from api.services.refusals import active_refusals
 from api.services.study_specs import baseline_key_of
 from api.settings import Settings
-from optimizer import actions, deploy
+from optimizer import actions
 from optimizer import conductor as c
 from optimizer.errors import StudyNotFoundError
 from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
-from optimizer.store import ConfirmInfo as StoreConfirmInfo
+from optimizer.store import QueuedConfirm
 from optimizer.study_state import Ending, FinishReason, Phase, StudyState
 
 log = logging.getLogger("spectune.api.studies")
@@ -381,19 +381,14 @@ class ConfirmRows:
         self.s = s
         self.spec = spec
 
-    def queue_confirm(
-        self,
-        trial_number: int | None,
-        config: SpecConfig,
-        config_key: str,
-        info: StoreConfirmInfo,
-        envelope: deploy.Envelope,
-        now: datetime,
-    ) -> None:
-        confirm = ConfirmInfo.model_validate(info.as_json())  # the keys written are the keys stored
-        payload = lease_payload(self.spec, config, confirm=confirm).model_copy(update={"server": envelope.settings})
-        row = new_lease_row(
-            self.spec, LeaseKind.CONFIRM, now, 0.0, worker_id=None, config=config, number=trial_number, payload=payload
+    def queue_confirm(self, confirm: QueuedConfirm, now: datetime) -> None:
+        info = ConfirmInfo.model_validate(confirm.info.as_json())  # the keys written are the keys stored
+        payload = lease_payload(self.spec, confirm.config, confirm=info).model_copy(
+            update={"server": confirm.envelope.settings}
         )
-        row.config_key = config_key
+        row = new_lease_row(
+            self.spec, LeaseKind.CONFIRM, now, 0.0,
+            worker_id=None, config=confirm.config, number=confirm.trial_number, payload=payload,
+        )  # fmt: skip
+        row.config_key = confirm.config_key
         self.s.add(row)

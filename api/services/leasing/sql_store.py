@@ -35,11 +35,10 @@ from api.services.leasing.states import LeaseKind, LeaseState, StudyState, claim
 from api.services.study_specs import launched_count, load_study, spec_of, study_trials
 from optimizer import conductor
 from optimizer import study as opt
-from optimizer.deploy import Envelope
 from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
-from optimizer.store import ConfigState, ConfirmInfo, Deployment, LeaseRecord, NotRecorded, PriorLaunch
+from optimizer.store import ConfigState, ConfirmInfo, Deployment, LeaseRecord, NotRecorded, PriorLaunch, QueuedConfirm
 
 log = logging.getLogger("spectune.api.leasing")
 
@@ -248,17 +247,9 @@ class SqlStudyStore:
             payload["confirm"] = info.as_json()
             claim(s, row, action.worker_id, now, self.settings.lease_ttl_s, payload=payload)
 
-    def queue_confirm(
-        self,
-        trial_number: int | None,
-        config: SpecConfig,
-        config_key: str,
-        info: ConfirmInfo,
-        envelope: Envelope,
-        now: datetime,
-    ) -> None:
+    def queue_confirm(self, confirm: QueuedConfirm, now: datetime) -> None:
         with self._write() as s:
-            study_life.ConfirmRows(s, self.spec).queue_confirm(trial_number, config, config_key, info, envelope, now)
+            study_life.ConfirmRows(s, self.spec).queue_confirm(confirm, now)
 
     def end_lease(self, lease: LeaseRecord, state: str, now: datetime) -> None:
         with self._write() as s:
