@@ -9,6 +9,7 @@ same asks, tells, retries and envelopes, so a benchmark measures the service's o
   answered from its earlier trial, one known to run out of memory is told infeasible unlaunched.
 * `tell_measured` / `tell_failure`: a trial's report told to Optuna.
 * `retry_or_give_up`: a trial's next attempt, or its failure with what the attempts measured.
+* `queue_confirmations`: the confirmations the conductor starts (StartConfirmation, Reconfirm).
 * `claim_confirm`, `confirm_failed`, `next_envelope`, `next_adaptive_envelope`, `retry_confirm`:
   a confirmation's deployment, and what follows a launch that did not start or did not report.
 """
@@ -27,7 +28,7 @@ from optuna.trial import FrozenTrial
 from optimizer import attrs as A
 from optimizer import deploy
 from optimizer import study as opt
-from optimizer.conductor import Confirm, next_deployment
+from optimizer.conductor import Candidate, Confirm, next_deployment
 from optimizer.errors import TrialStateError
 from optimizer.infeasible import known_to_fail, oom_points
 from optimizer.objective import CONSTRAINT_KEY, score_levels
@@ -37,10 +38,13 @@ from optimizer.store import (
     DEPLOY_FAILED,
     DEPLOY_RETRY,
     ConfigState,
+    ConfirmInfo,
+    ConfirmQueue,
     GiveUp,
     LeaseRecord,
     NotRecorded,
     PriorLaunch,
+    QueuedConfirm,
     StudyStore,
 )
 
@@ -230,6 +234,37 @@ def tell_given_up(study: optuna.Study, give_up: GiveUp) -> None:
 
 
 # ------------------------------------------------------------------------------ confirmations
+
+
+def queue_confirmations(
+    store: ConfirmQueue, candidates: Sequence[Candidate], now: datetime, *, adaptive_proof: bool = True
+) -> None:
+    """One queued confirmation per candidate of a StartConfirmation or Reconfirm, each to launch
+    its deployment as printed.  `adaptive_proof` False: the hosts launch static servers only (the
+    rehearsal's), and the adaptive proof is not queued."""
+    for cand in candidates:
+        if cand.adaptive and not adaptive_proof:
+            continue
+        # Each candidate is confirmed as it would be deployed: the winner's confirmation is then
+        # the launch that proves the printed command (issue 17 item 1), no launch added.  Without
+        # an envelope left (the conductor found none) it is queued in the first, and the claim
+        # ends it unlaunched (claim_confirm).
+        env = cand.envelope or deploy.deployment_envelopes(store.spec, cand.config)[0]
+        if cand.adaptive:
+            # The adaptive proof has no tier: if it does not start, the next smaller graph envelope
+            # of its own server is tried (next_adaptive_envelope), and when none is left the answer
+            # falls back to what the other confirmations proved (api.services.studies).  Its own
+            # key: it is not a re-launch of its initial chain (the launch-noise groups).
+            info, key = ConfirmInfo(tier=None, adaptive=True), deploy.ADAPTIVE_KEY
+        else:
+            info = ConfirmInfo(
+                tier=cand.tier,
+                envelope_note=env.note,
+                avoid_worker=cand.avoid_worker,
+                search_speedup=cand.search_speedup,
+            )
+            key = cand.config.key
+        store.queue_confirm(QueuedConfirm(cand.trial_number, cand.config, key, info, env), now)
 
 
 def _label(lease: LeaseRecord) -> str:

@@ -17,13 +17,13 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial
 
-from optimizer import conductor, confirmation, deploy
+from optimizer import actions, conductor, confirmation, deploy
 from optimizer import study as opt
 from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
-from optimizer.store import ConfigState, ConfirmInfo, Deployment, LeaseRecord, PriorLaunch
+from optimizer.store import ConfigState, ConfirmInfo, Deployment, LeaseRecord, PriorLaunch, QueuedConfirm
 from optimizer.study_state import Ending, Phase, StudyState
 from spectune_protocol import LeaseKind, LeaseState
 
@@ -52,6 +52,12 @@ class SimLease:
     independent: bool = True
     attempt: int = 1
     info: ConfirmInfo | None = None  # confirm: what it carries besides its configuration
+    # Its launch-noise group where that is not its configuration's key (the adaptive proof's).
+    key: str | None = None
+
+    @property
+    def config_key(self) -> str | None:
+        return self.key or (None if self.config is None else self.config.key)
 
     def view(self) -> conductor.LeaseView:
         return conductor.LeaseView(
@@ -60,7 +66,7 @@ class SimLease:
             state=LeaseState(self.state),
             trial_number=self.trial_number,
             worker_id=self.worker_id,
-            config_key=None if self.config is None else self.config.key,
+            config_key=self.config_key,
             created_at=self.created_at,
             leased_at=self.leased_at,
             finished_at=self.finished_at,
@@ -79,7 +85,7 @@ class SimLease:
             kind=self.kind,
             trial_number=self.trial_number,
             config=self.config,
-            config_key=None if self.config is None else self.config.key,
+            config_key=self.config_key,
             attempt=self.attempt,
             worker_id=self.worker_id,
             tier=self.tier if self.kind == "confirm" else None,
@@ -190,31 +196,7 @@ class MemoryStudy:
         if isinstance(action, conductor.StartConfirmation | conductor.Reconfirm):
             if isinstance(action, conductor.StartConfirmation):
                 self.phase, self.ending, self.confirmation_began_at = Phase.CONFIRMATION, action.ending, now
-            for c in action.candidates:
-                if c.adaptive and not self.adaptive_proof:
-                    continue
-                env = c.envelope or deploy.deployment_envelopes(self.spec, c.config)[0]
-                info = ConfirmInfo(
-                    tier=None if c.adaptive else c.tier,
-                    envelope_note="" if c.adaptive else env.note,
-                    avoid_worker=None if c.adaptive else c.avoid_worker,
-                    search_speedup=None if c.adaptive else c.search_speedup,
-                    adaptive=c.adaptive,
-                )
-                self.leases.append(
-                    SimLease(
-                        f"c{len(self.leases)}",
-                        "confirm",
-                        "queued",
-                        trial_number=c.trial_number,
-                        config=c.config,
-                        created_at=now,
-                        avoid_worker=info.avoid_worker,
-                        tier=info.tier,
-                        envelope=c.envelope,  # None only when no envelope is left (the claim ends it)
-                        info=info,
-                    )
-                )
+            actions.queue_confirmations(self, action.candidates, now, adaptive_proof=self.adaptive_proof)
         elif isinstance(action, conductor.Finish):
             self.state, self.ending = StudyState.FINISHED, action.ending
 
@@ -243,6 +225,16 @@ class MemoryStudy:
             dataclasses.replace(
                 old, id=f"t{len(self.leases)}", state="queued", worker_id=None, created_at=now, leased_at=None,
                 finished_at=None, attempt=old.attempt + 1,
+            )
+        )  # fmt: skip
+
+    def queue_confirm(self, confirm: QueuedConfirm, now: datetime) -> None:
+        info = confirm.info
+        self.leases.append(
+            SimLease(
+                f"c{len(self.leases)}", "confirm", "queued", trial_number=confirm.trial_number, config=confirm.config,
+                created_at=now, avoid_worker=info.avoid_worker, tier=info.tier, envelope=confirm.envelope, info=info,
+                key=confirm.config_key,
             )
         )  # fmt: skip
 

@@ -145,7 +145,33 @@ class NotRecorded(Exception):
         self.worker_busy = worker_busy
 
 
-class StudyStore(Protocol):
+@dataclass(frozen=True)
+class QueuedConfirm:
+    """A confirmation to queue, as optimizer.actions.queue_confirmations decides it: `config`
+    launched in `envelope`'s server, `info` carried with it, grouped under `config_key` (the
+    launch-noise groups: the adaptive proof has its own)."""
+
+    trial_number: int | None
+    config: SpecConfig
+    config_key: str
+    info: ConfirmInfo
+    envelope: Envelope
+
+
+class ConfirmQueue(Protocol):
+    """Where queued confirmations are written (optimizer.actions.queue_confirmations): a study
+    store, or the service's study-level write step (api/services/study_life.py), which holds the
+    study's row lock in a session of its own."""
+
+    @property
+    def spec(self) -> StudySpec: ...
+
+    def queue_confirm(self, confirm: QueuedConfirm, now: datetime) -> None:
+        """A confirmation's first attempt, queued for any host."""
+        ...
+
+
+class StudyStore(ConfirmQueue, Protocol):
     """One study's records: Optuna's trials, the launched configurations, the leases, the
     baselines and the events, as the conductor's actions read and write them."""
 
@@ -165,7 +191,8 @@ class StudyStore(Protocol):
         ...
 
     def persist(self, action: conductor.Action, now: datetime) -> None:
-        """Write a study-level decision (start or add confirmations, finish); others change nothing."""
+        """Write a study-level decision (start or add confirmations, finish); others change nothing.
+        The confirmations are queued by optimizer.actions.queue_confirmations."""
         ...
 
     def settle(self, now: datetime) -> None:

@@ -29,10 +29,11 @@ from api.services.lease_rows import ConfirmInfo, LeaseKind, LeasePayload, LeaseS
 from api.services.refusals import active_refusals
 from api.services.study_specs import baseline_key_of
 from api.settings import Settings
+from optimizer import actions
 from optimizer import conductor as c
-from optimizer import deploy
 from optimizer.errors import StudyNotFoundError
 from optimizer.spec import StudySpec
+from optimizer.store import QueuedConfirm
 from optimizer.study_state import Ending, FinishReason, Phase, StudyState
 
 log = logging.getLogger("spectune.api.studies")
@@ -355,7 +356,7 @@ def persist(s: Session, spec: StudySpec, action: c.Action, now: datetime) -> Non
         row.finish_reason = action.detail[:256]
         log.info("study %s finished (%s): %s", spec.name, action.reason.value, action.detail)
         return
-    _queue_confirmations(s, spec, action.candidates, now)
+    actions.queue_confirmations(ConfirmRows(s, spec), action.candidates, now)
     if isinstance(action, c.Reconfirm):
         # More launches of candidates already confirmed: the phase and the search's ending stay.
         s.flush()
@@ -369,34 +370,22 @@ def persist(s: Session, spec: StudySpec, action: c.Action, now: datetime) -> Non
     log.info("study %s: %s; confirming %d candidate(s)", spec.name, action.ending.detail, len(action.candidates))
 
 
-def _queue_confirmations(s: Session, spec: StudySpec, candidates: Sequence[c.Candidate], now: datetime) -> None:
-    """One queued confirm lease per candidate, each to launch its deployment as printed."""
-    for cand in candidates:
-        # Each candidate is confirmed as it would be deployed: the winner's confirmation is then
-        # the launch that proves the printed command (issue 17 item 1), no launch added.
-        tier, env = cand.tier, cand.envelope or deploy.deployment_envelopes(spec, cand.config)[0]
-        # The adaptive proof has no tier: if it does not start, the next smaller graph envelope of
-        # its own server is tried (api.services.leasing.confirm), and when none is left the answer
-        # falls back to what the other confirmations proved (api.services.studies).
-        info = (
-            ConfirmInfo(adaptive=True, avoid_worker=None, search_speedup=None, envelope_note="")
-            if cand.adaptive
-            else ConfirmInfo(
-                avoid_worker=cand.avoid_worker, search_speedup=cand.search_speedup, tier=tier, envelope_note=env.note
-            )
+class ConfirmRows:
+    """Queued confirm leases written in the caller's session (optimizer.store.ConfirmQueue): what
+    to queue is optimizer.actions.queue_confirmations's."""
+
+    def __init__(self, s: Session, spec: StudySpec) -> None:
+        self.s = s
+        self.spec = spec
+
+    def queue_confirm(self, confirm: QueuedConfirm, now: datetime) -> None:
+        info = ConfirmInfo.model_validate(confirm.info.as_json())  # the keys written are the keys stored
+        payload = lease_payload(self.spec, confirm.config, confirm=info).model_copy(
+            update={"server": confirm.envelope.settings}
         )
-        payload = lease_payload(spec, cand.config, confirm=info).model_copy(update={"server": env.settings})
-        row_ = new_lease_row(
-            spec,
-            LeaseKind.CONFIRM,
-            now,
-            0.0,
-            worker_id=None,
-            config=cand.config,
-            number=cand.trial_number,
-            payload=payload,
-        )
-        if cand.adaptive:
-            # Its own key: it is not a re-launch of its initial chain (the launch-noise groups).
-            row_.config_key = deploy.ADAPTIVE_KEY
-        s.add(row_)
+        row = new_lease_row(
+            self.spec, LeaseKind.CONFIRM, now, 0.0,
+            worker_id=None, config=confirm.config, number=confirm.trial_number, payload=payload,
+        )  # fmt: skip
+        row.config_key = confirm.config_key
+        self.s.add(row)

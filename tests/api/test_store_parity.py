@@ -5,6 +5,8 @@ study.  A difference here is a benchmark that no longer measures what the servic
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -91,21 +93,23 @@ def _seen(snap: conductor.Snapshot | None) -> dict[str, Any]:
     }
 
 
-def test_the_memory_and_sql_stores_show_the_same_study_after_the_same_actions(pg_db_url: str, tmp_path: Path) -> None:
+@contextmanager
+def _both_stores(pg_db_url: str, tmp_path: Path, name: str) -> Iterator[tuple[Any, MemoryStudy, Any]]:
+    """The study `name` created through the service: (its SQL store, an in-memory store of the
+    same spec, the SQL store's lease record by id)."""
     from api.app import create_app
     from api.context import ServiceContext
-    from api.models import EventRow, LeaseRow
+    from api.models import LeaseRow
     from api.services.leasing.sql_store import SqlStudyStore, lease_record
 
     settings = make_settings(pg_db_url, artifact_dir=str(tmp_path / "artifacts"))
     tokens = make_tokens(pg_db_url)
     with TestClient(create_app(settings)) as client:
-        r = client.post("/v1/studies", headers={"Authorization": f"Bearer {tokens['user']}"}, json=small_spec("parity"))
+        r = client.post("/v1/studies", headers={"Authorization": f"Bearer {tokens['user']}"}, json=small_spec(name))
         assert r.status_code in (200, 201), r.text
     ctx = ServiceContext.open(settings)
     try:
-        sql = SqlStudyStore(ctx, "parity")
-        memory = MemoryStudy(sql.spec, NOW)
+        sql = SqlStudyStore(ctx, name)
 
         def sql_lease(lease_id: str) -> LeaseRecord:
             with ctx.sessions() as s:
@@ -113,6 +117,15 @@ def test_the_memory_and_sql_stores_show_the_same_study_after_the_same_actions(pg
                 assert row is not None
                 return lease_record(row)
 
+        yield sql, MemoryStudy(sql.spec, NOW), sql_lease
+    finally:
+        ctx.close()
+
+
+def test_the_memory_and_sql_stores_show_the_same_study_after_the_same_actions(pg_db_url: str, tmp_path: Path) -> None:
+    from api.models import EventRow
+
+    with _both_stores(pg_db_url, tmp_path, "parity") as (sql, memory, sql_lease):
         keys = _carry_out(sql, sql_lease)
         assert _carry_out(memory, lambda i: memory.lease(i).record()) == keys
         assert len(set(keys)) == 3
@@ -124,8 +137,48 @@ def test_the_memory_and_sql_stores_show_the_same_study_after_the_same_actions(pg
         assert sum("'confirm', 'queued'" in le for le in leases) == 1  # the confirmation's next attempt
         assert sum("'confirm', 'failed'" in le for le in leases) == 1
         assert [t[1].name for t in seen["trials"]] == ["COMPLETE", "RUNNING", "COMPLETE"]
-        with ctx.sessions() as s:
+        with sql.ctx.sessions() as s:
             said = sorted(s.scalars(select(EventRow.kind).where(EventRow.study_name == "parity")))
         assert said == sorted(kind for kind, _, _ in memory.events) == ["confirm_requeued", "trial_requeued"]
-    finally:
-        ctx.close()
+
+
+def _confirm(store: StudyStore, lease_of: Any) -> tuple[dict[str, Any], list[str]]:
+    """A trial measured, then the conductor's StartConfirmation (it and the adaptive proof) and a
+    Reconfirm of it on another host in its second envelope; returns what the conductor sees and
+    each queued confirmation's payload (optimizer.store.ConfirmInfo, as stored)."""
+    spec = store.spec
+    asked = actions.ask(store, "w1", NOW)
+    assert asked is not None
+    _report(store, asked[0], asked[1].number, 1.25)
+    cfg = asked[1].config
+    envs = deploy.deployment_envelopes(spec, cfg)
+    proof = conductor.Candidate(None, cfg, None, None, 0, envs[0], adaptive=True)
+    first = conductor.Candidate(asked[1].number, cfg, 1.25, "w1", 0, envs[0])
+    store.persist(conductor.StartConfirmation(Ending(FinishReason.CONVERGED, "parity"), (first, proof)), NOW)
+    again = conductor.Candidate(asked[1].number, cfg, 1.25, "w2", len(envs) - 1, envs[-1])
+    store.persist(conductor.Reconfirm((again,), "straddles 1.0"), NOW)
+    snap = store.snapshot(NOW, ["w1", "w2"])
+    assert snap is not None
+    infos = []
+    for le in snap.leases:
+        if le.kind == "confirm":
+            info = lease_of(le.id).confirm
+            assert info is not None
+            infos.append(repr(sorted(info.as_json().items())))
+    return _seen(snap), sorted(infos)
+
+
+def test_a_start_confirmation_and_a_reconfirm_queue_the_same_confirmations_in_both_stores(
+    pg_db_url: str, tmp_path: Path
+) -> None:
+    with _both_stores(pg_db_url, tmp_path, "parity2") as (sql, memory, sql_lease):
+        seen, infos = _confirm(sql, sql_lease)
+        assert (seen, infos) == _confirm(memory, lambda i: memory.lease(i).record())
+        # Not vacuous: three confirmations queued, the adaptive proof under its own key and
+        # without a tier, the Reconfirm on the other host.
+        confirms = [le for le in seen["leases"] if "'confirm', 'queued'" in le]
+        assert len(confirms) == 3
+        assert sum(f"'{deploy.ADAPTIVE_KEY}'" in le for le in confirms) == 1
+        assert sum("'adaptive', True" in i for i in infos) == 1
+        assert sum("'avoid_worker', 'w2'" in i for i in infos) == 1
+        assert seen["phase"].value == "confirmation"

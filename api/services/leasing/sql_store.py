@@ -38,7 +38,7 @@ from optimizer import study as opt
 from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
-from optimizer.store import ConfigState, ConfirmInfo, Deployment, LeaseRecord, NotRecorded, PriorLaunch
+from optimizer.store import ConfigState, ConfirmInfo, Deployment, LeaseRecord, NotRecorded, PriorLaunch, QueuedConfirm
 
 log = logging.getLogger("spectune.api.leasing")
 
@@ -245,6 +245,10 @@ class SqlStudyStore:
                 payload.server = env.settings
             payload.confirm = lease_rows.ConfirmInfo.of_record(info)
             claim(s, row, action.worker_id, now, self.settings.lease_ttl_s, payload=payload.doc())
+
+    def queue_confirm(self, confirm: QueuedConfirm, now: datetime) -> None:
+        with self._write() as s:
+            study_life.ConfirmRows(s, self.spec).queue_confirm(confirm, now)
 
     def end_lease(self, lease: LeaseRecord, state: str, now: datetime) -> None:
         with self._write() as s:
