@@ -37,7 +37,8 @@ def observations_of(trials: Sequence[FrozenTrial]) -> list[Observation]:
         obs = observations_from_attrs(r.config.model_dump(mode="json"), r.levels, r.baseline_levels, r.worker_id)
         # A believed launch (optimizer.believer) lies on the fit by construction: the fixed form
         # takes it, the residual GP does not (it would only shrink the misfit sized on real results).
-        out.extend(dataclasses.replace(o, believed=True) for o in obs) if r.has(A.BELIEVED) else out.extend(obs)
+        believed = r.has(A.BELIEVED)
+        out.extend(dataclasses.replace(o, believed=True) if believed else o for o in obs)
     return out
 
 
