@@ -52,14 +52,25 @@ def cli(c: Cluster, *args: str) -> subprocess.CompletedProcess[str]:
 
 def test_the_adaptive_answer_is_the_command_its_confirmation_launched(pg_db_url: str, tmp_path: Path) -> None:
     with cluster(tmp_path, pg_db_url) as c:
-        c.create_study(spec("e2e-adaptive"))
         # Slower than other e2e tests' engine and without its modelled noise: a single 96-token stream
         # at 40x lasts milliseconds, and a busy 2-core host then measures its own timer.
         w = c.add_worker("gpu-a", MODELS, {"SPECTUNE_SIM_SPEED": "10", "SPECTUNE_SIM_NOISE": "0"})
-        st = wait_for("the study to finish", lambda: finished(c, "e2e-adaptive"), timeout=180, interval=1.0)
-        leases = c.leases("e2e-adaptive")
-        best = cli(c, "study", "best", "e2e-adaptive", "--worker-config", str(w.config), "--port", _port(w.config))
-        shown = cli(c, "study", "show", "e2e-adaptive")
+        # A CI box running the rest of the suite beside this one can oversubscribe the host while the
+        # answer is measured; the worker then marks it saturated (workers/loadgen/saturation.py) and
+        # the product rightly prints no command (exit 4).  That is the host, not the answer: the same
+        # study is run once more, and only if the host saturated that one too is the test skipped.
+        for attempt in range(2):
+            name = f"e2e-adaptive-{attempt}"
+            c.create_study(spec(name))
+            st = wait_for("the study to finish", lambda n=name: finished(c, n), timeout=180, interval=1.0)
+            if not _saturated_answer(st):
+                break
+            assert "saturated measurement" in w.log_text(), "no answer, but the worker saw no saturation"
+        else:
+            pytest.skip(f"the host saturated the answer's measurement twice: {st['verdict']}")
+        leases = c.leases(name)
+        best = cli(c, "study", "best", name, "--worker-config", str(w.config), "--port", _port(w.config))
+        shown = cli(c, "study", "show", name)
     assert st["state"] == "finished", st
     dep = st["deployment"]
     assert dep["mode"] == "adaptive", (st["verdict"], st["best_by_level"], st["launch_noise"])
@@ -102,6 +113,11 @@ def test_the_adaptive_answer_is_the_command_its_confirmation_launched(pg_db_url:
     (best_line,) = [line for line in shown.stdout.splitlines() if line.startswith("best ")]
     assert f"{st['best']['speedup']:.3f}x" in best_line and "adaptive" in best_line, shown.stdout
     assert "the best static configuration" in shown.stdout
+
+
+def _saturated_answer(st: dict[str, Any]) -> bool:
+    """The study's answer exists but its measurement saturated the host (api/outcomes.py)."""
+    return st["outcome"] == "no_answer" and st["deployment"] is not None and st["best"] is not None
 
 
 def _port(worker_toml: Path) -> str:
