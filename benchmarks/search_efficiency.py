@@ -179,6 +179,9 @@ class Answer:
     incumbent_share: float | None = None
     rule: str | None = None  # the stop rule that ended the search (optimizer.stop_rules.StopRule)
     wall_h: float | None = None  # hours from the study's start until it finished (the service's studies)
+    # The answer runs a speculative configuration (False: the baseline, "speculation does not pay"):
+    # a host's speculative offset moves the former's speed and not the latter's (benchmarks/family.py).
+    speculative: bool = True
 
 
 def _answer(
@@ -231,17 +234,19 @@ def _study_answer(store: MemoryStudy, hosts: Sequence[Host], truth: Truth) -> An
 
     wall_h = (max(h.clock_s for h in hosts) - store.created_at.timestamp()) / 3600
 
-    def answer(value: float) -> Answer:
-        return dataclasses.replace(_answer(hosts, truth, value, reason, incumbent, rule), wall_h=wall_h)
+    def answer(value: float, speculative: bool) -> Answer:
+        got = _answer(hosts, truth, value, reason, incumbent, rule)
+        return dataclasses.replace(got, wall_h=wall_h, speculative=speculative)
 
     if store.ending.reason == FinishReason.DOES_NOT_PAY:
-        return answer(1.0)  # "speculation does not pay": run the baseline
+        return answer(1.0, False)  # "speculation does not pay": run the baseline
     # The service's winner (optimizer.answer.winner), as the conductor re-launches it.
     choice = conductor.winner(snap)
     if choice is not None and choice.winner.violation <= 0:
         top = choice.winner
-        return answer(truth.value(top.config) if top.speedup > 1.0 else 1.0)
-    return answer(incumbent)
+        pays = top.speedup > 1.0
+        return answer(truth.value(top.config) if pays else 1.0, pays)
+    return answer(incumbent, best is not None and float(best.value or 0.0) > 1.0)
 
 
 def _measured_value(host: Host, config: SpecConfig) -> tuple[str, float]:

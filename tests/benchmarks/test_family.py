@@ -125,3 +125,35 @@ def test_the_command_prints_each_engine_then_the_summary(capsys: Any) -> None:
     assert "family v1: 1 engines, indices 2..2" in out
     line, table = out.index(f"  {F.engine_name(2)} [two-level] seed 2"), out.index("| all | 1 |")
     assert line < table and "two-level objectives: answer within 2% in" in out
+
+
+def _result(optimum: float, value: float, speculative: bool, fleet_factor: float) -> bf.EngineResult:
+    best = max(optimum, 1.0)
+    answer = se.Answer(10, {"search": 10}, 1.0, {}, value / best, 0, "converged: x", speculative=speculative)
+    return bf.EngineResult(
+        0, "e", "seed-like", (1,), optimum, answer, 0.01, bf.Coverage(), 0, 0, fleet_factor=fleet_factor
+    )
+
+
+def test_on_a_fleet_slower_with_speculation_than_its_gain_the_baseline_is_the_optimum() -> None:
+    """A 3% gain on hosts whose speculative cycles run 4% slower: "does not pay" is exact on the
+    fleet, though 3% short of the offset-free optimum."""
+    got = _result(1.03, 1.0, False, 1.04)
+    assert not got.within and got.short
+    assert got.fleet_share == 1.0 and got.fleet_within and not got.fleet_short
+
+
+def test_a_speculative_answer_runs_slower_on_the_fleet_and_so_does_the_optimum() -> None:
+    got = _result(1.20, 1.17, True, 1.03)
+    assert math.isclose(got.fleet_share, got.answer.share)  # both divided by the same factor
+    slow = _result(1.02, 1.02, True, 1.05)  # the optimum itself, on hosts where it does not pay
+    assert slow.answer.share == 1.0 and math.isclose(slow.fleet_share, 1.02 / 1.05)
+    assert not slow.fleet_within
+
+
+def test_the_fleet_factor_is_the_studied_hosts_speculative_slow_down() -> None:
+    k = F.indices(1, "seed-like")[0]
+    got = bf.run_engine(k, workers=2)
+    offsets = F.engine(k).host_offsets[:2]
+    assert math.isclose(got.fleet_factor, math.sqrt((1 + offsets[0]) * (1 + offsets[1])), rel_tol=1e-9)
+    assert "on the fleet" in bf.per_engine([got])[0]
