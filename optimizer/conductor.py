@@ -686,7 +686,7 @@ def candidates(snap: Snapshot) -> tuple[Candidate, ...]:
     noise = launch_noise(snap)
     # The study's model, where trusted, judges the runners-up (optimizer.ranking): those it ranks
     # above the leader (its one launch may be its luckiest) and those that may beat it by min_gain.
-    rank = ranking.of(spec, snap.trials)
+    rank = ranking.of(spec, snap.trials, relaunched(snap))
     for t in confirm.candidates(list(snap.trials), spec.confirmation.top, spec, noise.variance, rank):
         r = A.TrialRecord(t)
         measured_on = r.worker_id
@@ -933,7 +933,21 @@ def contenders(snap: Snapshot) -> list[answer.Contender]:
 def winner(snap: Snapshot) -> answer.Choice | None:
     """The study's answer among its confirmed candidates now (optimizer.answer.winner), as the
     study document shows it: what `relaunches` re-launches, and the benchmark scores."""
-    return answer.winner(snap.spec, snap.trials, contenders(snap), ranking.of(snap.spec, snap.trials))
+    return answer.winner(snap.spec, snap.trials, contenders(snap), ranking.of(snap.spec, snap.trials, relaunched(snap)))
+
+
+def relaunched(snap: Snapshot) -> list[ranking.Relaunch]:
+    """The completed confirmation launches of the study's candidates, as data for the model that
+    ranks them (optimizer.ranking.Relaunch): each on its host, against its paired baseline."""
+    trials = {t.number: t for t in snap.trials}
+    out = []
+    for le in _completed_confirms(snap):
+        t = trials.get(le.trial_number) if le.trial_number is not None else None
+        if t is None or le.measurement is None or not A.TrialRecord(t).has_config:
+            continue
+        levels, base = le.measurement
+        out.append(ranking.Relaunch(A.TrialRecord(t).config, levels, base, le.worker_id))
+    return out
 
 
 def relaunches(snap: Snapshot) -> Reconfirm | None:

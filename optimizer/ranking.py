@@ -9,6 +9,14 @@ launch to launch, and neighbouring configurations share their draft positions' a
 their cost terms, so the model's *difference* between two candidates is far tighter than either
 launch's.  That estimate, shrunk toward what the whole search saw, orders the candidates.
 
+The confirmation launches are data for it too (`Relaunch`): each candidate is confirmed on
+another host than the one that found it, against a fresh baseline, so with them the same
+configuration stands on two hosts, and what a host's offset or its baseline's launch noise did to
+every launch of that host (up to ~10% on the drawn engines of benchmarks/family.py, where the
+optimum was launched but the answer lost it to that shift in 4 of 7 misses) becomes something the
+model's per-host offsets can tell apart from the configurations.  They do not change whether the
+model is trusted: that is judged on the predictions it made before each search launch.
+
 Only the order: the numbers printed with the answer stay those of the launch that proved it
 (its confirmation).  Where the model's predictions missed what was then measured, or were not
 checked on enough launches (the stop rule's prediction check, optimizer.stop_rules), it is not
@@ -19,8 +27,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from optuna.trial import FrozenTrial
 from scipy.stats import norm
@@ -30,7 +39,7 @@ from optimizer import confirmation as confirm
 from optimizer import stop_rules as R
 from optimizer.gains import gain_over, objective_levels, observations_of
 from optimizer.memo import PerStudyMemo
-from optimizer.perf_model import MODEL_FLOOR, Candidates, FittedModel, fit
+from optimizer.perf_model import MODEL_FLOOR, Candidates, FittedModel, Observation, fit, observations_from_attrs
 from optimizer.policy import DEFAULT_POLICY
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
@@ -39,6 +48,27 @@ from optimizer.spec import StudySpec
 # gives up less than `min_gain` against the best: "cannot tell apart" is not "as good", and with
 # launch noise as large as the gaps a one-launch tie says little about how much the cheap one loses.
 WITHIN_Z = DEFAULT_POLICY.within_z  # optimizer.policy
+
+
+@dataclass(frozen=True)
+class Relaunch:
+    """A completed confirmation launch of a candidate, as the model reads it: what it measured
+    against the baseline it was paired with, on its host."""
+
+    config: SpecConfig
+    levels: Sequence[Mapping[str, Any]]
+    baseline_levels: Sequence[Mapping[str, Any]]
+    host: str | None
+
+    def observations(self) -> list[Observation]:
+        return observations_from_attrs(
+            self.config.model_dump(mode="json"), self.levels, self.baseline_levels, self.host
+        )
+
+    def key(self) -> tuple[Any, ...]:
+        out = [(int(lv["concurrency"]), lv.get("output_tok_s"), lv.get("accept_length")) for lv in self.levels]
+        base = [(int(lv["concurrency"]), lv.get("output_tok_s")) for lv in self.baseline_levels]
+        return (self.config.key, self.host, out, base)
 
 
 @dataclass(frozen=True)
@@ -111,18 +141,24 @@ def bar_of(
 _MEMO: PerStudyMemo[Ranking | None] = PerStudyMemo(128)
 
 
-def of(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Ranking | None:
-    """The ranking of a study's candidates by its model, or None: no model (no accept lengths),
-    one whose predictions were not checked on enough launches, or missed what was measured.  Memoised on the spec
-    and the finished trials (the study document asks on every read)."""
+def of(spec: StudySpec, trials: Sequence[FrozenTrial], relaunches: Sequence[Relaunch] = ()) -> Ranking | None:
+    """The ranking of a study's candidates by its model (fitted to the search's launches and the
+    confirmations' `relaunches`), or None: no model (no accept lengths), one whose predictions were
+    not checked on enough launches, or missed what was measured.  Memoised on the spec, the
+    finished trials and the relaunches (the study document asks on every read)."""
     seen = json.dumps(
-        [spec.model_dump_json(), *((t.number, t.state.name, t.value) for t in trials if t.state.is_finished())]
+        [
+            spec.model_dump_json(),
+            *((t.number, t.state.name, t.value) for t in trials if t.state.is_finished()),
+            *(r.key() for r in relaunches),
+        ]
     )
-    return _MEMO.get(spec.name, seen, lambda: _fit(spec, trials))
+    return _MEMO.get(spec.name, seen, lambda: _fit(spec, trials, relaunches))
 
 
-def _fit(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Ranking | None:
-    model = fit(observations_of(trials), spec.search_space.num_steps.high)
+def _fit(spec: StudySpec, trials: Sequence[FrozenTrial], relaunches: Sequence[Relaunch] = ()) -> Ranking | None:
+    obs = observations_of(trials) + [o for r in relaunches for o in r.observations()]
+    model = fit(obs, spec.search_space.num_steps.high)
     if model is None:
         return None
     check = R.prediction_check(trials)

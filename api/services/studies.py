@@ -240,6 +240,7 @@ class StudyService:
             rows = _confirm_rows(s, name)
             extra = launch_noise.study_noise(s, spec, trials).variance
         confirmations = _confirmations(spec, rows, extra)
+        relaunched = _relaunched(rows, trials)
         proof = next((c for c in confirmations if c.adaptive and adaptive_answer.proven(c)), None)
         if proof is not None:
             assert proof.server is not None
@@ -247,7 +248,7 @@ class StudyService:
         else:
             best = opt.best_trial_of(trials)
             best_doc = None if best is None else self._describe_best(spec, best, extra)
-            winner = self._winner(spec, trials, best, best_doc, confirmations, extra)
+            winner = self._winner(spec, trials, best, best_doc, confirmations, extra, relaunched)
             if winner is None:
                 return None
             config, host = winner.config, winner.confirmed_on or winner.worker_id
@@ -374,7 +375,7 @@ class StudyService:
         confirmations = _confirmations(spec, confirm_rows, extra)
         best = opt.best_trial_of(trials)
         best_doc = None if best is None else self._describe_best(spec, best, extra)
-        winner = self._winner(spec, trials, best, best_doc, confirmations, extra)
+        winner = self._winner(spec, trials, best, best_doc, confirmations, extra, _relaunched(confirm_rows, trials))
         measured = len(A.measured_feasible(trials))
         if row.state != StudyState.RUNNING:
             phase = "done" if row.state == StudyState.FINISHED else row.state
@@ -497,6 +498,7 @@ class StudyService:
         best_doc: D.BestTrial | None,
         confirmations: list[D.Confirmation],
         extra_var: float = 0.0,
+        relaunched: Sequence[ranking.Relaunch] = (),
     ) -> D.Winner | None:
         """The recommended configuration: the best confirmed one, else the best measured one.
 
@@ -510,7 +512,9 @@ class StudyService:
             for c in confirmations
             if c.state == "completed" and c.speedup is not None and c.trial_number in configs
         }
-        choice = answer.winner(spec, trials, [_contender(c, configs) for c in done.values()], ranking.of(spec, trials))
+        # Ranked by the model of every launch, the confirmations' too (optimizer.conductor.winner).
+        rank = ranking.of(spec, trials, relaunched)
+        choice = answer.winner(spec, trials, [_contender(c, configs) for c in done.values()], rank)
         if choice is not None:
             top = done[choice.winner.trial_number]
             t = next(t for t in trials if t.number == top.trial_number)
@@ -721,6 +725,21 @@ def _contender(c: D.Confirmation, configs: Mapping[int, SpecConfig | None]) -> a
         violation=c.violation or 0.0,
         saturated={int(k): v for k, v in c.saturated.items()},
     )
+
+
+def _relaunched(rows: Sequence[LeaseRow], trials: Sequence[FrozenTrial]) -> list[ranking.Relaunch]:
+    """The completed confirmation launches of the study's candidates as the ranking's model reads
+    them (optimizer.conductor.relaunched: the same launches, from the conductor's snapshot)."""
+    configs = {t.number: A.TrialRecord(t).config_or_none for t in trials}
+    out = []
+    for r in rows:
+        if r.state != "completed" or r.trial_number is None or adaptive_answer.is_adaptive_proof(r):
+            continue
+        m = launch_noise.confirm_measurement(r)
+        config = configs.get(r.trial_number)
+        if m is not None and config is not None:
+            out.append(ranking.Relaunch(config, m[1], m[2], r.worker_id))
+    return out
 
 
 def _confirm_rows(s: Session, name: str) -> Sequence[LeaseRow]:

@@ -212,10 +212,14 @@ def test_a_model_whose_predictions_missed_or_were_never_checked_does_not_rank() 
 
 
 def test_the_service_answers_the_candidate_its_model_ranks_first_not_the_luckiest_launch(api: Api) -> None:
-    """Simulated workers measure every launch by the simulator's model, except that every
-    confirmation but the truly best candidate's lands 4% high (a lucky launch).  The study
+    """Simulated workers measure every launch by the simulator's model, except that one runner-up's
+    confirmation lands 1.2% high (a lucky launch, about the calibrated launch noise).  The study
     document's winner is the truly best confirmed candidate, with its own confirmation's numbers;
-    the confirmations alone would have answered a lucky one."""
+    the confirmations alone would have answered the lucky one.  The model reads the confirmations
+    too (optimizer.ranking.Relaunch): one launch moves its estimate of that configuration, less than
+    the launch moved, as the search launches and the terms it shares with its neighbours hold it.
+    (A 4% launch on a runner-up 0.4% behind the best outweighs that, as it should any estimate
+    that uses the launch at all.)"""
     landscape = "moe-pcie"
     # A small min_gain: the model judges which runners-up are confirmed (a 10% chance to beat the
     # leader by min_gain), and near-equal candidates must be confirmed for the ranking to matter.
@@ -230,6 +234,7 @@ def test_the_service_answers_the_candidate_its_model_ranks_first_not_the_luckies
         return float(sim_levels(landscape, config, [1])[0]["output_tok_s"]) / float(base_tok)
 
     best_key: str | None = None
+    lucky: str | None = None
     for _ in range(120):  # bounded: the search, its baselines, then the confirmations
         shown = api.get("/v1/studies/ranked", "user").json()
         if shown["state"] != "running":
@@ -245,14 +250,20 @@ def test_the_service_answers_the_candidate_its_model_ranks_first_not_the_luckies
                 body = ok(sim_levels(landscape, None, [1]))
             else:
                 truth_of[key_of(got["config"])] = truth(got["config"])
-                luck = 1.04 if got["kind"] == "confirm" and key_of(got["config"]) != best_key else 1.0
+                key = key_of(got["config"])
+                if got["kind"] == "confirm" and key != best_key and lucky is None:
+                    lucky = key
+                luck = 1.012 if got["kind"] == "confirm" and key == lucky else 1.0
                 body = ok(sim_levels(landscape, got["config"], [1], scale=luck))
             assert api.post(f"/v1/leases/{got['lease_id']}/complete", "fleet", body).status_code == 200
     shown = api.get("/v1/studies/ranked", "user").json()
     done = [c for c in shown["confirmation"] if c["state"] == "completed"]
     assert shown["state"] == "finished" and len(done) >= 2 and best_key is not None, shown["state"]
     winner = shown["winner"]
-    assert key_of(winner["config"]) == best_key
+    assert key_of(winner["config"]) == best_key, [
+        (key_of(c["config"]), truth_of[key_of(c["config"])], c["speedup"], c["search_speedup"], c["worker_id"])
+        for c in done
+    ]
     mine = next(c for c in done if key_of(c["config"]) == best_key)
     assert winner["speedup"] == pytest.approx(mine["speedup"])  # the numbers are its own launch's
     assert (
@@ -280,3 +291,52 @@ def test_a_runner_up_the_model_ranks_above_the_leader_is_confirmed() -> None:
     assert [t.number for t in candidates(trials, 3, spec, 0.0, ranks)] == [0, 1]
     behind = FakeRanking({lead.key: 1.04, runner.key: 1.03}, sure=False)
     assert [t.number for t in candidates(trials, 3, spec, 0.0, behind)] == [0]
+
+
+def _on(t: FrozenTrial, host: str) -> FrozenTrial:
+    t.user_attrs[A.WORKER_ID] = host
+    return t
+
+
+def test_the_confirmations_let_the_model_take_a_hosts_offset_out_of_its_ranking() -> None:
+    """Host h1 runs speculative cycles 6% slower than its baseline says (an offset the family of
+    drawn engines has: benchmarks/family.py).  The true best (2/2/3) was found on h1, so its search
+    launch reads 6% low; its two runners-up were found on h0.  Each is confirmed on the other host
+    (optimizer.conductor.candidates), so every candidate stands on both.  Side by side on the same
+    draws: the model fitted to the search alone ranks a runner-up first every time; with the
+    confirmations as its data (optimizer.ranking.Relaunch) it sees part of h1's offset and ranks
+    the best first in a good share of them (measured: 0/12 and 5/12; the residual GP's host
+    offsets are shrunk towards its prior, optimizer.policy `residual_host_sds`)."""
+    spec = StudySpec.model_validate(
+        {"name": "offset", "model": {"target": "t", "draft": "d"}, "workload": {"concurrency": [1]}}
+    )
+    slow = {"h1": 1.06}
+    found_on = {c.key: "h0" for c in SEARCH} | {CANDIDATES[0].key: "h1"} | {SEARCH[3].key: "h1", SEARCH[7].key: "h1"}
+
+    def launch(rng: random.Random, cfg: SpecConfig, host: str) -> tuple[list[Any], list[Any]]:
+        lv = _levels(rng, cfg, 0.005)
+        for x in lv:
+            x["output_tok_s"] /= slow.get(host, 1.0)
+            x["per_user_tok_s"] /= slow.get(host, 1.0)
+            x["output_tok_s_runs"] = [r / slow.get(host, 1.0) for r in x["output_tok_s_runs"]]
+        return lv, _levels(rng, None, 0.005)
+
+    rng = random.Random(3)
+    draws, alone, with_confirmations = 12, 0, 0
+    for d in range(draws):
+        trials = []
+        for i, cfg in enumerate(SEARCH):
+            t = _on(_trial(i, cfg, *launch(rng, cfg, found_on[cfg.key])), found_on[cfg.key])
+            t.user_attrs[A.MODEL_PREDICTION] = {"speedup": float(t.value or 1.0), "log_sd": 0.03}
+            trials.append(t)
+        other = {"h0": "h1", "h1": "h0"}
+        relaunches = [
+            ranking.Relaunch(cfg, *launch(rng, cfg, other[found_on[cfg.key]]), other[found_on[cfg.key]])
+            for cfg in CANDIDATES
+        ]
+        plain = ranking.of(spec.model_copy(update={"name": f"alone{d}"}), trials)
+        pooled = ranking.of(spec.model_copy(update={"name": f"pooled{d}"}), trials, relaunches)
+        assert plain is not None and pooled is not None
+        alone += max(CANDIDATES, key=plain.estimate) == CANDIDATES[0]
+        with_confirmations += max(CANDIDATES, key=pooled.estimate) == CANDIDATES[0]
+    assert with_confirmations >= alone + draws // 3, (alone, with_confirmations)
