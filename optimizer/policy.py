@@ -79,10 +79,6 @@ class Policy:
     # The incumbent's 95% interval must be no wider than this either side (or a confirmation is
     # set) before the search ends: a stated risk, ~2x the calibrated pass noise.
     tight: float = 0.03
-    # Launches after the incumbent the model rule wants before it stops: one look past the best
-    # is evidence the model cannot give about itself (a stated risk).  0 switches it off: no case
-    # failed without it on seeds 0-2, a candidate for removal (benchmarks/README.md "Rules switched off").
-    model_hold: int = 1
     # The model rule does not settle while the incumbent is the deepest launch (one step deeper
     # first).  benchmarks/README.md "The depth probe (2026-12-01 g)": two-peaks.  False: off; off,
     # two-peaks seed 7 answers 0.9747 of the optimum instead of 0.9916 (benchmarks/README.md "Rules switched off").
@@ -291,7 +287,6 @@ SNAPSHOT_FIELDS: frozenset[str] = frozenset(
         "p_matters",
         "min_measured",
         "tight",
-        "model_hold",
         "depth_probe",
         "drift_margin",
         "model_parallel",
