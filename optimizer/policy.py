@@ -43,7 +43,8 @@ class Policy:
     check_min: int = 3
     # The model is distrusted when the misses' mean square exceeds the chi-square quantile at this
     # level: 1 false alarm in 20 for a model whose stated uncertainty is right (a test level, not a
-    # measurement).  1.0 switches the prediction check, and so the empirical rule, off: no case
+    # measurement).  1.0 switches the prediction check, and so the empirical rule and the sampler's
+    # walk around the incumbent (optimizer.model_sampler reads the study's policy too), off: no case
     # failed without it on seeds 0-2, a candidate for removal (benchmarks/README.md "Rules switched off").
     check_level: float = 0.95
     # Log-sd a host adds to a speedup that its own baseline does not cancel (driver, clocks,
