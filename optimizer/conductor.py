@@ -391,9 +391,9 @@ def launches_needed(
     (None: the rule cannot say, e.g. the model still sees a configuration likely to beat it).
 
     Read off the rule's own terms (optimizer.convergence, optimizer.stop_rules): the model's
-    `min_measured`; once the model is trusted and sees nothing likely to win, `model_hold` launches
-    after the incumbent's; with a distrusted model the empirical rule's quiet spell; whatever the
-    model says, the improvement-rate backstop.
+    `min_measured`; once the model is trusted and sees nothing likely to win, the one launch the
+    rule still waits for (the depth probe: `assess` settles otherwise); with a distrusted model
+    the empirical rule's quiet spell; whatever the model says, the improvement-rate backstop.
     """
     if a is None or a.settled:
         return None
@@ -405,7 +405,7 @@ def launches_needed(
     needs = [stop_rules.stall_needed(lead.found_at, policy) - lead.since]
     trusted = a.check is not None and a.check.trusted  # no check: no model
     if trusted and a.best_chance < policy.p_matters:
-        needs.append(policy.model_hold - lead.since)
+        needs.append(1)  # unsettled here only while it waits for the depth probe: one launch
     elif not trusted:
         needs.append(stop_rules.hold_needed(lead.found_at, policy) - a.quiet)
     return max(1, min(needs))

@@ -50,12 +50,11 @@ from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 from optimizer.stop_rules import StopRule
 
-# The rule's thresholds (p_matters, min_measured, tight, model_hold, depth_probe) are the study's
+# The rule's thresholds (p_matters, min_measured, tight, depth_probe) are the study's
 # policy (optimizer.policy), handed to `assess`; these names are the default policy's values, for
 # callers outside the rule.
 P_MATTERS = DEFAULT_POLICY.p_matters
 MIN_MEASURED = DEFAULT_POLICY.min_measured
-MODEL_HOLD = DEFAULT_POLICY.model_hold
 
 
 @dataclass(frozen=True)
@@ -197,7 +196,7 @@ def assess(spec: StudySpec, trials: Sequence[FrozenTrial], policy: Policy = DEFA
             f"the model sees nothing left to beat {against}, but {bar_r.config_key} is the deepest launch: "
             f"one launch one draft step deeper ({probe.key}) first"
         )
-    if trusted and top < policy.p_matters and lead.since >= policy.model_hold:
+    if trusted and top < policy.p_matters:
         beat = f"beat {against}" if pays_now else "beat the baseline"
         return settle(
             StopRule.MODEL,
@@ -219,14 +218,12 @@ def assess(spec: StudySpec, trials: Sequence[FrozenTrial], policy: Policy = DEFA
         distrust = check.describe() if check is not None else "the engine reports no accept length"
         what = "launches around" if walk else "launches without a gain over"
         return waiting(f"{distrust}; the empirical rule waits for {need} {what} {incumbent} ({quiet_n} so far)")
-    if top >= policy.p_matters:
-        over = f"{bar_r.config_key} (the model's first)" if moved else f"{bar_value:.3f}x"
-        return waiting(
-            f"{top_key} may still beat {over} by more than {100 * gain:.0f}% "
-            f"(chance {100 * top:.0f}%, model misfit x{misfit:.1f})"
-        )
-    after = f"after {label}, the incumbent" if moved else "after it"
-    return waiting(f"the model sees nothing left to beat {against}; waiting for one launch {after}")
+    # Trusted, and something left has at least a p_matters chance (else the model rule settled above).
+    over = f"{bar_r.config_key} (the model's first)" if moved else f"{bar_value:.3f}x"
+    return waiting(
+        f"{top_key} may still beat {over} by more than {100 * gain:.0f}% "
+        f"(chance {100 * top:.0f}%, model misfit x{misfit:.1f})"
+    )
 
 
 def quiet_spell(

@@ -124,7 +124,7 @@ class MemoryStudy:
     # ------------------------------------------------------------------ reading
 
     def study(self) -> optuna.Study:
-        return opt.load_study(self.storage, self.spec)
+        return opt.load_study(self.storage, self.spec, policy=self.policy)
 
     def trials(self) -> list[FrozenTrial]:
         return self.study().get_trials(deepcopy=False)

@@ -50,7 +50,7 @@ from optimizer.perf_model import (
     FloatArray,
     fit,
 )
-from optimizer.policy import DEFAULT_POLICY
+from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.space import SearchSpace, SpecConfig, params_of, published_starts, with_largest_graph
 from optimizer.spec import StudySpec
 
@@ -270,13 +270,20 @@ def pending_penalty(pool: Sequence[SpecConfig], pending: Sequence[SpecConfig]) -
 
 
 def propose(
-    spec: StudySpec, trials: Sequence[FrozenTrial], rng: random.Random, model: FittedModel | None = None
+    spec: StudySpec,
+    trials: Sequence[FrozenTrial],
+    rng: random.Random,
+    model: FittedModel | None = None,
+    policy: Policy = DEFAULT_POLICY,
 ) -> Proposal | None:
     """The configuration to measure next, or None when the model has nothing to go on.
 
     Value = expected improvement x (1 - probability of running out of memory) x the penalty
     around configurations in flight, per expected second of launch and benchmark
-    (optimizer.launch_cost).
+    (optimizer.launch_cost).  `policy` is the study's (the snapshot's, optimizer.policy): its
+    prediction check decides whether the model is trusted or the walk around the incumbent runs,
+    as the stop rule's does (a `--policy check_level=1.0` that switched the check off in the stop
+    rule alone would leave the sampler walking for a rule that no longer waits for the walk).
     """
     if model is None:
         model = fit(observations_of(trials), spec.search_space.num_steps.high)
@@ -311,11 +318,11 @@ def propose(
         # candidate beat the bar, as the model sees both, by more than min_gain?  Measuring
         # where that is most likely also settles the study soonest.  The bar is the incumbent,
         # or where the model ranks the confirmed candidates, the one it ranks first.
-        check = stop_rules.prediction_check(trials)
+        check = stop_rules.prediction_check(trials, policy)
         ref = A.TrialRecord(ranking.bar_of(spec, trials, model, check, best)).config
         diff, sd = gain_over(spec, model, pool, ref)
         z = (diff - math.log1p(spec.budget.min_gain)) / sd
-        if not op.pending and float(norm.cdf(z).max()) < stop_rules.P_MATTERS and check.trusted:
+        if policy.depth_probe and not op.pending and float(norm.cdf(z).max()) < policy.p_matters and check.trusted:
             # The model sees nothing left to beat the incumbent: where the incumbent is the
             # deepest launch, the stop rule first wants one launch past it (stop_rules.depth_probe).
             probe = stop_rules.depth_probe(trials, ref, pool, spec.search_space.num_steps.high)
@@ -336,7 +343,7 @@ def propose(
     penalty = pending_penalty(pool, op.pending)
     cost = launch_cost.fit(spec, trials).seconds(pool, np.exp(mean), p_fail)
     value = ei * (1.0 - p_fail) * penalty / (cost / float(np.median(cost)))
-    local = _local_moves(spec, trials, pool, best)
+    local = _local_moves(spec, trials, pool, best, policy)
     around: str | None = None
     move: Move
     if local is not None:
@@ -400,13 +407,18 @@ _PURPOSE_ALL_LOSE = (
 
 
 def _local_moves(
-    spec: StudySpec, trials: Sequence[FrozenTrial], pool: Sequence[SpecConfig], best: FrozenTrial | None
+    spec: StudySpec,
+    trials: Sequence[FrozenTrial],
+    pool: Sequence[SpecConfig],
+    best: FrozenTrial | None,
+    policy: Policy = DEFAULT_POLICY,
 ) -> LocalMoves | None:
-    """The model-free local moves, or None: only when the model failed its prediction check, a
-    configuration beats the baseline (the incumbent to walk around) and a neighbour is open."""
+    """The model-free local moves, or None: only when the model failed its prediction check (at
+    the study's `policy`), a configuration beats the baseline (the incumbent to walk around) and a
+    neighbour is open."""
     if best is None or float(best.value or 0.0) <= 1.0:
         return None
-    if stop_rules.prediction_check(trials).trusted:
+    if stop_rules.prediction_check(trials, policy).trusted:
         return None
     measured = stop_rules.launched_configs(trials)
     moves = local_moves(A.TrialRecord(best).config, pool, spec.search_space, measured)
@@ -526,8 +538,16 @@ def _record_in_flight(study: Study, predictions: Sequence[tuple[FrozenTrial, dic
 class ModelSampler(BaseSampler):
     """Optuna sampler around `propose`; TPE for anything the model cannot answer."""
 
-    def __init__(self, spec: StudySpec, seed: int | None = None, fallback: BaseSampler | None = None) -> None:
+    def __init__(
+        self,
+        spec: StudySpec,
+        seed: int | None = None,
+        fallback: BaseSampler | None = None,
+        policy: Policy = DEFAULT_POLICY,
+    ) -> None:
         self._spec = spec
+        # The study's policy (the snapshot's: optimizer.memory_store hands it over), for `propose`.
+        self._policy = policy
         self._rng = random.Random(seed)
         self._fallback = fallback or optuna.samplers.TPESampler(seed=seed, n_startup_trials=5)
         # (trial number, the trials read, their fit): `before_trial`'s, for this ask's `sample_relative`.
@@ -571,7 +591,7 @@ class ModelSampler(BaseSampler):
         else:
             trials = study.get_trials(deepcopy=False)
             model = fit(observations_of(trials), self._spec.search_space.num_steps.high)
-        proposal = None if model is None else propose(self._spec, trials, self._rng, model)
+        proposal = None if model is None else propose(self._spec, trials, self._rng, model, self._policy)
         if proposal is None:
             start = blind_start(self._spec, trials)
             if start is None:

@@ -32,6 +32,7 @@ from optuna.trial import FrozenTrial, TrialState
 from optimizer import attrs as A
 from optimizer.errors import StudyExistsError, StudyNotFoundError, TrialStateError
 from optimizer.objective import CONSTRAINT_KEY, FAILED_LAUNCH_VIOLATION
+from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.samplers import check_sampler_installed, make_sampler
 from optimizer.space import SGLANG_DEFAULTS, SpecConfig, params_of, with_largest_graph
 from optimizer.spec import StudySpec
@@ -128,15 +129,18 @@ class ScreenedStudy(optuna.Study):
         return trials if states is None else [t for t in trials if t.state in states]
 
 
-def load_study(storage: BaseStorage, spec: StudySpec, screen: TrialScreen | None = None) -> optuna.Study:
-    """The study with a fresh sampler; with `screen`, every trial read goes through it (ScreenedStudy)."""
+def load_study(
+    storage: BaseStorage, spec: StudySpec, screen: TrialScreen | None = None, policy: Policy = DEFAULT_POLICY
+) -> optuna.Study:
+    """The study with a fresh sampler; with `screen`, every trial read goes through it (ScreenedStudy).
+    `policy` is the study's decision values (optimizer.policy), handed to the sampler."""
     n_trials = _count_trials(storage, spec.name)
     # A fresh sampler per ask: derive its seed from the study's seed and its size, so asks are
     # reproducible for a seeded study without repeating the same proposal every time.
     # Modulo 2**32: numpy (under Optuna's samplers) refuses seeds outside 0..2**32-1, and a large
     # spec seed times the multiplier would leave that range (every ask of the study would fail).
     seed = None if spec.seed is None else (spec.seed * 1_000_003 + n_trials) % 2**32
-    sampler = make_sampler(spec, seed)
+    sampler = make_sampler(spec, seed, policy)
     # No Optuna pruner: spectune decides pruning itself, from the noise seen (optimizer.pruning).
     pruner = optuna.pruners.NopPruner()
     try:

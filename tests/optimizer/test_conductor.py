@@ -193,7 +193,8 @@ def unsettled(chance: float, *, trusted: bool = True, quiet: int = 0) -> converg
     return convergence.Assessment(False, "not yet", 5, 100, chance, "k", 1.0, None, check=check, quiet=quiet)
 
 
-# The incumbent (1.10x) is the last result: the model rule wants MODEL_HOLD launch(es) after it.
+# The incumbent (1.10x) is the last result; the model sees nothing likely to beat it, but the rule
+# is unsettled (it waits for the depth probe): one launch settles it.
 HOLD_PENDING = [
     measured(i, v, cfg, f"w{i + 1}") for i, (v, cfg) in enumerate(zip((1.02, 1.05, 1.01, 1.10), CONFIGS, strict=True))
 ]
@@ -202,12 +203,12 @@ HOLD_PENDING = [
 def test_a_fleet_waits_when_the_launches_in_flight_are_what_the_model_rule_still_needs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Four hosts: the model sees nothing likely to beat the incumbent, and wants one launch after
-    it.  With one launch in flight the other hosts wait (before: each asked, and every launch they
+    """Four hosts: the model sees nothing likely to beat the incumbent, and the rule waits for one
+    launch (the depth probe).  With one launch in flight the other hosts wait (before: each asked, and every launch they
     started was counted after the rule settled); with none in flight, one asks."""
     spec = spec_of("cond-hold")
     monkeypatch.setattr(c.convergence, "assess", lambda spec, trials, *_: unsettled(0.05))
-    assert c.launches_needed(spec, HOLD_PENDING, unsettled(0.05)) == convergence.MODEL_HOLD
+    assert c.launches_needed(spec, HOLD_PENDING, unsettled(0.05)) == 1
     s = snap(spec, HOLD_PENDING, baselines=FLEET_BASES, hosts=FLEET)
     assert isinstance(c.next_action(s, "w1"), c.Ask)
     action = c.next_action(replace(s, leases=flying(1)), "w4")

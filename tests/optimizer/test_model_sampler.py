@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import math
 import random
+from datetime import UTC, datetime
 from typing import Any, get_args
 
 import optuna
 import pytest
 
 from api.documents import ModelPrediction
+from optimizer import attrs as A
 from optimizer import study as opt
 from optimizer.answer import adaptive_export, best_by_level, check_adaptive_config
 from optimizer.infeasible import needs_at_least
+from optimizer.memory_store import MemoryStudy
 from optimizer.model_sampler import Move, Proposal, _record_in_flight, blind_start, prediction_attr, propose
 from optimizer.perf_model import fit, observations_from_attrs
+from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.space import SearchSpace, SpecConfig
 from optimizer.spec import parse_spec
 from spectune_sim.landscapes import LANDSCAPES
@@ -222,12 +226,13 @@ def test_an_enqueued_warm_start_predicts_the_starts_in_flight_and_a_failed_store
     _record_in_flight(study, [(running, {"speedup": 2.0, "log_sd": 0.1, "move": "start"})])
 
 
-def test_a_large_space_keeps_the_incumbents_neighbours_among_the_scored(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Above MAX_SCORED the sampler scores a random subset: the walk around the incumbent (a
-    distrusted model) must still find the incumbent's neighbours in it."""
-    import optimizer.model_sampler as ms
+WALK_FROM = SpecConfig(num_steps=6, topk=4, num_draft_tokens=16)
 
-    best = SpecConfig(num_steps=6, topk=4, num_draft_tokens=16)
+
+def distrusted_trials() -> list[optuna.trial.FrozenTrial]:
+    """Five zigzag-tiles results, the best first, the other four 25% below the model's predictions
+    of them: the default prediction check distrusts the model, and the sampler walks around the best."""
+    best = WALK_FROM
     run = [
         best,
         SpecConfig(num_steps=3, topk=1, num_draft_tokens=4),
@@ -240,9 +245,43 @@ def test_a_large_space_keeps_the_incumbents_neighbours_among_the_scored(monkeypa
         if i > 0:  # predictions 25% off: the model fails its check
             a["model_prediction"] = {"speedup": value_of(a) * 1.25, "log_sd": 0.02, "move": "model"}
         trials.append(_frozen(i, value_of(a), a))
+    return trials
+
+
+def test_a_large_space_keeps_the_incumbents_neighbours_among_the_scored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above MAX_SCORED the sampler scores a random subset: the walk around the incumbent (a
+    distrusted model) must still find the incumbent's neighbours in it."""
+    import optimizer.model_sampler as ms
+
     monkeypatch.setattr(ms, "MAX_SCORED", 3)
-    p = propose(spec(), trials, random.Random(0))
-    assert p is not None and p.move == "local" and p.around == best.canonical().key, p
+    p = propose(spec(), distrusted_trials(), random.Random(0))
+    assert p is not None and p.move == "local" and p.around == WALK_FROM.canonical().key, p
+
+
+def test_the_sampler_trusts_the_model_where_the_studys_policy_switches_the_check_off() -> None:
+    """`--policy check_level=1.0` switches the prediction check off in the stop rule; the sampler
+    must read the same policy, or it walks around the incumbent for a rule that no longer waits
+    for the walk.  Checked at `propose` and through the rehearsal's store (MemoryStudy -> the
+    study's sampler), which is how a benchmark's policy reaches it."""
+    off = DEFAULT_POLICY.with_overrides(["check_level=1.0"])
+    trials = distrusted_trials()
+    default = propose(spec(), trials, random.Random(0))
+    assert default is not None and default.move == "local", default
+    p = propose(spec(), trials, random.Random(0), policy=off)
+    assert p is not None and p.move != "local", p
+
+    def asked_move(policy: Policy) -> str:
+        store = MemoryStudy(spec(), datetime(2026, 12, 4, tzinfo=UTC), policy=policy)
+        study = store.study()
+        for t in study.get_trials(states=(optuna.trial.TrialState.WAITING,)):
+            study._storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)  # noqa: SLF001 - no warm starts here
+        for t in trials:
+            study.add_trial(t)
+        asked = opt.ask(store.study(), store.spec)
+        return str(opt.get_trial(store.study(), asked.number).user_attrs[A.MODEL_PREDICTION]["move"])
+
+    assert asked_move(DEFAULT_POLICY) == "local"
+    assert asked_move(off) != "local"
 
 
 @pytest.mark.parametrize("move", get_args(Move))
