@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from optuna.trial import FrozenTrial
@@ -34,6 +34,7 @@ from optimizer.perf_model import MODEL_FLOOR, Candidates, FittedModel, fit
 from optimizer.policy import DEFAULT_POLICY
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
+from optimizer.verify_probe import VerifyShape, shapes_key
 
 # A cheaper tied candidate is preferred only when the model is this sure (one-sided 90%) that it
 # gives up less than `min_gain` against the best: "cannot tell apart" is not "as good", and with
@@ -111,18 +112,26 @@ def bar_of(
 _MEMO: PerStudyMemo[Ranking | None] = PerStudyMemo(128)
 
 
-def of(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Ranking | None:
+def of(
+    spec: StudySpec, trials: Sequence[FrozenTrial], shapes: Mapping[str, VerifyShape] | None = None
+) -> Ranking | None:
     """The ranking of a study's candidates by its model, or None: no model (no accept lengths),
-    one whose predictions were not checked on enough launches, or missed what was measured.  Memoised on the spec
-    and the finished trials (the study document asks on every read)."""
+    one whose predictions were not checked on enough launches, or missed what was measured.
+    `shapes`: the hosts' probed verify cost (optimizer.conductor.Snapshot.verify_shapes; the
+    study document passes the same, or its winner and the conductor's could differ).  Memoised on
+    the spec, the shapes and the finished trials (the study document asks on every read)."""
     seen = json.dumps(
-        [spec.model_dump_json(), *((t.number, t.state.name, t.value) for t in trials if t.state.is_finished())]
+        [
+            spec.model_dump_json(),
+            shapes_key(shapes),
+            *((t.number, t.state.name, t.value) for t in trials if t.state.is_finished()),
+        ]
     )
-    return _MEMO.get(spec.name, seen, lambda: _fit(spec, trials))
+    return _MEMO.get(spec.name, seen, lambda: _fit(spec, trials, shapes))
 
 
-def _fit(spec: StudySpec, trials: Sequence[FrozenTrial]) -> Ranking | None:
-    model = fit(observations_of(trials), spec.search_space.num_steps.high)
+def _fit(spec: StudySpec, trials: Sequence[FrozenTrial], shapes: Mapping[str, VerifyShape] | None) -> Ranking | None:
+    model = fit(observations_of(trials), spec.search_space.num_steps.high, shapes)
     if model is None:
         return None
     check = R.prediction_check(trials)

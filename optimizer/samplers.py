@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Mapping
 
 import optuna
 
 from optimizer.errors import SpecError
 from optimizer.model_sampler import ModelSampler
 from optimizer.spec import StudySpec
+from optimizer.verify_probe import VerifyShape
 
 log = logging.getLogger("spectune.optimizer")
 
@@ -31,7 +33,9 @@ def check_sampler_installed(spec: StudySpec) -> None:
         raise SpecError("sampler", GP_INSTALL_HINT)
 
 
-def make_sampler(spec: StudySpec, seed: int | None) -> optuna.samplers.BaseSampler:
+def make_sampler(
+    spec: StudySpec, seed: int | None, shapes: Mapping[str, VerifyShape] | None = None
+) -> optuna.samplers.BaseSampler:
     """`tpe` (default), `gp`, `random`, `grid` (enqueued at creation; random behind it), `auto`.
 
     TPE runs with Optuna 5.0's defaults: multivariate and constant liar, so RUNNING trials on
@@ -39,11 +43,12 @@ def make_sampler(spec: StudySpec, seed: int | None) -> optuna.samplers.BaseSampl
     `auto` is spectune's model-based sampler (`optimizer.model_sampler`): it fits accept length
     and cycle time from the trials so far and proposes the configuration with the largest
     expected improvement; benchmarks/search_efficiency.py measures that it needs far fewer
-    restarts than TPE, random search or SGLang's own grid.
+    restarts than TPE, random search or SGLang's own grid.  `shapes`: the hosts' probed verify
+    cost, which `auto`'s model reads (optimizer.verify_probe).
     """
     name = spec.sampler
     if name == "auto":
-        return ModelSampler(spec, seed)
+        return ModelSampler(spec, seed, shapes=shapes)
     if name == "tpe":
         # Few start-up trials: every trial is a server restart (minutes of GPU time), and the
         # warm-start configurations already spread over the space.

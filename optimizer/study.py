@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +35,7 @@ from optimizer.objective import CONSTRAINT_KEY, FAILED_LAUNCH_VIOLATION
 from optimizer.samplers import check_sampler_installed, make_sampler
 from optimizer.space import SGLANG_DEFAULTS, SpecConfig, params_of, with_largest_graph
 from optimizer.spec import StudySpec
+from optimizer.verify_probe import VerifyShape
 
 SPEC_ATTR = "spectune_spec"
 METRIC_NAMES = ["speedup"]
@@ -128,15 +129,21 @@ class ScreenedStudy(optuna.Study):
         return trials if states is None else [t for t in trials if t.state in states]
 
 
-def load_study(storage: BaseStorage, spec: StudySpec, screen: TrialScreen | None = None) -> optuna.Study:
-    """The study with a fresh sampler; with `screen`, every trial read goes through it (ScreenedStudy)."""
+def load_study(
+    storage: BaseStorage,
+    spec: StudySpec,
+    screen: TrialScreen | None = None,
+    shapes: Mapping[str, VerifyShape] | None = None,
+) -> optuna.Study:
+    """The study with a fresh sampler; with `screen`, every trial read goes through it (ScreenedStudy);
+    `shapes`, the hosts' probed verify cost, for the sampler's model (conductor.Snapshot.verify_shapes)."""
     n_trials = _count_trials(storage, spec.name)
     # A fresh sampler per ask: derive its seed from the study's seed and its size, so asks are
     # reproducible for a seeded study without repeating the same proposal every time.
     # Modulo 2**32: numpy (under Optuna's samplers) refuses seeds outside 0..2**32-1, and a large
     # spec seed times the multiplier would leave that range (every ask of the study would fail).
     seed = None if spec.seed is None else (spec.seed * 1_000_003 + n_trials) % 2**32
-    sampler = make_sampler(spec, seed)
+    sampler = make_sampler(spec, seed, shapes)
     # No Optuna pruner: spectune decides pruning itself, from the noise seen (optimizer.pruning).
     pruner = optuna.pruners.NopPruner()
     try:

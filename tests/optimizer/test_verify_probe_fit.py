@@ -6,11 +6,14 @@ is the trials' alone, exactly as before the probe was read.
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
+
 import numpy as np
 
+from optimizer import conductor
 from optimizer.perf_model import Candidates, Observation, fit, probe_rows
 from optimizer.space import SpecConfig
-from optimizer.verify_probe import ShapePoint, VerifyShape
+from optimizer.verify_probe import ShapePoint, VerifyShape, latest_shapes, shapes_key
 
 OBS = [
     Observation(3, 1, 4, 8, 2.6, 1.42, host="h0"),
@@ -90,3 +93,42 @@ def test_probe_rows_carry_the_floor() -> None:
     assert len(rows) == 12  # two hosts x six counts beyond k = 1
     assert np.all(rows.sd >= 0.03)
     assert np.all(rows.batch == 16.0)
+
+
+def _base(i: int, host: str, minutes: int, probe: dict[str, object] | None, valid: bool = True) -> conductor.Baseline:
+    at = datetime(2026, 12, 1, tzinfo=UTC) + timedelta(minutes=minutes)
+    levels = [{"concurrency": 4, "output_tok_s": 200.0}]
+    return conductor.Baseline(i, host, at, {4: 200.0}, levels=levels, valid=valid, verify_probe=probe)
+
+
+def _probe(slope: float) -> dict[str, object]:
+    pts = [
+        {
+            "concurrency": 4,
+            "tokens": k,
+            "seconds": 0.025 + slope * (k - 1),
+            "seconds_runs": [0.025 + slope * (k - 1)] * 3,
+        }
+        for k in (1, 2, 4, 8)
+    ]
+    return {"points": pts, "prefix_tokens": 256, "spent_s": 1.0}
+
+
+def test_latest_shapes_take_each_hosts_newest_valid_probe() -> None:
+    baselines = [
+        _base(0, "h0", 0, _probe(0.001)),
+        _base(1, "h0", 10, _probe(0.004)),  # h0's newest probe
+        _base(2, "h0", 20, None),  # newer, but measured by a worker without the probe
+        _base(3, "h1", 0, _probe(0.002)),
+        _base(4, "h1", 30, _probe(0.009), valid=False),  # under a previous token: not h1's
+    ]
+    shapes = latest_shapes(baselines)
+    assert sorted(shapes) == ["h0", "h1"]
+    r0, r1 = shapes["h0"].ratio(4, 8), shapes["h1"].ratio(4, 8)
+    assert r0 is not None and r1 is not None
+    # decode step 4 / 200 = 0.02 s; o_b = 0.005: h0 (0.025 + 0.028 - 0.005) / 0.02 = 2.4.
+    assert abs(r0 - 2.4) < 1e-9
+    assert abs(r1 - (0.025 + 0.014 - 0.005) / 0.02) < 1e-9
+    snap_key = shapes_key(shapes)
+    assert snap_key != shapes_key(latest_shapes(baselines[:1] + baselines[3:4]))
+    assert shapes_key({}) == shapes_key(None) == ""
