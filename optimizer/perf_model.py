@@ -13,6 +13,10 @@ cycle, bonus included: completion_tokens / spec_verify_ct) and the per-request c
   phi(N) = 1 + beta min(N-1, x) + beta' max(0, N-1-x) is the target forward over N tokens
   (steep up to a knee x on MoE and slow interconnects, linear on dense models).
 * speedup at level b = AL / r_b.
+* the verify cost's shape, where the hosts' baselines carry a verify probe (optimizer.verify_probe):
+  each probed phi(b k) / phi(b) is data for the cost half next to the trials' cycle ratios
+  (`fit`'s `shapes`), so beta, the knee and beta' hold this host's forward before the first
+  speculative launch reaches those token counts.
 
 These are the relations of docs/calibration.md §6 written as a regression.  Both halves are
 fitted by regularised least squares (priors from the published ranges, so two or three trials
