@@ -229,7 +229,7 @@ def _study_answer(store: MemoryStudy, hosts: Sequence[Host], truth: Truth) -> An
     incumbent = 1.0 if best is None else truth.value(A.TrialRecord(best).config)
     if best is None or float(best.value or 0.0) <= 1.0:
         incumbent = 1.0  # the baseline is the incumbent
-    assessment = conductor.stop_rule(spec, snap.trials, snap.policy)
+    assessment = conductor.stop_rule(spec, snap.trials, snap.policy, snap.verify_shapes())
     rule = None if assessment is None or assessment.rule is None else assessment.rule.value
 
     wall_h = (max(h.clock_s for h in hosts) - store.created_at.timestamp()) / 3600

@@ -31,10 +31,15 @@ from optimizer import attrs as A
 from optimizer.model_sampler import objective_levels, observations_of
 from optimizer.perf_model import Candidates, fit, per_user_rate
 from optimizer.spec import StudySpec
+from optimizer.verify_probe import VerifyShape
 
 
 def believed(
-    spec: StudySpec, trials: Sequence[FrozenTrial], now: datetime, hosts: Mapping[int, str] | None = None
+    spec: StudySpec,
+    trials: Sequence[FrozenTrial],
+    now: datetime,
+    hosts: Mapping[int, str] | None = None,
+    shapes: Mapping[str, VerifyShape] | None = None,
 ) -> list[FrozenTrial] | None:
     """`trials` with each running launch that carries the model's prediction completed at the fitted
     values, its result arriving after every real one (at `now` when none is in), from its host
@@ -47,7 +52,7 @@ def believed(
     }
     if not running:
         return None
-    model = fit(observations_of(trials), spec.search_space.num_steps.high)
+    model = fit(observations_of(trials), spec.search_space.num_steps.high, shapes)  # the stop rule's fit
     if model is None:
         return None
     levels, weights = objective_levels(spec)

@@ -40,6 +40,7 @@ from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 from optimizer.study import best_trial_of, is_feasible
 from optimizer.study_state import Ending, FinishReason, Phase, StudyState, confirmed_detail
+from optimizer.verify_probe import VerifyShape, latest_shapes, shapes_key
 from spectune_protocol import MAX_RESOLVE_THRESHOLD, LeaseKind, LeaseState, Resolve
 from spectune_protocol.printable import printable
 
@@ -101,6 +102,9 @@ class Baseline:
     # False for a baseline its host's worker id measured under a previous token (api.services.identity):
     # it counts for the noise estimate, never as this host's baseline.
     valid: bool = True
+    # The verify probe its worker timed on the baseline server (spectune_protocol.VerifyProbe as
+    # JSON; None from a worker without it): the verify cost's shape (optimizer.verify_probe).
+    verify_probe: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -165,6 +169,11 @@ class Snapshot:
     def latest_baseline(self, worker_id: str) -> Baseline | None:
         mine = [b for b in self.baselines if b.worker_id == worker_id and b.valid]
         return max(mine, key=lambda b: b.measured_at) if mine else None
+
+    def verify_shapes(self) -> dict[str, VerifyShape]:
+        """Each host's newest probed verify cost shape: what every fit of the study reads
+        (the sampler's, the stop rule's, the ranking's), and the study document's winner too."""
+        return latest_shapes(self.baselines)
 
     def host(self, worker_id: str) -> HostView | None:
         return next((h for h in self.hosts if h.id == worker_id), None)
@@ -297,23 +306,33 @@ def converges(spec: StudySpec) -> bool:
 
 
 def stop_rule(
-    spec: StudySpec, trials: Sequence[FrozenTrial], policy: Policy = DEFAULT_POLICY
+    spec: StudySpec,
+    trials: Sequence[FrozenTrial],
+    policy: Policy = DEFAULT_POLICY,
+    shapes: Mapping[str, VerifyShape] | None = None,
 ) -> convergence.Assessment | None:
     """Is the answer known?  `optimizer.convergence.assess` (the one seam to the stop rule), or
-    None when the study does not converge.  Memoised on the trials it would see."""
+    None when the study does not converge.  `shapes`: the hosts' probed verify cost
+    (`Snapshot.verify_shapes`).  Memoised on the trials it would see."""
     if not converges(spec):
         return None
     return _ASSESSED.get(
-        spec.name, _rule_inputs(spec, trials, policy), lambda: convergence.assess(spec, list(trials), policy)
+        spec.name,
+        _rule_inputs(spec, trials, policy, shapes),
+        lambda: convergence.assess(spec, list(trials), policy, shapes),
     )
 
 
-def _rule_inputs(spec: StudySpec, trials: Sequence[FrozenTrial], policy: Policy) -> tuple[Any, ...]:
+def _rule_inputs(
+    spec: StudySpec, trials: Sequence[FrozenTrial], policy: Policy, shapes: Mapping[str, VerifyShape] | None = None
+) -> tuple[Any, ...]:
     """What the stop rule sees, as a memo key: the spec and the policy too (two studies of one name,
-    a benchmark's seeds and variants, never share an answer), and the launches in flight."""
+    a benchmark's seeds and variants, never share an answer), the probed shapes (a new baseline's
+    probe changes the fit), and the launches in flight."""
     return (
         spec.model_dump_json(),
         policy,
+        shapes_key(shapes),
         *(
             (t.number, t.state, t.value, t.user_attrs.get(A.CONFIG_KEY))
             for t in trials
@@ -380,7 +399,7 @@ def search_over(snap: Snapshot) -> str | None:
     spent = budget_used(snap.spec.budget, len(snap.launched), snap.now - snap.created_at)
     if spent is not None:
         return spent
-    a = stop_rule(snap.spec, snap.trials, snap.policy)
+    a = stop_rule(snap.spec, snap.trials, snap.policy, snap.verify_shapes())
     return a.reason if a is not None and a.settled else None
 
 
@@ -417,7 +436,7 @@ def parallel_cap(snap: Snapshot) -> str | None:
     flying = len(snap.in_flight)
     if flying < snap.policy.model_parallel:
         return None
-    a = stop_rule(snap.spec, snap.trials, snap.policy)
+    a = stop_rule(snap.spec, snap.trials, snap.policy, snap.verify_shapes())
     if a is not None and a.measured >= snap.policy.min_measured:
         return f"{flying} of the model's proposals are in flight (at most {snap.policy.model_parallel} at once)"
     return None
@@ -433,7 +452,7 @@ def in_flight_settles(snap: Snapshot) -> str | None:
     flying = len(snap.in_flight)
     if flying == 0:
         return None
-    a = stop_rule(snap.spec, snap.trials, snap.policy)
+    a = stop_rule(snap.spec, snap.trials, snap.policy, snap.verify_shapes())
     if a is not None and not a.settled and a.measured >= snap.policy.min_measured and a.model_trusted and not a.walking:
         held = believed_settles(snap)
         if held is not None:
@@ -494,7 +513,7 @@ def _may_ready(snap: Snapshot, worker_id: str) -> bool:
     baseline (as it stands the study would not end "does not pay")."""
     if not converges(snap.spec):
         return False
-    a = stop_rule(snap.spec, snap.trials, snap.policy)
+    a = stop_rule(snap.spec, snap.trials, snap.policy, snap.verify_shapes())
     if a is None or a.measured < snap.policy.min_measured or a.pays is False:
         return False
     flying = snap.in_flight
@@ -512,11 +531,12 @@ def believed_settles(snap: Snapshot) -> str | None:
     come in as it predicted them (optimizer.believer), with `policy.belief_margin` of its bar to spare;
     None otherwise.  Memoised on what the rule sees and which host runs each launch in flight."""
     hosts = {le.trial_number: le.worker_id for le in snap.in_flight if le.worker_id and le.trial_number is not None}
-    seen = (tuple(sorted(hosts.items())), *_rule_inputs(snap.spec, snap.trials, snap.policy))
+    shapes = snap.verify_shapes()
+    seen = (tuple(sorted(hosts.items())), *_rule_inputs(snap.spec, snap.trials, snap.policy, shapes))
 
     def assess() -> convergence.Assessment | None:
-        trials = believer.believed(snap.spec, snap.trials, snap.now, hosts)
-        return None if trials is None else convergence.assess(snap.spec, trials, snap.policy)
+        trials = believer.believed(snap.spec, snap.trials, snap.now, hosts, shapes)
+        return None if trials is None else convergence.assess(snap.spec, trials, snap.policy, shapes)
 
     a = _BELIEVED.get(snap.spec.name, seen, assess)
     if a is None or not a.settled or a.rule != stop_rules.StopRule.MODEL:
@@ -534,7 +554,9 @@ def settle(snap: Snapshot) -> Action:
     or confirmations to run) or `Ask` (the search goes on)."""
     if snap.state != StudyState.RUNNING:
         return Wait(f"the study is {snap.state.value}")
-    assessment = stop_rule(snap.spec, snap.trials, snap.policy) if snap.phase == Phase.SEARCH else None
+    assessment = (
+        stop_rule(snap.spec, snap.trials, snap.policy, snap.verify_shapes()) if snap.phase == Phase.SEARCH else None
+    )
     if any(le.live and le.kind != "baseline" for le in snap.leases):
         return Wait("launches of this study are still in flight")
     if _unleased_running(snap):
@@ -686,7 +708,7 @@ def candidates(snap: Snapshot) -> tuple[Candidate, ...]:
     noise = launch_noise(snap)
     # The study's model, where trusted, judges the runners-up (optimizer.ranking): those it ranks
     # above the leader (its one launch may be its luckiest) and those that may beat it by min_gain.
-    rank = ranking.of(spec, snap.trials, relaunched(snap))
+    rank = ranking.of(spec, snap.trials, snap.verify_shapes(), relaunched(snap))
     for t in confirm.candidates(list(snap.trials), spec.confirmation.top, spec, noise.variance, rank):
         r = A.TrialRecord(t)
         measured_on = r.worker_id
@@ -933,7 +955,12 @@ def contenders(snap: Snapshot) -> list[answer.Contender]:
 def winner(snap: Snapshot) -> answer.Choice | None:
     """The study's answer among its confirmed candidates now (optimizer.answer.winner), as the
     study document shows it: what `relaunches` re-launches, and the benchmark scores."""
-    return answer.winner(snap.spec, snap.trials, contenders(snap), ranking.of(snap.spec, snap.trials, relaunched(snap)))
+    return answer.winner(
+        snap.spec,
+        snap.trials,
+        contenders(snap),
+        ranking.of(snap.spec, snap.trials, snap.verify_shapes(), relaunched(snap)),
+    )
 
 
 def relaunched(snap: Snapshot) -> list[ranking.Relaunch]:

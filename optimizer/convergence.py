@@ -31,7 +31,7 @@ on four hosts is not read as a worse model than one on two.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,6 +49,7 @@ from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 from optimizer.stop_rules import StopRule
+from optimizer.verify_probe import VerifyShape
 
 # The rule's thresholds (p_matters, min_measured, tight, depth_probe) are the study's
 # policy (optimizer.policy), handed to `assess`; these names are the default policy's values, for
@@ -110,7 +111,14 @@ def host_misfit(
     return float(max(1.0, math.sqrt(float(np.mean(z**2)))))
 
 
-def assess(spec: StudySpec, trials: Sequence[FrozenTrial], policy: Policy = DEFAULT_POLICY) -> Assessment:
+def assess(
+    spec: StudySpec,
+    trials: Sequence[FrozenTrial],
+    policy: Policy = DEFAULT_POLICY,
+    shapes: Mapping[str, VerifyShape] | None = None,
+) -> Assessment:
+    """The stop rule's view of the study; `shapes`: the hosts' probed verify cost for the model
+    (optimizer.conductor.Snapshot.verify_shapes)."""
     measured = A.measured_feasible(trials, A.LEVELS)
     n = len({A.TrialRecord(t).config_key for t in measured})
     gain = spec.budget.min_gain
@@ -144,7 +152,7 @@ def assess(spec: StudySpec, trials: Sequence[FrozenTrial], policy: Policy = DEFA
             1.0,
             None,
         )
-    model = fit(observations_of(trials), spec.search_space.num_steps.high)
+    model = fit(observations_of(trials), spec.search_space.num_steps.high, shapes)
     check = R.prediction_check(trials, policy) if model is not None else None
     op = open_pool(spec, trials)
     # The bar what is left must beat: the incumbent, or where the model ranks the confirmed

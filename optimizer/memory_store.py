@@ -25,6 +25,7 @@ from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 from optimizer.store import ConfigState, ConfirmInfo, Deployment, LeaseRecord, PriorLaunch, QueuedConfirm
 from optimizer.study_state import Ending, Phase, StudyState
+from optimizer.verify_probe import latest_shapes
 from spectune_protocol import LeaseKind, LeaseState
 
 
@@ -124,7 +125,18 @@ class MemoryStudy:
     # ------------------------------------------------------------------ reading
 
     def study(self) -> optuna.Study:
-        return opt.load_study(self.storage, self.spec, policy=self.policy)
+        # The sampler fits with the probed verify cost, as the snapshot's stop rule and ranking do
+        # (api.services.study_specs.load_study, the service's).
+        return opt.load_study(
+            self.storage, self.spec, policy=self.policy, shapes=latest_shapes(self.probed_baselines())
+        )
+
+    def probed_baselines(self) -> list[conductor.Baseline]:
+        """The baselines, oldest first, each with its verify probe (kept by id in `verify_probes`)."""
+        return [
+            dataclasses.replace(b, verify_probe=self.verify_probes.get(b.id))
+            for b in sorted(self.baselines, key=lambda b: b.measured_at)
+        ]
 
     def trials(self) -> list[FrozenTrial]:
         return self.study().get_trials(deepcopy=False)
@@ -139,7 +151,7 @@ class MemoryStudy:
             trials=self.trials(),
             launched=frozenset(self.launched),
             leases=[le.view() for le in self.leases if le.kind == "confirm" or le.state in ("queued", "active")],
-            baselines=sorted(self.baselines, key=lambda b: b.measured_at),
+            baselines=self.probed_baselines(),
             hosts=[conductor.HostView(w, now) for w in (workers or self.workers)],
             confirmation_began_at=self.confirmation_began_at,
             ending=self.ending,

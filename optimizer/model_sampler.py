@@ -24,7 +24,7 @@ import json
 import logging
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -53,6 +53,7 @@ from optimizer.perf_model import (
 from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.space import SearchSpace, SpecConfig, params_of, published_starts, with_largest_graph
 from optimizer.spec import StudySpec
+from optimizer.verify_probe import VerifyShape
 
 log = logging.getLogger(__name__)
 
@@ -275,6 +276,7 @@ def propose(
     rng: random.Random,
     model: FittedModel | None = None,
     policy: Policy = DEFAULT_POLICY,
+    shapes: Mapping[str, VerifyShape] | None = None,
 ) -> Proposal | None:
     """The configuration to measure next, or None when the model has nothing to go on.
 
@@ -286,7 +288,7 @@ def propose(
     rule alone would leave the sampler walking for a rule that no longer waits for the walk).
     """
     if model is None:
-        model = fit(observations_of(trials), spec.search_space.num_steps.high)
+        model = fit(observations_of(trials), spec.search_space.num_steps.high, shapes)
     if model is None:
         return None
     op = open_pool(spec, trials)
@@ -505,7 +507,11 @@ def _unpredicted(t: FrozenTrial) -> bool:
 
 
 def _predict_in_flight(
-    study: Study, spec: StudySpec, trials: Sequence[FrozenTrial], asking: int
+    study: Study,
+    spec: StudySpec,
+    trials: Sequence[FrozenTrial],
+    asking: int,
+    shapes: Mapping[str, VerifyShape] | None = None,
 ) -> tuple[bool, FittedModel | None]:
     """Fit the model and store `in_flight_predictions`: (done, the fit); done is False when it
     failed.
@@ -514,7 +520,7 @@ def _predict_in_flight(
     lease or the report it serves, or leave a trial no one tells: a prediction is the check's
     evidence, not their purpose, so a failure is logged and the ask or tell goes on."""
     try:
-        model = fit(observations_of(trials), spec.search_space.num_steps.high)
+        model = fit(observations_of(trials), spec.search_space.num_steps.high, shapes)
         _record_in_flight(study, in_flight_predictions(spec, trials, model, asking))
     except Exception:  # noqa: BLE001 - see the docstring: never fail the ask or the tell for this
         log.warning("study %s: no in-flight predictions at trial %d", study.study_name, asking, exc_info=True)
@@ -544,10 +550,14 @@ class ModelSampler(BaseSampler):
         seed: int | None = None,
         fallback: BaseSampler | None = None,
         policy: Policy = DEFAULT_POLICY,
+        shapes: Mapping[str, VerifyShape] | None = None,
     ) -> None:
         self._spec = spec
         # The study's policy (the snapshot's: optimizer.memory_store hands it over), for `propose`.
         self._policy = policy
+        # The hosts' probed verify cost (optimizer.verify_probe): every fit here reads it, as the
+        # conductor's stop rule and ranking do from the same baselines.
+        self._shapes = shapes
         self._rng = random.Random(seed)
         self._fallback = fallback or optuna.samplers.TPESampler(seed=seed, n_startup_trials=5)
         # (trial number, the trials read, their fit): `before_trial`'s, for this ask's `sample_relative`.
@@ -564,7 +574,7 @@ class ModelSampler(BaseSampler):
         if trial.params:
             return
         trials = study.get_trials(deepcopy=False)
-        done, model = _predict_in_flight(study, self._spec, trials, trial.number)
+        done, model = _predict_in_flight(study, self._spec, trials, trial.number, self._shapes)
         if done:  # else `sample_relative` fits again, and says what went wrong if it does again
             self._fitted = (trial.number, trials, model)
 
@@ -576,7 +586,7 @@ class ModelSampler(BaseSampler):
         of them carries a prediction (a tell's usual case, on the report's path)."""
         running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
         if any(_unpredicted(t) and t.number != trial.number for t in running):
-            _predict_in_flight(study, self._spec, study.get_trials(deepcopy=False), trial.number)
+            _predict_in_flight(study, self._spec, study.get_trials(deepcopy=False), trial.number, self._shapes)
 
     def infer_relative_search_space(self, study: Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
         return distributions(self._spec.search_space)
@@ -590,8 +600,8 @@ class ModelSampler(BaseSampler):
             _, trials, model = self._fitted  # read and fitted by `before_trial`, moments ago
         else:
             trials = study.get_trials(deepcopy=False)
-            model = fit(observations_of(trials), self._spec.search_space.num_steps.high)
-        proposal = None if model is None else propose(self._spec, trials, self._rng, model, self._policy)
+            model = fit(observations_of(trials), self._spec.search_space.num_steps.high, self._shapes)
+        proposal = None if model is None else propose(self._spec, trials, self._rng, model, self._policy, self._shapes)
         if proposal is None:
             start = blind_start(self._spec, trials)
             if start is None:

@@ -13,6 +13,10 @@ cycle, bonus included: completion_tokens / spec_verify_ct) and the per-request c
   phi(N) = 1 + beta min(N-1, x) + beta' max(0, N-1-x) is the target forward over N tokens
   (steep up to a knee x on MoE and slow interconnects, linear on dense models).
 * speedup at level b = AL / r_b.
+* the verify cost's shape, where the hosts' baselines carry a verify probe (optimizer.verify_probe):
+  each probed phi(b k) / phi(b) is data for the cost half next to the trials' cycle ratios
+  (`fit`'s `shapes`), so beta, the knee and beta' hold this host's forward before the first
+  speculative launch reaches those token counts.
 
 These are the relations of docs/calibration.md §6 written as a regression.  Both halves are
 fitted by regularised least squares (priors from the published ranges, so two or three trials
@@ -43,6 +47,7 @@ from scipy.optimize import least_squares
 from optimizer.policy import DEFAULT_POLICY
 from optimizer.residual_gp import ResidualGP
 from optimizer.space import SpecConfig
+from optimizer.verify_probe import VerifyShape
 
 FloatArray = NDArray[np.float64]
 
@@ -60,6 +65,7 @@ KNEES = DEFAULT_POLICY.knees  # optimizer.policy
 # Relative measurement noise of AL and of the cycle ratio (a few % per level, from the loadgen).
 AL_NOISE = DEFAULT_POLICY.al_noise  # optimizer.policy
 COST_NOISE = DEFAULT_POLICY.cost_noise  # optimizer.policy
+PROBE_FLOOR = DEFAULT_POLICY.probe_floor  # optimizer.policy
 # Floor on a prediction's sd: the model is a simplification of a real server.
 MODEL_FLOOR = DEFAULT_POLICY.model_floor  # optimizer.policy
 # Graphs missing at a level make that level run eagerly (docs/calibration.md §5).
@@ -306,12 +312,18 @@ class FittedModel:
         return float(accept_lengths(c.steps, c.topk, c.ndt, self.logits, self.gain)[0])
 
 
-def fit(observations: Sequence[Observation], max_steps: int) -> FittedModel | None:
-    """Fit both halves; None when there is nothing to fit."""
+def fit(
+    observations: Sequence[Observation], max_steps: int, shapes: Mapping[str, VerifyShape] | None = None
+) -> FittedModel | None:
+    """Fit both halves; None when there is nothing to fit.
+
+    `shapes`: each host's verify cost shape from its baseline's probe (optimizer.verify_probe,
+    `latest_shapes`): data for the cost half next to the trials' cycle ratios (`probe_rows`).
+    Without them the fit is the trials' alone."""
     if not observations:
         return None
     logits, gain, acov, al_gp = _fit_acceptance(observations, max_steps)
-    cost, knee, ccov, cost_gp = _fit_cost(observations)
+    cost, knee, ccov, cost_gp = _fit_cost(observations, probe_rows(shapes))
     return FittedModel(logits, gain, acov, cost, knee, ccov, len(observations), al_gp=al_gp, cost_gp=cost_gp)
 
 
@@ -380,7 +392,38 @@ def _fit_acceptance(
     return logits, gain, _laplace(res.jac), gp
 
 
-def _fit_cost(obs: Sequence[Observation]) -> tuple[FloatArray, float, FloatArray, ResidualGP | None]:
+@dataclass(frozen=True)
+class ProbeRows:
+    """Verify probe points as the cost half's data: at batch b, k new tokens per request cost
+    `ratio` decode steps (shape(b, k) = phi(b k) / phi(b)), with a relative sd `sd`."""
+
+    batch: FloatArray
+    tokens: FloatArray
+    ratio: FloatArray
+    sd: FloatArray
+
+    def __len__(self) -> int:
+        return len(self.batch)
+
+
+def probe_rows(shapes: Mapping[str, VerifyShape] | None) -> ProbeRows:
+    """Every host's probe points beyond k = 1 (shape(b, 1) is 1 by construction: no information).
+    Each point's relative sd is its own standard error (the probe's repeats, verify_probe.ShapePoint)
+    and PROBE_FLOOR in quadrature (optimizer.policy: an extend is not quite a verify)."""
+    rows: list[tuple[float, float, float, float]] = []
+    for _, shape in sorted((shapes or {}).items()):
+        for b, pts in sorted(shape.points.items()):
+            for p in pts:
+                if p.tokens > 1 and p.ratio > 0:
+                    rows.append((float(b), float(p.tokens), p.ratio, math.hypot(p.sd / p.ratio, PROBE_FLOOR)))
+    a = np.array(rows, dtype=float).reshape(-1, 4)
+    return ProbeRows(a[:, 0].copy(), a[:, 1].copy(), a[:, 2].copy(), a[:, 3].copy())
+
+
+def _fit_cost(
+    obs: Sequence[Observation], probes: ProbeRows | None = None
+) -> tuple[FloatArray, float, FloatArray, ResidualGP | None]:
+    probes = probes if probes is not None else probe_rows(None)
     usable = [o for o in obs if not o.eager]
     if not usable:
         usable = list(obs)
@@ -397,7 +440,15 @@ def _fit_cost(obs: Sequence[Observation]) -> tuple[FloatArray, float, FloatArray
 
         def residuals(p: FloatArray, knee: float = float(knee)) -> FloatArray:
             pred = cycle_ratios(steps, topk, ndt, batch, p, knee)
-            return np.concatenate([(np.log(pred) - np.log(ratio)) / COST_NOISE, (p - mu) / psd])
+            out = [(np.log(pred) - np.log(ratio)) / COST_NOISE]
+            if len(probes):
+                # The probe's shape: phi(b k) / phi(b) against what the baseline server measured.
+                beta, beta_after = float(p[2]), float(p[3])
+                shape = _phi(probes.batch * probes.tokens, beta, knee, beta_after) / _phi(
+                    probes.batch, beta, knee, beta_after
+                )
+                out.append((np.log(shape) - np.log(probes.ratio)) / probes.sd)
+            return np.concatenate([*out, (p - mu) / psd])
 
         res = least_squares(residuals, mu.copy(), bounds=(np.zeros(5), np.full(5, 5.0)), method="trf")
         if best is None or res.cost < best[0]:

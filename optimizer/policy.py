@@ -186,6 +186,14 @@ class Policy:
     # level from the load generator), and a floor on a prediction's sd (the model simplifies).
     al_noise: float = 0.01
     cost_noise: float = 0.01
+    # Relative sd added (in quadrature) to a verify probe point's own standard error where it is
+    # fitted as the verify cost's shape (optimizer.verify_probe, perf_model.fit's `shapes`): an
+    # extend of a cached prefix is the target forward a verify runs, but not the verify itself on
+    # a real engine (the tree's attention mask, a CUDA graph where the extend runs eagerly) and
+    # the probe's overhead o_b is an estimate.  A guess, 3x cost_noise: the probe shapes the cost,
+    # the trials' own cycle ratios outweigh it where they were measured; SINGLE_RUN_SD's 3% is a
+    # point timed once.
+    probe_floor: float = 0.03
     model_floor: float = 0.01
     # Cost factor of a level run eagerly, its graphs missing (measured: docs/calibration.md §5).
     eager_penalty: float = 1.37

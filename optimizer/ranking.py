@@ -43,6 +43,7 @@ from optimizer.perf_model import MODEL_FLOOR, Candidates, FittedModel, Observati
 from optimizer.policy import DEFAULT_POLICY
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
+from optimizer.verify_probe import VerifyShape, shapes_key
 
 # A cheaper tied candidate is preferred only when the model is this sure (one-sided 90%) that it
 # gives up less than `min_gain` against the best: "cannot tell apart" is not "as good", and with
@@ -141,24 +142,37 @@ def bar_of(
 _MEMO: PerStudyMemo[Ranking | None] = PerStudyMemo(128)
 
 
-def of(spec: StudySpec, trials: Sequence[FrozenTrial], relaunches: Sequence[Relaunch] = ()) -> Ranking | None:
+def of(
+    spec: StudySpec,
+    trials: Sequence[FrozenTrial],
+    shapes: Mapping[str, VerifyShape] | None = None,
+    relaunches: Sequence[Relaunch] = (),
+) -> Ranking | None:
     """The ranking of a study's candidates by its model (fitted to the search's launches and the
     confirmations' `relaunches`), or None: no model (no accept lengths), one whose predictions were
-    not checked on enough launches, or missed what was measured.  Memoised on the spec, the
-    finished trials and the relaunches (the study document asks on every read)."""
+    not checked on enough launches, or missed what was measured.  `shapes`: the hosts' probed
+    verify cost (optimizer.conductor.Snapshot.verify_shapes; the study document passes the same, or
+    its winner and the conductor's could differ).  Memoised on the spec, the shapes, the finished
+    trials and the relaunches (the study document asks on every read)."""
     seen = json.dumps(
         [
             spec.model_dump_json(),
+            shapes_key(shapes),
             *((t.number, t.state.name, t.value) for t in trials if t.state.is_finished()),
             *(r.key() for r in relaunches),
         ]
     )
-    return _MEMO.get(spec.name, seen, lambda: _fit(spec, trials, relaunches))
+    return _MEMO.get(spec.name, seen, lambda: _fit(spec, trials, shapes, relaunches))
 
 
-def _fit(spec: StudySpec, trials: Sequence[FrozenTrial], relaunches: Sequence[Relaunch] = ()) -> Ranking | None:
+def _fit(
+    spec: StudySpec,
+    trials: Sequence[FrozenTrial],
+    shapes: Mapping[str, VerifyShape] | None,
+    relaunches: Sequence[Relaunch] = (),
+) -> Ranking | None:
     obs = observations_of(trials) + [o for r in relaunches for o in r.observations()]
-    model = fit(obs, spec.search_space.num_steps.high)
+    model = fit(obs, spec.search_space.num_steps.high, shapes)
     if model is None:
         return None
     check = R.prediction_check(trials)

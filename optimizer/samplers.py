@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Mapping
 
 import optuna
 
@@ -11,6 +12,7 @@ from optimizer.errors import SpecError
 from optimizer.model_sampler import ModelSampler
 from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.spec import StudySpec
+from optimizer.verify_probe import VerifyShape
 
 log = logging.getLogger("spectune.optimizer")
 
@@ -32,7 +34,12 @@ def check_sampler_installed(spec: StudySpec) -> None:
         raise SpecError("sampler", GP_INSTALL_HINT)
 
 
-def make_sampler(spec: StudySpec, seed: int | None, policy: Policy = DEFAULT_POLICY) -> optuna.samplers.BaseSampler:
+def make_sampler(
+    spec: StudySpec,
+    seed: int | None,
+    policy: Policy = DEFAULT_POLICY,
+    shapes: Mapping[str, VerifyShape] | None = None,
+) -> optuna.samplers.BaseSampler:
     """`tpe` (default), `gp`, `random`, `grid` (enqueued at creation; random behind it), `auto`.
 
     TPE runs with Optuna 5.0's defaults: multivariate and constant liar, so RUNNING trials on
@@ -40,12 +47,13 @@ def make_sampler(spec: StudySpec, seed: int | None, policy: Policy = DEFAULT_POL
     `auto` is spectune's model-based sampler (`optimizer.model_sampler`): it fits accept length
     and cycle time from the trials so far and proposes the configuration with the largest
     expected improvement; benchmarks/search_efficiency.py measures that it needs far fewer
-    restarts than TPE, random search or SGLang's own grid.  `policy` (the study's) reaches `auto`
-    only: the others read no decision value of optimizer.policy.
+    restarts than TPE, random search or SGLang's own grid.  `policy` (the study's) and `shapes` (the
+    hosts' probed verify cost, optimizer.verify_probe) reach `auto`'s model only: the others read
+    no decision value of optimizer.policy and no model.
     """
     name = spec.sampler
     if name == "auto":
-        return ModelSampler(spec, seed, policy=policy)
+        return ModelSampler(spec, seed, policy=policy, shapes=shapes)
     if name == "tpe":
         # Few start-up trials: every trial is a server restart (minutes of GPU time), and the
         # warm-start configurations already spread over the space.

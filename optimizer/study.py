@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,7 @@ from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.samplers import check_sampler_installed, make_sampler
 from optimizer.space import SGLANG_DEFAULTS, SpecConfig, params_of, with_largest_graph
 from optimizer.spec import StudySpec
+from optimizer.verify_probe import VerifyShape
 
 SPEC_ATTR = "spectune_spec"
 METRIC_NAMES = ["speedup"]
@@ -130,17 +131,22 @@ class ScreenedStudy(optuna.Study):
 
 
 def load_study(
-    storage: BaseStorage, spec: StudySpec, screen: TrialScreen | None = None, policy: Policy = DEFAULT_POLICY
+    storage: BaseStorage,
+    spec: StudySpec,
+    screen: TrialScreen | None = None,
+    policy: Policy = DEFAULT_POLICY,
+    shapes: Mapping[str, VerifyShape] | None = None,
 ) -> optuna.Study:
     """The study with a fresh sampler; with `screen`, every trial read goes through it (ScreenedStudy).
-    `policy` is the study's decision values (optimizer.policy), handed to the sampler."""
+    `policy` is the study's decision values (optimizer.policy), handed to the sampler; `shapes`, the
+    hosts' probed verify cost, for the sampler's model (conductor.Snapshot.verify_shapes)."""
     n_trials = _count_trials(storage, spec.name)
     # A fresh sampler per ask: derive its seed from the study's seed and its size, so asks are
     # reproducible for a seeded study without repeating the same proposal every time.
     # Modulo 2**32: numpy (under Optuna's samplers) refuses seeds outside 0..2**32-1, and a large
     # spec seed times the multiplier would leave that range (every ask of the study would fail).
     seed = None if spec.seed is None else (spec.seed * 1_000_003 + n_trials) % 2**32
-    sampler = make_sampler(spec, seed, policy)
+    sampler = make_sampler(spec, seed, policy, shapes)
     # No Optuna pruner: spectune decides pruning itself, from the noise seen (optimizer.pruning).
     pruner = optuna.pruners.NopPruner()
     try:

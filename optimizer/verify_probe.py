@@ -17,7 +17,7 @@ whatever form the engine has: tile steps, knees, expert saturation.  A shape nev
 seen at or below it.  Without the baseline's decode step the overhead cannot be told apart and
 the ratios are those of the raw times (biased towards 1 by the overhead).
 
-How the model should use it (perf_model.py is not changed here):
+How the model uses it (optimizer/perf_model.py `fit`'s `shapes`; the second is not done yet):
 
 * as data for the cost half before the first speculative launch: a residual per probe point,
   (log phi(b k) / phi(b) - log shape(b, k)) / sd(b, k), next to the trials' cycle ratios, so
@@ -33,7 +33,8 @@ import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from datetime import datetime
+from typing import Any, Protocol
 
 # The numbers of tokens a verify step can carry per request (SGLang's draft trees hold up to 64).
 PROBE_TOKENS = (1, 2, 4, 8, 16, 32, 64)
@@ -147,3 +148,51 @@ def verify_shape(probe: Mapping[str, Any], levels: Iterable[Mapping[str, Any]] =
     if not points:
         return None
     return VerifyShape(points=points, overhead_s=overhead, decode_s=steps)
+
+
+class ProbedBaseline(Protocol):
+    """A baseline as the conductor holds it (optimizer.conductor.Baseline), as far as its probe goes."""
+
+    @property
+    def worker_id(self) -> str: ...
+    @property
+    def measured_at(self) -> datetime: ...
+    @property
+    def levels(self) -> Sequence[Mapping[str, Any]]: ...
+    @property
+    def valid(self) -> bool: ...
+    @property
+    def verify_probe(self) -> Mapping[str, Any] | None: ...
+
+
+def latest_shapes(baselines: Iterable[ProbedBaseline]) -> dict[str, VerifyShape]:
+    """Per host, the shape of its newest probe (of its newest valid baseline that carries one, against
+    that baseline's own levels).  A host's baselines under a previous token (`valid` False) are not
+    its own; a probe that yields no shape leaves the host out.  What the conductor's Snapshot hands
+    every fit of the study (`Snapshot.verify_shapes`), and the study document's winner alike."""
+    newest: dict[str, ProbedBaseline] = {}
+    for b in baselines:
+        if not b.valid or not b.verify_probe:
+            continue
+        held = newest.get(b.worker_id)
+        if held is None or b.measured_at >= held.measured_at:
+            newest[b.worker_id] = b
+    out: dict[str, VerifyShape] = {}
+    for host, b in sorted(newest.items()):
+        assert b.verify_probe is not None
+        shape = verify_shape(b.verify_probe, b.levels)
+        if shape is not None:
+            out[host] = shape
+    return out
+
+
+def shapes_key(shapes: Mapping[str, VerifyShape] | None) -> str:
+    """The shapes as a memo key: two fits of the same trials with different probes differ."""
+    if not shapes:
+        return ""
+    return repr(
+        [
+            (host, [(b, [(p.tokens, p.ratio, p.sd) for p in pts]) for b, pts in sorted(s.points.items())])
+            for host, s in sorted(shapes.items())
+        ]
+    )

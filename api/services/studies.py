@@ -32,7 +32,7 @@ from api.services.leasing.baseline import verify_probe_of
 from api.services.leasing.expiry import lost_work_note
 from api.services.leasing.records import DEPLOY_FAILED, DEPLOY_RETRY
 from api.services.refusals import active_refusals
-from api.services.study_specs import runnable_spec, stored_spec
+from api.services.study_specs import runnable_spec, stored_spec, verify_shapes
 from optimizer import answer, costs, deploy, ranking
 from optimizer import attrs as A
 from optimizer import conductor as cond
@@ -45,6 +45,7 @@ from optimizer.plan import baseline_key
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec, describe_workload, validate_spec
 from optimizer.study_state import CONFIRMING_NOTE, Outcome, Phase, StudyState
+from optimizer.verify_probe import VerifyShape
 
 log = logging.getLogger("spectune.api.studies")
 
@@ -111,6 +112,9 @@ class StudyRecords:
     counts: dict[str, int]
     trials: list[FrozenTrial]
     noise: LaunchNoise
+    # Each host's probed verify cost, as the conductor's snapshot has it: the winner is ranked by
+    # the model the conductor's `winner` fits (study_specs.verify_shapes).
+    shapes: Mapping[str, VerifyShape]
 
 
 class StudyService:
@@ -161,6 +165,7 @@ class StudyService:
         row = StudyRow(name=spec.name, state=StudyState.RUNNING)  # not stored again: read by the estimate
         with self.ctx.sessions() as s:
             baselines, latest_levels = _host_baselines(s, baseline_key(spec))
+            shapes = verify_shapes(s, spec)
             noise = launch_noise.study_noise(s, spec, trials)
             plan = estimates.against_actual(s, created, row, cost)
         # Nothing ran yet: no confirmation waits, no work was lost, no worker refused it.
@@ -168,7 +173,7 @@ class StudyService:
         waiting = D.Eligibility(**eligibility.as_json())
         return StudyRecords(
             spec.name, state, spec, 0, 0, [], [], cost, plan, [], waiting, None, baselines, latest_levels, counts,
-            trials, noise,
+            trials, noise, shapes,
         )  # fmt: skip
 
     def _check_running_limit(self, s: Session, owner: int) -> None:
@@ -239,6 +244,7 @@ class StudyService:
         with self.ctx.sessions() as s:
             rows = _confirm_rows(s, name)
             extra = launch_noise.study_noise(s, spec, trials).variance
+            shapes = verify_shapes(s, spec)
         confirmations = _confirmations(spec, rows, extra)
         relaunched = _relaunched(rows, trials)
         proof = next((c for c in confirmations if c.adaptive and adaptive_answer.proven(c)), None)
@@ -248,7 +254,7 @@ class StudyService:
         else:
             best = opt.best_trial_of(trials)
             best_doc = None if best is None else self._describe_best(spec, best, extra)
-            winner = self._winner(spec, trials, best, best_doc, confirmations, extra, relaunched)
+            winner = self._winner(spec, trials, best, best_doc, confirmations, extra, relaunched, shapes=shapes)
             if winner is None:
                 return None
             config, host = winner.config, winner.confirmed_on or winner.worker_id
@@ -356,13 +362,14 @@ class StudyService:
                     snap = study_life.snapshot(s, spec, db_now(s), (), self.ctx.settings, lock=False)
                     waiting.warning = None if snap is None else cond.confirmation_waits(snap)
             baselines, latest_levels = _host_baselines(s, row.baseline_key)
+            shapes = verify_shapes(s, spec)
             state = _RowState(row.state, row.phase, row.finish_reason, row.created_at, row.finished_at)
         counts, trials = self._trial_counts(name)
         with self.ctx.sessions() as s:
             noise = launch_noise.study_noise(s, spec, trials)
         return StudyRecords(
             name, state, spec, launched or 0, baselines_measured or 0, confirm_rows, events, cost, plan, refusals,
-            waiting, lost_note, baselines, latest_levels, counts, trials, noise,
+            waiting, lost_note, baselines, latest_levels, counts, trials, noise, shapes,
         )  # fmt: skip
 
     def _document(self, rec: StudyRecords) -> D.StudyDocument:
@@ -375,7 +382,9 @@ class StudyService:
         confirmations = _confirmations(spec, confirm_rows, extra)
         best = opt.best_trial_of(trials)
         best_doc = None if best is None else self._describe_best(spec, best, extra)
-        winner = self._winner(spec, trials, best, best_doc, confirmations, extra, _relaunched(confirm_rows, trials))
+        winner = self._winner(
+            spec, trials, best, best_doc, confirmations, extra, _relaunched(confirm_rows, trials), shapes=rec.shapes
+        )
         measured = len(A.measured_feasible(trials))
         if row.state != StudyState.RUNNING:
             phase = "done" if row.state == StudyState.FINISHED else row.state
@@ -499,11 +508,15 @@ class StudyService:
         confirmations: list[D.Confirmation],
         extra_var: float = 0.0,
         relaunched: Sequence[ranking.Relaunch] = (),
+        *,
+        shapes: Mapping[str, VerifyShape],
     ) -> D.Winner | None:
         """The recommended configuration: the best confirmed one, else the best measured one.
 
         Confirmed candidates whose intervals overlap the best one's are a tie: the cheapest of
-        them is the answer (optimizer.answer.winner, as the conductor's re-launches choose).
+        them is the answer (optimizer.answer.winner, as the conductor's re-launches choose), ranked
+        by the model the conductor's `winner` fits: the same trials and the hosts' probed verify
+        cost (`shapes`, study_specs.verify_shapes, what `conductor.Snapshot.verify_shapes` gives).
         """
         # Never a quarantined trial; a clean confirmation before a saturated one (optimizer.answer).
         configs = {t.number: A.TrialRecord(t).config_or_none for t in trials}
@@ -513,7 +526,7 @@ class StudyService:
             if c.state == "completed" and c.speedup is not None and c.trial_number in configs
         }
         # Ranked by the model of every launch, the confirmations' too (optimizer.conductor.winner).
-        rank = ranking.of(spec, trials, relaunched)
+        rank = ranking.of(spec, trials, shapes, relaunched)
         choice = answer.winner(spec, trials, [_contender(c, configs) for c in done.values()], rank)
         if choice is not None:
             top = done[choice.winner.trial_number]

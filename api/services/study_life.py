@@ -22,12 +22,12 @@ from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session
 
 from api.errors import ConflictError
-from api.models import ApiToken, BaselineRow, EventRow, LeaseRow, StudyRow, TrialConfigRow, WorkerIdentity, WorkerRow
+from api.models import ApiToken, EventRow, LeaseRow, StudyRow, TrialConfigRow, WorkerIdentity, WorkerRow
 from api.services.eligibility import requirements_unmet
 from api.services.launch_noise import confirm_measurement
 from api.services.lease_rows import ConfirmInfo, LeaseKind, LeasePayload, LeaseState, lease_payload, new_lease_row
 from api.services.refusals import active_refusals
-from api.services.study_specs import baseline_key_of
+from api.services.study_specs import study_baselines
 from api.settings import Settings
 from optimizer import actions
 from optimizer import conductor as c
@@ -91,7 +91,6 @@ def snapshot(
     row = s.get(StudyRow, spec.name, with_for_update=lock)
     if row is None:
         return None
-    key = baseline_key_of(spec)
     leases = [
         c.LeaseView(
             id=r.id,
@@ -115,19 +114,7 @@ def snapshot(
             )
         )
     ]
-    # A worker id that moved to another token: its baselines before the move are not its own.
-    moved = {w: at for w, at in s.execute(select(WorkerIdentity.worker_id, WorkerIdentity.moved_at)) if at}
-    baselines = [
-        c.Baseline(
-            b.id,
-            b.worker_id,
-            b.measured_at,
-            {int(k): float(v) for k, v in (b.tok_s or {}).items()},
-            levels=(b.metrics or {}).get("levels") or [],
-            valid=b.worker_id not in moved or b.measured_at >= moved[b.worker_id],
-        )
-        for b in s.scalars(select(BaselineRow).where(BaselineRow.baseline_key == key).order_by(BaselineRow.measured_at))
-    ]
+    baselines = study_baselines(s, spec)
     refused = {e.worker_id for e in active_refusals(s, study=spec.name)}
     # When each worker last had a lease reclaimed unreported (any study): one not heard from since
     # is lost, and no confirmation waits for it (api.services.leasing.expiry).

@@ -11,6 +11,7 @@ import json
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
@@ -21,13 +22,16 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from api.errors import ConflictError
-from api.models import StudyRow, TrialConfigRow
+from api.models import BaselineRow, StudyRow, TrialConfigRow, WorkerIdentity
 from api.services import trial_records
+from optimizer import conductor
 from optimizer import study as opt
 from optimizer.errors import StudyNotFoundError
 from optimizer.plan import baseline_key
 from optimizer.spec import StudySpec
 from optimizer.study_state import StudyState
+from optimizer.verify_probe import VerifyShape, latest_shapes
+from spectune_protocol import VerifyProbe
 
 log = logging.getLogger("spectune.api.studies")
 
@@ -127,6 +131,47 @@ def baseline_key_of(spec: StudySpec) -> str:
     return baseline_key(spec)
 
 
+def study_baselines(s: Session, spec: StudySpec) -> list[conductor.Baseline]:
+    """Every baseline under the study's baseline key, oldest first, as the conductor holds them
+    (api.services.study_life.snapshot), each with its verify probe."""
+    # A worker id that moved to another token: its baselines before the move are not its own.
+    moved = {w: at for w, at in s.execute(select(WorkerIdentity.worker_id, WorkerIdentity.moved_at)) if at}
+    return [
+        conductor.Baseline(
+            b.id,
+            b.worker_id,
+            b.measured_at,
+            {int(k): float(v) for k, v in (b.tok_s or {}).items()},
+            levels=(b.metrics or {}).get("levels") or [],
+            valid=b.worker_id not in moved or b.measured_at >= moved[b.worker_id],
+            verify_probe=None if (probe := stored_verify_probe(b.metrics)) is None else probe.model_dump(mode="json"),
+        )
+        for b in s.scalars(
+            select(BaselineRow)
+            .where(BaselineRow.baseline_key == baseline_key_of(spec))
+            .order_by(BaselineRow.measured_at)
+        )
+    ]
+
+
+def stored_verify_probe(metrics: Mapping[str, Any] | None) -> VerifyProbe | None:
+    """The verify probe stored in a baseline's metrics (as reported), or None: measured by a worker
+    older than the probe, or stored before the probe's fields were what they are now."""
+    raw = (metrics or {}).get("verify_probe")
+    if raw is None:
+        return None
+    try:
+        return VerifyProbe.model_validate(raw)
+    except ValueError:
+        return None
+
+
+def verify_shapes(s: Session, spec: StudySpec) -> dict[str, VerifyShape]:
+    """Each host's newest probed verify cost shape, as the conductor's snapshot gives every fit
+    (`conductor.Snapshot.verify_shapes`): the sampler's, and the study document's winner's."""
+    return latest_shapes(study_baselines(s, spec))
+
+
 def study_trials(storage: optuna.storages.BaseStorage, sessions: sessionmaker[Session], name: str) -> list[FrozenTrial]:
     """Every trial of a study, read from Optuna's storage for the conductor's snapshot.
 
@@ -145,10 +190,12 @@ def study_trials(storage: optuna.storages.BaseStorage, sessions: sessionmaker[Se
 
 def load_study(storage: optuna.storages.BaseStorage, sessions: sessionmaker[Session], spec: StudySpec) -> optuna.Study:
     """The study for asking and telling: its samplers see an admin-quarantined trial as a failure
-    (trial_records.sampler_screen), as the conductor's snapshot does (`study_trials`)."""
+    (trial_records.sampler_screen), as the conductor's snapshot does (`study_trials`), and fit
+    with the hosts' probed verify cost, as the snapshot's stop rule and ranking do (`verify_shapes`)."""
     with sessions() as s:
         quarantine = trial_records.quarantined(s, spec.name)
-    return opt.load_study(storage, spec, trial_records.sampler_screen(quarantine))
+        shapes = verify_shapes(s, spec)
+    return opt.load_study(storage, spec, trial_records.sampler_screen(quarantine), shapes=shapes)
 
 
 def launched_count(s: Session, study: str) -> int:

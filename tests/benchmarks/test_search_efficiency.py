@@ -8,16 +8,22 @@ real database, one worker leasing and reporting) and once through `benchmarks/se
 from __future__ import annotations
 
 import random
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 
+from api.db import make_engine, make_sessionmaker
+from api.services.study_specs import verify_shapes
 from benchmarks import search_efficiency as se
+from optimizer import ranking
+from optimizer.policy import DEFAULT_POLICY
 from optimizer.space import SpecConfig
 from optimizer.spec import parse_spec
+from optimizer.verify_probe import shapes_key
 from spectune_sim.landscapes import LANDSCAPES
 from tests.support.api_client import Api
-from tests.support.search import drive, key_of, sim_levels
+from tests.support.search import drive, key_of, sim_levels, sim_probe
 from tests.support.specs import small_spec
 
 LANDSCAPE = "moe-pcie"
@@ -30,17 +36,35 @@ class SameMeasurements(se.Host):
         self._spend(60.0)
         return sim_levels(LANDSCAPE, None if config is None else config.model_dump(mode="json"), self.workload.levels)
 
+    def _probe(self) -> dict[str, Any]:
+        probe = sim_probe(LANDSCAPE, self.workload.levels)
+        self._spend(float(probe["spent_s"]))
+        return probe
+
     def _launch(self, config: SpecConfig) -> tuple[str, list[dict[str, Any]]]:
         self.last_startup_s = 12.0  # what tests.support.search.ok reports
         return "ok", self._measure(config)
 
 
 @pytest.mark.parametrize("seed", [3, 7])
-def test_the_benchmark_and_the_service_run_the_same_study(api: Api, seed: int) -> None:
+def test_the_benchmark_and_the_service_run_the_same_study(api: Api, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every ranking of the candidates, the study document's winner (api.services.studies._winner)
+    # and the conductor's alike, by the shapes it was given: one model input, or the printed
+    # answer and the conductor's could disagree.
+    ranked_with: set[str] = set()
+    real_of = ranking.of
+
+    def of(spec: Any, trials: Any, shapes: Any = None) -> ranking.Ranking | None:
+        if any(t.state.is_finished() for t in trials):
+            ranked_with.add(shapes_key(shapes))
+        return real_of(spec, trials, shapes)
+
+    monkeypatch.setattr(ranking, "of", of)
     doc = small_spec(f"agree{seed}", sampler="auto", seed=seed, budget={"max_trials": 12})
     doc["confirmation"] = {"top": 2}
     assert api.post("/v1/studies", "user", doc).status_code == 201
-    handed = drive(api, doc["name"], ["w1"], LANDSCAPE)
+    # Each baseline with its verify probe: both stores hand its shape to every fit (issue 31 item 2).
+    handed = drive(api, doc["name"], ["w1"], LANDSCAPE, probe=True)
     shown = api.get(f"/v1/studies/{doc['name']}", "user").json()
     assert shown["state"] == "finished"
     kinds = {"baseline": "baseline", "trial": "search", "confirm": "confirm"}
@@ -50,8 +74,20 @@ def test_the_benchmark_and_the_service_run_the_same_study(api: Api, seed: int) -
     wl = se.Workload(levels=tuple(spec.workload.concurrency))
     plan = se.spectune_plan(spec)
     host = SameMeasurements(LANDSCAPES[LANDSCAPE], wl, plan, random.Random(seed), seed, host_id="w1")
-    answer = se.run_study([host], se.Truth(LANDSCAPES[LANDSCAPE], wl, plan, spec.search_space), spec)
+    store = se.drive([host], spec, DEFAULT_POLICY)
+    answer = se._study_answer(store, [host], se.Truth(LANDSCAPES[LANDSCAPE], wl, plan, spec.search_space))  # noqa: SLF001
 
+    # The same shapes reach the model on both sides: the service's, read from its database as its
+    # snapshot and its study document read them, and the rehearsal's snapshot.
+    engine = make_engine(api.db_url or "")
+    try:
+        with make_sessionmaker(engine)() as s:
+            served = verify_shapes(s, spec)
+    finally:
+        engine.dispose()
+    rehearsed = store.snapshot(datetime.now(UTC), ["w1"]).verify_shapes()
+    assert served and shapes_key(served) == shapes_key(rehearsed)
+    assert ranked_with == {shapes_key(served)}
     assert host.history == service
     assert len([k for k, _ in service if k == "search"]) < 12  # the stop rule ended it, not the cap
     assert answer.reason.split(": ", 1)[1] == shown["finish_reason"], (answer.reason, shown["finish_reason"])

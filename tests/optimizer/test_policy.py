@@ -206,7 +206,7 @@ def test_the_parallel_cap_reads_model_parallel_from_the_snapshot(monkeypatch: py
     unsure = convergence.Assessment(False, "unsure", 5, 100, 0.5, "k", 1.0, None)
     seen: list[Policy] = []
 
-    def assess(spec: StudySpec, trials: list[FrozenTrial], policy: Policy = DEFAULT_POLICY) -> Any:
+    def assess(spec: StudySpec, trials: list[FrozenTrial], policy: Policy = DEFAULT_POLICY, *_: object) -> Any:
         seen.append(policy)
         return unsure
 

@@ -15,8 +15,9 @@ from optuna.trial import FrozenTrial, create_trial
 
 from optimizer.objective import CONSTRAINT_KEY
 from optimizer.space import SpecConfig
+from optimizer.verify_probe import ProbePlan, probe_levels
 from spectune_sim.landscapes import LANDSCAPES
-from spectune_sim.model import predict
+from spectune_sim.model import extend_ms, predict
 from tests.support.api_client import Api
 from tests.support.specs import INVENTORY
 
@@ -41,6 +42,22 @@ def sim_levels(landscape: str, config: dict[str, Any] | None, levels: Sequence[i
             }
         )
     return out
+
+
+def sim_probe(landscape: str, levels: Sequence[int]) -> dict[str, Any]:
+    """The verify probe a worker reports with its baseline (workers/loadgen/probe.py's plan), timed
+    on the simulator's extend forward with SPREAD over the repeats: the same in every run."""
+    plan = ProbePlan(levels=probe_levels(levels, max(levels)))
+    points = []
+    for b, k in plan.batches():
+        runs = [extend_ms(LANDSCAPES[landscape], b * k, speculative=False) / 1000.0 * f for f in SPREAD]
+        points.append({"concurrency": b, "tokens": k, "seconds": runs[1], "seconds_runs": runs})
+    return {
+        "points": points,
+        "prefix_tokens": plan.prefix_tokens,
+        "cached_share": 1.0,
+        "spent_s": sum(sum(p["seconds_runs"]) for p in points),
+    }
 
 
 def trial_attrs(
@@ -73,8 +90,9 @@ def frozen_trial(number: int, value: float, attrs: dict[str, Any], violation: fl
     return t
 
 
-def ok(levels: list[Any]) -> dict[str, Any]:
-    return {"outcome": "ok", "metrics": {"levels": levels, "startup_s": 12.0, "sglang_version": "0.5.23"}}
+def ok(levels: list[Any], verify_probe: dict[str, Any] | None = None) -> dict[str, Any]:
+    metrics = {"levels": levels, "startup_s": 12.0, "sglang_version": "0.5.23"}
+    return {"outcome": "ok", "metrics": metrics if verify_probe is None else {**metrics, "verify_probe": verify_probe}}
 
 
 OOM = {"outcome": "failed", "failure": {"kind": "oom", "message": "CUDA out of memory during graph capture"}}
@@ -95,8 +113,10 @@ def drive(
     oom_keys: Collection[str] = (),
     max_rounds: int = 120,
     inventory: dict[str, Any] | None = None,
+    probe: bool = False,
 ) -> list[dict[str, Any]]:
-    """Lease and complete round-robin until the study leaves `running`; returns every lease handed out."""
+    """Lease and complete round-robin until the study leaves `running`; returns every lease handed
+    out.  `probe`: each baseline reports the verify probe (`sim_probe`), as today's workers do."""
     handed: list[dict[str, Any]] = []
     for _ in range(max_rounds):
         if api.get(f"/v1/studies/{study}", "user").json()["state"] != "running":
@@ -108,7 +128,7 @@ def drive(
             handed.append(got)
             levels = got["workload"]["concurrency"]
             if got["kind"] == "baseline":
-                body = ok(sim_levels(landscape, None, levels))
+                body = ok(sim_levels(landscape, None, levels), sim_probe(landscape, levels) if probe else None)
             elif SpecConfig.model_validate(got["config"]).key in oom_keys:
                 body = OOM
             else:

@@ -24,7 +24,7 @@ from api.models import BaselineRow, EventRow, LeaseRow
 from api.services import lease_rows, refusals, study_life
 from api.services.leasing.records import CONFIG_FAILURES, HostHealth, counts_against_host, event
 from api.services.leasing.states import LeaseKind, LeaseState, end
-from api.services.study_specs import baseline_key_of
+from api.services.study_specs import baseline_key_of, stored_verify_probe
 from api.settings import Settings
 from optimizer import conductor
 from optimizer.spec import StudySpec
@@ -58,15 +58,9 @@ def fault_from_spec(spec: StudySpec, failure: Failure) -> str | None:
 
 
 def verify_probe_of(row: BaselineRow) -> VerifyProbe | None:
-    """The verify probe stored with a baseline (in its metrics, as reported), or None: measured by
-    a worker older than the probe, or stored before the probe's fields were what they are now."""
-    raw = (row.metrics or {}).get("verify_probe")
-    if raw is None:
-        return None
-    try:
-        return VerifyProbe.model_validate(raw)
-    except ValueError:
-        return None
+    """The verify probe stored with a baseline (in its metrics, as reported), or None
+    (api.services.study_specs.stored_verify_probe: the conductor's snapshot reads it there)."""
+    return stored_verify_probe(row.metrics)
 
 
 class BaselineLeases:
