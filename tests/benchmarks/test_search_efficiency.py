@@ -7,6 +7,7 @@ real database, one worker leasing and reporting) and once through `benchmarks/se
 
 from __future__ import annotations
 
+import json
 import random
 from datetime import UTC, datetime
 from typing import Any
@@ -54,10 +55,14 @@ def test_the_benchmark_and_the_service_run_the_same_study(api: Api, seed: int, m
     ranked_with: set[str] = set()
     real_of = ranking.of
 
-    def of(spec: Any, trials: Any, shapes: Any = None) -> ranking.Ranking | None:
+    # The confirmation launches each ranking read (optimizer.ranking.Relaunch), in call order.
+    relaunched: list[tuple[Any, ...]] = []
+
+    def of(spec: Any, trials: Any, shapes: Any = None, relaunches: Any = ()) -> ranking.Ranking | None:
         if any(t.state.is_finished() for t in trials):
             ranked_with.add(shapes_key(shapes))
-        return real_of(spec, trials, shapes)
+        relaunched.append(tuple(sorted(json.dumps(r.key()) for r in relaunches)))
+        return real_of(spec, trials, shapes, relaunches)
 
     monkeypatch.setattr(ranking, "of", of)
     doc = small_spec(f"agree{seed}", sampler="auto", seed=seed, budget={"max_trials": 12})
@@ -70,6 +75,7 @@ def test_the_benchmark_and_the_service_run_the_same_study(api: Api, seed: int, m
     kinds = {"baseline": "baseline", "trial": "search", "confirm": "confirm"}
     service = [(kinds[le["kind"]], key_of(le["config"]) if le.get("config") else None) for le in handed]
 
+    served_calls = len(relaunched)
     spec = parse_spec(doc)
     wl = se.Workload(levels=tuple(spec.workload.concurrency))
     plan = se.spectune_plan(spec)
@@ -88,6 +94,10 @@ def test_the_benchmark_and_the_service_run_the_same_study(api: Api, seed: int, m
     rehearsed = store.snapshot(datetime.now(UTC), ["w1"]).verify_shapes()
     assert served and shapes_key(served) == shapes_key(rehearsed)
     assert ranked_with == {shapes_key(served)}
+    # The study document's ranking and the rehearsal's read the same confirmation launches.
+    served_relaunches = max(relaunched[:served_calls], key=len)
+    rehearsed_relaunches = max(relaunched[served_calls:], key=len)
+    assert served_relaunches and served_relaunches == rehearsed_relaunches
     assert host.history == service
     assert len([k for k, _ in service if k == "search"]) < 12  # the stop rule ended it, not the cap
     assert answer.reason.split(": ", 1)[1] == shown["finish_reason"], (answer.reason, shown["finish_reason"])

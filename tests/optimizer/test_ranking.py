@@ -335,7 +335,7 @@ def test_the_confirmations_let_the_model_take_a_hosts_offset_out_of_its_ranking(
             for cfg in CANDIDATES
         ]
         plain = ranking.of(spec.model_copy(update={"name": f"alone{d}"}), trials)
-        pooled = ranking.of(spec.model_copy(update={"name": f"pooled{d}"}), trials, relaunches)
+        pooled = ranking.of(spec.model_copy(update={"name": f"pooled{d}"}), trials, relaunches=relaunches)
         assert plain is not None and pooled is not None
         alone += max(CANDIDATES, key=plain.estimate) == CANDIDATES[0]
         with_confirmations += max(CANDIDATES, key=pooled.estimate) == CANDIDATES[0]
