@@ -272,8 +272,8 @@ def summary(results: Sequence[EngineResult], workers: int, title: str = f"Family
         "| engines | n | median launches (baseline/search/confirm/failed) | answer within 2% | "
         "more than min_gain short | on the fleet: within 2% / more than min_gain short | to the cap | "
         "OOM launches median / max | 90% interval covers (model sd / stated sd) | "
-        "first-four proposals predicted to lose >20% |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "first-four proposals predicted to lose >20% | median wall time (h) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, rs in groups:
         split = "/".join(
@@ -293,7 +293,8 @@ def summary(results: Sequence[EngineResult], workers: int, title: str = f"Family
             f"{_share(sum(r.capped for r in rs), len(rs))} | {_median(ooms):g} / {max(ooms)} | "
             f"{_share(cov.inside_model, cov.launches)} / {_share(cov.inside_stated, cov.launches)} | "
             f"{_share(losers, proposals)} of proposals; {studies_with}/{len(rs)} studies"
-            f"{f' (+{purposeful} with a purpose)' if purposeful else ''} |"
+            f"{f' (+{purposeful} with a purpose)' if purposeful else ''} | "
+            f"{_median([r.answer.wall_h for r in rs if r.answer.wall_h is not None]):.2f} |"
         )
     moves: dict[str, int] = {}
     for r in results:

@@ -107,6 +107,7 @@ def test_one_engine_runs_through_the_service_study_and_is_reported() -> None:
     assert got.first_losers <= got.first_proposals <= bf.FIRST_PROPOSALS
     table = "\n".join(bf.summary([got], 2))
     assert "| all | 1 |" in table and "| two-level | 1 |" in table
+    assert a.wall_h is not None and f"| {a.wall_h:.2f} |" in table  # the study's wall time, beside its launches
     assert F.engine_name(k) in bf.per_engine([got])[0]
 
 
