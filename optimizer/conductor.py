@@ -21,6 +21,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from statistics import NormalDist
 from typing import Any
 
 from optuna.trial import FrozenTrial, TrialState
@@ -1142,7 +1143,7 @@ def baseline_serves(snap: Snapshot, worker_id: str, base: Baseline) -> bool:
     launches fly: `ready_baseline`), serves every confirmation on a host, as long as it stays
     fresh (`baseline_fresh`: at most `Timing.confirm_idle_s` idle since, other studies' work
     counting as idle time, as it always did).  Where the host's baseline drifted (it differs from the host's last one before
-    it by more than `policy.drift_margin`) each confirmation needs one measured after the previous
+    it beyond the study's launch noise: `drifted`) each confirmation needs one measured after the previous
     confirmation ended (`optimizer.confirmation.baseline_serves`).
     """
     began = snap.confirmation_began_at
@@ -1153,7 +1154,7 @@ def baseline_serves(snap: Snapshot, worker_id: str, base: Baseline) -> bool:
     before = min(began, base.measured_at)
     earlier = [b for b in snap.baselines if b.worker_id == worker_id and b.valid and b.measured_at < before]
     prev = max(earlier, key=lambda b: b.measured_at) if earlier else None
-    drift = prev is not None and confirm.drift_seen(_levels(base), _levels(prev), snap.policy.drift_margin)
+    drift = prev is not None and drifted(snap, base, prev)
     searched = snap.search_done.get(worker_id)
     return confirm.baseline_serves(
         base.measured_at.timestamp(),
@@ -1162,6 +1163,22 @@ def baseline_serves(snap: Snapshot, worker_id: str, base: Baseline) -> bool:
         None if last is None else last.timestamp(),
         drift,
     )
+
+
+def drifted(snap: Snapshot, base: Baseline, prev: Baseline) -> bool:
+    """Did the host's baseline move from `prev` to `base` beyond the study's launch noise
+    (`optimizer.confirmation.drift_seen` at `policy.drift_level`, `policy.drift_margin` the floor)?
+
+    The noise is estimated without `base` (`launch_noise`): a real move would otherwise widen
+    the very noise it is judged against (one pair of the host's baselines 5% apart lifted the
+    estimate enough to hide it).
+    """
+    fresh, earlier = _levels(base), _levels(prev)
+    if not confirm.drift_seen(fresh, earlier, snap.policy.drift_margin):
+        return False  # within the floor: no noise estimate needed
+    without = dataclasses.replace(snap, baselines=tuple(b for b in snap.baselines if b.id != base.id))
+    z = NormalDist().inv_cdf(0.5 + snap.policy.drift_level / 2.0)
+    return confirm.drift_seen(fresh, earlier, snap.policy.drift_margin, launch_noise(without).variance, z)
 
 
 def baseline_fresh(snap: Snapshot, worker_id: str, base: Baseline) -> bool:
@@ -1207,7 +1224,10 @@ def confirmation_waits(snap: Snapshot) -> str | None:
     )
 
 
-def _levels(b: Baseline) -> list[dict[str, float]]:
+def _levels(b: Baseline) -> list[Mapping[str, Any]]:
+    """The baseline's levels as reported (with their passes), or its tok/s alone."""
+    if b.levels:
+        return list(b.levels)
     return [{"concurrency": c, "output_tok_s": v} for c, v in b.tok_s.items()]
 
 

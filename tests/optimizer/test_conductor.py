@@ -20,6 +20,7 @@ from api.models import FINISH_RULES, STUDY_PHASES, STUDY_STATES
 from optimizer import answer as ans
 from optimizer import attrs as A
 from optimizer import conductor as c
+from optimizer import confirmation as confirm
 from optimizer import convergence, deploy
 from optimizer import stop_rules as R
 from optimizer.analysis import Interval
@@ -502,6 +503,66 @@ def test_a_drifting_host_measures_a_baseline_before_each_confirmation() -> None:
     assert c.next_action(s, "w1") == c.MeasureBaseline("w1", for_confirmation=True)
     steady = replace(s, baselines=(before, replace(fresh, tok_s={1: 99.5}), BASES[1]))
     assert c.next_action(steady, "w1") == c.Confirm("c1", "w1", 7, fresh_baseline=True)
+
+
+def passes_base(worker: str, at: datetime, tok: float, id_: int) -> c.Baseline:
+    """A baseline with its passes (0.2% apart), as a worker reports it: it feeds the launch noise."""
+    runs = [tok * 0.998, tok, tok * 1.002]
+    return c.Baseline(
+        id_, worker, at, {1: tok}, levels=[{"concurrency": 1, "output_tok_s": tok, "output_tok_s_runs": runs}]
+    )
+
+
+def _after_one_confirmation(w1: Sequence[c.Baseline], w2: Sequence[c.Baseline]) -> c.Snapshot:
+    """w1 confirmed one candidate next to its latest baseline; the other is queued for it."""
+    done = c.LeaseView(
+        "c9", "confirm", "completed", 3, worker_id="w1", created_at=BEGAN,
+        leased_at=BEGAN + timedelta(minutes=1), finished_at=BEGAN + timedelta(minutes=3),
+    )  # fmt: skip
+    return confirming(baselines=(*w1, *w2), leases=(*QUEUED, done))
+
+
+def test_launch_noise_is_not_drift_but_a_move_beyond_it_is() -> None:
+    """Issue 31: w2's baselines swing by ~5% launch to launch, so w1's 3.5% move is noise and its one
+    fresh baseline serves the next confirmation too; a 20% move on the same fleet is drift."""
+    w2 = [passes_base("w2", BEGAN - timedelta(minutes=m), tok, 20 + i) for i, (m, tok) in enumerate(
+        ((90, 100.0), (60, 94.0), (30, 105.0)))]  # fmt: skip
+    before = passes_base("w1", BEGAN - timedelta(minutes=10), 100.0, 1)
+    noise = _after_one_confirmation([before, passes_base("w1", BEGAN + timedelta(minutes=1), 96.5, 7)], w2)
+    assert c.next_action(noise, "w1") == c.Confirm("c1", "w1", 7, fresh_baseline=True)
+    # The 2% floor alone (the rule before issue 31) called the same move drift.
+    assert confirm.drift_seen(c._levels(noise.baselines[-1]), c._levels(before), noise.policy.drift_margin)
+    moved = _after_one_confirmation([before, passes_base("w1", BEGAN + timedelta(minutes=1), 80.0, 7)], w2)
+    assert c.next_action(moved, "w1") == c.MeasureBaseline("w1", for_confirmation=True)
+
+
+def test_a_drifted_baseline_does_not_hide_in_the_noise_it_adds() -> None:
+    """The noise a move is judged against leaves the moved baseline out: w1's one pair 5% apart
+    would otherwise lift the estimate (prior 1.5%) to ~3.2% and explain itself away."""
+    w1 = [
+        passes_base("w1", BEGAN - timedelta(minutes=10), 100.0, 1),
+        passes_base("w1", BEGAN + timedelta(minutes=1), 95.0, 7),
+    ]
+    s = _after_one_confirmation(w1, [passes_base("w2", BEGAN - timedelta(minutes=30), 100.0, 2)])
+    assert c.next_action(s, "w1") == c.MeasureBaseline("w1", for_confirmation=True)
+    # With the moved baseline counted in the noise, the test would not call it drift.
+    var = c.launch_noise(s).variance
+    assert not confirm.drift_seen(c._levels(w1[1]), c._levels(w1[0]), s.policy.drift_margin, var)
+
+
+def test_drift_needs_the_floor_and_the_noise_test_both() -> None:
+    a = [{"concurrency": 1, "output_tok_s": 101.5, "output_tok_s_runs": [101.5, 101.5, 101.5]}]
+    b = [{"concurrency": 1, "output_tok_s": 100.0, "output_tok_s_runs": [100.0, 100.0, 100.0]}]
+    # 1.5%: far beyond a 0.1% launch noise, but within the floor.
+    assert not confirm.drift_seen(a, b, 0.02, launch_var=0.001**2)
+    assert confirm.drift_seen(a, b, 0.01, launch_var=0.001**2)
+    # Beyond the floor, judged by the noise: 3% against 1% (drift) and 3% sd (noise) a launch pair.
+    a3 = [{**a[0], "output_tok_s": 103.0, "output_tok_s_runs": [103.0] * 3}]
+    assert confirm.drift_seen(a3, b, 0.02, launch_var=0.01**2)
+    assert not confirm.drift_seen(a3, b, 0.02, launch_var=0.03**2)
+    # The passes' spread counts too: the same 3% over passes 5% apart is no drift.
+    spread = [{**a3[0], "output_tok_s_runs": [98.0, 103.0, 108.0]}]
+    assert not confirm.drift_seen(spread, b, 0.02, launch_var=0.01**2)
 
 
 def _joining(s: c.Snapshot, fleet: Sequence[c.HostView]) -> tuple[c.Snapshot, dict[str, c.Action]]:
