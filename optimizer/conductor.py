@@ -29,7 +29,7 @@ from optuna.trial import FrozenTrial, TrialState
 from optimizer import answer, believer, convergence, deploy, ranking, stop_rules
 from optimizer import attrs as A
 from optimizer import confirmation as confirm
-from optimizer.analysis import LaunchNoise
+from optimizer.analysis import MIN_LAUNCH_SD, LaunchNoise
 from optimizer.budget import budget_used
 from optimizer.infeasible import known_to_fail, oom_points
 from optimizer.memo import PerStudyMemo
@@ -44,14 +44,13 @@ from optimizer.study_state import Ending, FinishReason, Phase, StudyState, confi
 from spectune_protocol import MAX_RESOLVE_THRESHOLD, LeaseKind, LeaseState, Resolve
 from spectune_protocol.printable import printable
 
-# The conductor's thresholds are the snapshot's policy (optimizer.policy: drift_margin,
+# The conductor's thresholds are the snapshot's policy (optimizer.policy: drift_level,
 # model_parallel, belief_margin, stop_after_hosts, max_extra_launches, and the stop rule's); these
 # names are the default policy's values, for callers outside the conductor.
 # model_parallel: search launches in flight at once after the model's first `min_measured` results
 # (before, the fleet launches the starting points the model still needs, at least this many at a
 # time).  Each proposal comes from one fit, spread away from the launches in flight; a third and a
 # fourth from the same fit mostly answer what the first two will.
-DRIFT_MARGIN = DEFAULT_POLICY.drift_margin
 MODEL_PARALLEL = DEFAULT_POLICY.model_parallel
 BELIEF_MARGIN = DEFAULT_POLICY.belief_margin
 
@@ -1195,18 +1194,19 @@ def baseline_serves(snap: Snapshot, worker_id: str, base: Baseline) -> bool:
 
 def drifted(snap: Snapshot, base: Baseline, prev: Baseline) -> bool:
     """Did the host's baseline move from `prev` to `base` beyond the study's launch noise
-    (`optimizer.confirmation.drift_seen` at `policy.drift_level`, `policy.drift_margin` the floor)?
+    (`optimizer.confirmation.drift_seen`, two-sided at `policy.drift_level`)?
 
     The noise is estimated without `base` (`launch_noise`): a real move would otherwise widen
     the very noise it is judged against (one pair of the host's baselines 5% apart lifted the
-    estimate enough to hide it).
+    estimate enough to hide it).  A move the least noise the estimate ever gives
+    (`MIN_LAUNCH_SD`) explains is no drift, and needs no estimate.
     """
     fresh, earlier = _levels(base), _levels(prev)
-    if not confirm.drift_seen(fresh, earlier, snap.policy.drift_margin):
-        return False  # within the floor: no noise estimate needed
-    without = dataclasses.replace(snap, baselines=tuple(b for b in snap.baselines if b.id != base.id))
     z = NormalDist().inv_cdf(0.5 + snap.policy.drift_level / 2.0)
-    return confirm.drift_seen(fresh, earlier, snap.policy.drift_margin, launch_noise(without).variance, z)
+    if not confirm.drift_seen(fresh, earlier, MIN_LAUNCH_SD**2, z):
+        return False
+    without = dataclasses.replace(snap, baselines=tuple(b for b in snap.baselines if b.id != base.id))
+    return confirm.drift_seen(fresh, earlier, launch_noise(without).variance, z)
 
 
 def baseline_fresh(snap: Snapshot, worker_id: str, base: Baseline) -> bool:

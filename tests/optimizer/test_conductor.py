@@ -494,7 +494,7 @@ def test_a_baseline_measured_just_before_the_confirmation_began_pairs_with_it() 
 
 def test_a_drifting_host_measures_a_baseline_before_each_confirmation() -> None:
     before = base("w1", BEGAN - timedelta(minutes=10), tok=100.0, id_=1)
-    fresh = base("w1", BEGAN + timedelta(minutes=1), tok=95.0, id_=7)  # moved 5% > DRIFT_MARGIN
+    fresh = base("w1", BEGAN + timedelta(minutes=1), tok=95.0, id_=7)  # moved 5%, beyond the prior launch noise
     done = c.LeaseView(
         "c9", "confirm", "completed", 3, worker_id="w1", created_at=BEGAN,
         leased_at=BEGAN + timedelta(minutes=1), finished_at=BEGAN + timedelta(minutes=3),
@@ -530,8 +530,9 @@ def test_launch_noise_is_not_drift_but_a_move_beyond_it_is() -> None:
     before = passes_base("w1", BEGAN - timedelta(minutes=10), 100.0, 1)
     noise = _after_one_confirmation([before, passes_base("w1", BEGAN + timedelta(minutes=1), 96.5, 7)], w2)
     assert c.next_action(noise, "w1") == c.Confirm("c1", "w1", 7, fresh_baseline=True)
-    # The 2% floor alone (the rule before issue 31) called the same move drift.
-    assert confirm.drift_seen(c._levels(noise.baselines[-1]), c._levels(before), noise.policy.drift_margin)
+    # The test level is the snapshot's policy: at 20% (z 0.25) the same move is drift.
+    loose = replace(noise, policy=replace(noise.policy, drift_level=0.2))
+    assert c.next_action(loose, "w1") == c.MeasureBaseline("w1", for_confirmation=True)
     moved = _after_one_confirmation([before, passes_base("w1", BEGAN + timedelta(minutes=1), 80.0, 7)], w2)
     assert c.next_action(moved, "w1") == c.MeasureBaseline("w1", for_confirmation=True)
 
@@ -547,22 +548,21 @@ def test_a_drifted_baseline_does_not_hide_in_the_noise_it_adds() -> None:
     assert c.next_action(s, "w1") == c.MeasureBaseline("w1", for_confirmation=True)
     # With the moved baseline counted in the noise, the test would not call it drift.
     var = c.launch_noise(s).variance
-    assert not confirm.drift_seen(c._levels(w1[1]), c._levels(w1[0]), s.policy.drift_margin, var)
+    assert not confirm.drift_seen(c._levels(w1[1]), c._levels(w1[0]), var)
 
 
-def test_drift_needs_the_floor_and_the_noise_test_both() -> None:
-    a = [{"concurrency": 1, "output_tok_s": 101.5, "output_tok_s_runs": [101.5, 101.5, 101.5]}]
+def test_drift_is_a_move_beyond_the_launch_noise_and_the_passes() -> None:
     b = [{"concurrency": 1, "output_tok_s": 100.0, "output_tok_s_runs": [100.0, 100.0, 100.0]}]
-    # 1.5%: far beyond a 0.1% launch noise, but within the floor.
-    assert not confirm.drift_seen(a, b, 0.02, launch_var=0.001**2)
-    assert confirm.drift_seen(a, b, 0.01, launch_var=0.001**2)
-    # Beyond the floor, judged by the noise: 3% against 1% (drift) and 3% sd (noise) a launch pair.
-    a3 = [{**a[0], "output_tok_s": 103.0, "output_tok_s_runs": [103.0] * 3}]
-    assert confirm.drift_seen(a3, b, 0.02, launch_var=0.01**2)
-    assert not confirm.drift_seen(a3, b, 0.02, launch_var=0.03**2)
+    a3 = [{"concurrency": 1, "output_tok_s": 103.0, "output_tok_s_runs": [103.0] * 3}]
+    # 3% against a launch pair's 1% sd (drift) and 3% sd (noise).
+    assert confirm.drift_seen(a3, b, launch_var=0.01**2)
+    assert not confirm.drift_seen(a3, b, launch_var=0.03**2)
     # The passes' spread counts too: the same 3% over passes 5% apart is no drift.
     spread = [{**a3[0], "output_tok_s_runs": [98.0, 103.0, 108.0]}]
-    assert not confirm.drift_seen(spread, b, 0.02, launch_var=0.01**2)
+    assert not confirm.drift_seen(spread, b, launch_var=0.01**2)
+    # The test level: 3% is 2.1 sd of a 1.4% launch pair, drift at 95%, not at 99%.
+    assert confirm.drift_seen(a3, b, launch_var=0.014**2, z=1.96)
+    assert not confirm.drift_seen(a3, b, launch_var=0.014**2, z=2.576)
 
 
 def _joining(s: c.Snapshot, fleet: Sequence[c.HostView]) -> tuple[c.Snapshot, dict[str, c.Action]]:
