@@ -21,6 +21,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from statistics import NormalDist
 from typing import Any
 
 from optuna.trial import FrozenTrial, TrialState
@@ -28,7 +29,7 @@ from optuna.trial import FrozenTrial, TrialState
 from optimizer import answer, believer, convergence, deploy, ranking, stop_rules
 from optimizer import attrs as A
 from optimizer import confirmation as confirm
-from optimizer.analysis import LaunchNoise
+from optimizer.analysis import MIN_LAUNCH_SD, LaunchNoise
 from optimizer.budget import budget_used
 from optimizer.infeasible import known_to_fail, oom_points
 from optimizer.memo import PerStudyMemo
@@ -44,14 +45,13 @@ from optimizer.verify_probe import VerifyShape, latest_shapes, shapes_key
 from spectune_protocol import MAX_RESOLVE_THRESHOLD, LeaseKind, LeaseState, Resolve
 from spectune_protocol.printable import printable
 
-# The conductor's thresholds are the snapshot's policy (optimizer.policy: drift_margin,
+# The conductor's thresholds are the snapshot's policy (optimizer.policy: drift_level,
 # model_parallel, belief_margin, stop_after_hosts, max_extra_launches, and the stop rule's); these
 # names are the default policy's values, for callers outside the conductor.
 # model_parallel: search launches in flight at once after the model's first `min_measured` results
 # (before, the fleet launches the starting points the model still needs, at least this many at a
 # time).  Each proposal comes from one fit, spread away from the launches in flight; a third and a
 # fourth from the same fit mostly answer what the first two will.
-DRIFT_MARGIN = DEFAULT_POLICY.drift_margin
 MODEL_PARALLEL = DEFAULT_POLICY.model_parallel
 BELIEF_MARGIN = DEFAULT_POLICY.belief_margin
 
@@ -1045,15 +1045,22 @@ def _confirmation_for(snap: Snapshot, worker_id: str) -> Action:
     ran = [x.terms for x in tuning_launches(snap.spec, snap.trials) if x.started]
     due: dict[str, tuple[int, deploy.Envelope] | None] = {}
     untested: dict[str, EnvelopeKey] = {}
-    ready = []
+    ready, behind = [], []
     for le in queued:
         due[le.id], key = _launch_envelope(snap, le, ran)
         if key is not None and key not in started:
             if key in trying:
+                behind.append(le)
                 continue
             untested[le.id] = key
         ready.append(le)
     if not ready:
+        # The first launch there is running: a host that will take one of those behind it next
+        # measures its baseline meanwhile, so it is fresh when that launch ends (one measured
+        # before it began would go stale waiting, `baseline_fresh`).
+        left = [le for le in _unclaimed(snap, worker_id, behind) if _may_take(snap, worker_id, le)]
+        if left and not _holds_fresh_baseline(snap, worker_id):
+            return MeasureBaseline(worker_id, for_confirmation=True)
         return Wait(
             "the queued confirmations wait for the first launch in their deployment envelope: none of this "
             "study's has started there yet, and one out-of-memory start there teaches the others"
@@ -1092,7 +1099,28 @@ def _confirmation_for(snap: Snapshot, worker_id: str) -> Action:
     # where a host that found neither confirms both next to one (benchmarks/README.md, 2026-12-02).
     if not (_confirming_hosts(snap) - {worker_id}) and _another_host_takes_all(snap, worker_id, ready):
         return Wait("another host may confirm every candidate next to one fresh baseline")
+    # What this host would confirm waits behind another host's first launch in an untested
+    # envelope: a baseline measured now would wait out that host's baseline and launch and go
+    # stale before it paired with anything (family engine 17: a baseline no confirmation used).
+    # It is measured once that launch runs (above, `behind`).
+    left = [le for le in _unclaimed(snap, worker_id, queued) if _may_take(snap, worker_id, le)]
+    if left and all(
+        le.id in untested and _first_elsewhere(snap, worker_id, untested[le.id], ready, untested) for le in left
+    ):
+        return Wait(
+            "the queued confirmations this host may take wait for another host's first launch in their "
+            "deployment envelope; this host measures its baseline while that launch runs"
+        )
     return MeasureBaseline(worker_id, for_confirmation=True)
+
+
+def _first_elsewhere(
+    snap: Snapshot, worker_id: str, key: EnvelopeKey, ready: Sequence[LeaseView], untested: Mapping[str, EnvelopeKey]
+) -> bool:
+    """Will another host make the first launch in the untested envelope `key`: one holding or
+    measuring a fresh baseline (or confirming) that may take a queued confirmation there?"""
+    there = [le for le in ready if untested.get(le.id) == key]
+    return any(any(_may_take(snap, h, le) for le in there) for h in _confirming_hosts(snap) - {worker_id})
 
 
 def _pairs_again(snap: Snapshot, worker_id: str, lease: LeaseView) -> bool:
@@ -1183,7 +1211,7 @@ def baseline_serves(snap: Snapshot, worker_id: str, base: Baseline) -> bool:
     launches fly: `ready_baseline`), serves every confirmation on a host, as long as it stays
     fresh (`baseline_fresh`: at most `Timing.confirm_idle_s` idle since, other studies' work
     counting as idle time, as it always did).  Where the host's baseline drifted (it differs from the host's last one before
-    it by more than `policy.drift_margin`) each confirmation needs one measured after the previous
+    it beyond the study's launch noise: `drifted`) each confirmation needs one measured after the previous
     confirmation ended (`optimizer.confirmation.baseline_serves`).
     """
     began = snap.confirmation_began_at
@@ -1194,7 +1222,7 @@ def baseline_serves(snap: Snapshot, worker_id: str, base: Baseline) -> bool:
     before = min(began, base.measured_at)
     earlier = [b for b in snap.baselines if b.worker_id == worker_id and b.valid and b.measured_at < before]
     prev = max(earlier, key=lambda b: b.measured_at) if earlier else None
-    drift = prev is not None and confirm.drift_seen(_levels(base), _levels(prev), snap.policy.drift_margin)
+    drift = prev is not None and drifted(snap, base, prev)
     searched = snap.search_done.get(worker_id)
     return confirm.baseline_serves(
         base.measured_at.timestamp(),
@@ -1203,6 +1231,23 @@ def baseline_serves(snap: Snapshot, worker_id: str, base: Baseline) -> bool:
         None if last is None else last.timestamp(),
         drift,
     )
+
+
+def drifted(snap: Snapshot, base: Baseline, prev: Baseline) -> bool:
+    """Did the host's baseline move from `prev` to `base` beyond the study's launch noise
+    (`optimizer.confirmation.drift_seen`, two-sided at `policy.drift_level`)?
+
+    The noise is estimated without `base` (`launch_noise`): a real move would otherwise widen
+    the very noise it is judged against (one pair of the host's baselines 5% apart lifted the
+    estimate enough to hide it).  A move the least noise the estimate ever gives
+    (`MIN_LAUNCH_SD`) explains is no drift, and needs no estimate.
+    """
+    fresh, earlier = _levels(base), _levels(prev)
+    z = NormalDist().inv_cdf(0.5 + snap.policy.drift_level / 2.0)
+    if not confirm.drift_seen(fresh, earlier, MIN_LAUNCH_SD**2, z):
+        return False
+    without = dataclasses.replace(snap, baselines=tuple(b for b in snap.baselines if b.id != base.id))
+    return confirm.drift_seen(fresh, earlier, launch_noise(without).variance, z)
 
 
 def baseline_fresh(snap: Snapshot, worker_id: str, base: Baseline) -> bool:
@@ -1248,7 +1293,10 @@ def confirmation_waits(snap: Snapshot) -> str | None:
     )
 
 
-def _levels(b: Baseline) -> list[dict[str, float]]:
+def _levels(b: Baseline) -> list[Mapping[str, Any]]:
+    """The baseline's levels as reported (with their passes), or its tok/s alone."""
+    if b.levels:
+        return list(b.levels)
     return [{"concurrency": c, "output_tok_s": v} for c, v in b.tok_s.items()]
 
 

@@ -211,11 +211,27 @@ def baseline_serves(
     return True
 
 
-def drift_seen(fresh: Sequence[Mapping[str, Any]], earlier: Sequence[Mapping[str, Any]], margin: float) -> bool:
-    """Did the host's baseline move by more than `margin` (relative) between two measurements?"""
-    a = {int(b["concurrency"]): float(b["output_tok_s"]) for b in fresh if b.get("output_tok_s")}
-    b = {int(x["concurrency"]): float(x["output_tok_s"]) for x in earlier if x.get("output_tok_s")}
-    return any(abs(a[c] / b[c] - 1.0) > margin for c in a.keys() & b.keys() if b[c] > 0)
+def drift_seen(
+    fresh: Sequence[Mapping[str, Any]], earlier: Sequence[Mapping[str, Any]], launch_var: float, z: float = Z95
+) -> bool:
+    """Did the host's baseline move between two measurements by more than their noise explains?
+
+    Moved: at some level by more than `z` sd of the two launches' noise (`launch_var`, the study's
+    launch-to-launch variance of a speedup's log, `study_noise`: a speedup divides two launches,
+    as this difference does) and of their passes (`log_mean_variance` of each baseline's passes).
+    A re-launch of an unchanged server moves its throughput by that noise alone; a fixed 2% read
+    it as drift, and every confirmation then measured its own baseline (issue 31).
+    """
+    a = {int(b["concurrency"]): b for b in fresh if b.get("output_tok_s")}
+    b = {int(x["concurrency"]): x for x in earlier if x.get("output_tok_s")}
+    for c in a.keys() & b.keys():
+        va, vb = float(a[c]["output_tok_s"]), float(b[c]["output_tok_s"])
+        if va <= 0 or vb <= 0:
+            continue
+        passes = sum(log_mean_variance(x[c].get("output_tok_s_runs") or []) or 0.0 for x in (a, b))
+        if abs(math.log(va / vb)) > z * math.sqrt(passes + launch_var):
+            return True
+    return False
 
 
 @dataclass(frozen=True)

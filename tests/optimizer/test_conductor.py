@@ -20,6 +20,7 @@ from api.models import FINISH_RULES, STUDY_PHASES, STUDY_STATES
 from optimizer import answer as ans
 from optimizer import attrs as A
 from optimizer import conductor as c
+from optimizer import confirmation as confirm
 from optimizer import convergence, deploy
 from optimizer import stop_rules as R
 from optimizer.analysis import Interval
@@ -494,7 +495,7 @@ def test_a_baseline_measured_just_before_the_confirmation_began_pairs_with_it() 
 
 def test_a_drifting_host_measures_a_baseline_before_each_confirmation() -> None:
     before = base("w1", BEGAN - timedelta(minutes=10), tok=100.0, id_=1)
-    fresh = base("w1", BEGAN + timedelta(minutes=1), tok=95.0, id_=7)  # moved 5% > DRIFT_MARGIN
+    fresh = base("w1", BEGAN + timedelta(minutes=1), tok=95.0, id_=7)  # moved 5%, beyond the prior launch noise
     done = c.LeaseView(
         "c9", "confirm", "completed", 3, worker_id="w1", created_at=BEGAN,
         leased_at=BEGAN + timedelta(minutes=1), finished_at=BEGAN + timedelta(minutes=3),
@@ -503,6 +504,66 @@ def test_a_drifting_host_measures_a_baseline_before_each_confirmation() -> None:
     assert c.next_action(s, "w1") == c.MeasureBaseline("w1", for_confirmation=True)
     steady = replace(s, baselines=(before, replace(fresh, tok_s={1: 99.5}), BASES[1]))
     assert c.next_action(steady, "w1") == c.Confirm("c1", "w1", 7, fresh_baseline=True)
+
+
+def passes_base(worker: str, at: datetime, tok: float, id_: int) -> c.Baseline:
+    """A baseline with its passes (0.2% apart), as a worker reports it: it feeds the launch noise."""
+    runs = [tok * 0.998, tok, tok * 1.002]
+    return c.Baseline(
+        id_, worker, at, {1: tok}, levels=[{"concurrency": 1, "output_tok_s": tok, "output_tok_s_runs": runs}]
+    )
+
+
+def _after_one_confirmation(w1: Sequence[c.Baseline], w2: Sequence[c.Baseline]) -> c.Snapshot:
+    """w1 confirmed one candidate next to its latest baseline; the other is queued for it."""
+    done = c.LeaseView(
+        "c9", "confirm", "completed", 3, worker_id="w1", created_at=BEGAN,
+        leased_at=BEGAN + timedelta(minutes=1), finished_at=BEGAN + timedelta(minutes=3),
+    )  # fmt: skip
+    return confirming(baselines=(*w1, *w2), leases=(*QUEUED, done))
+
+
+def test_launch_noise_is_not_drift_but_a_move_beyond_it_is() -> None:
+    """Issue 31: w2's baselines swing by ~5% launch to launch, so w1's 3.5% move is noise and its one
+    fresh baseline serves the next confirmation too; a 20% move on the same fleet is drift."""
+    w2 = [passes_base("w2", BEGAN - timedelta(minutes=m), tok, 20 + i) for i, (m, tok) in enumerate(
+        ((90, 100.0), (60, 94.0), (30, 105.0)))]  # fmt: skip
+    before = passes_base("w1", BEGAN - timedelta(minutes=10), 100.0, 1)
+    noise = _after_one_confirmation([before, passes_base("w1", BEGAN + timedelta(minutes=1), 96.5, 7)], w2)
+    assert c.next_action(noise, "w1") == c.Confirm("c1", "w1", 7, fresh_baseline=True)
+    # The test level is the snapshot's policy: at 20% (z 0.25) the same move is drift.
+    loose = replace(noise, policy=replace(noise.policy, drift_level=0.2))
+    assert c.next_action(loose, "w1") == c.MeasureBaseline("w1", for_confirmation=True)
+    moved = _after_one_confirmation([before, passes_base("w1", BEGAN + timedelta(minutes=1), 80.0, 7)], w2)
+    assert c.next_action(moved, "w1") == c.MeasureBaseline("w1", for_confirmation=True)
+
+
+def test_a_drifted_baseline_does_not_hide_in_the_noise_it_adds() -> None:
+    """The noise a move is judged against leaves the moved baseline out: w1's one pair 5% apart
+    would otherwise lift the estimate (prior 1.5%) to ~3.2% and explain itself away."""
+    w1 = [
+        passes_base("w1", BEGAN - timedelta(minutes=10), 100.0, 1),
+        passes_base("w1", BEGAN + timedelta(minutes=1), 95.0, 7),
+    ]
+    s = _after_one_confirmation(w1, [passes_base("w2", BEGAN - timedelta(minutes=30), 100.0, 2)])
+    assert c.next_action(s, "w1") == c.MeasureBaseline("w1", for_confirmation=True)
+    # With the moved baseline counted in the noise, the test would not call it drift.
+    var = c.launch_noise(s).variance
+    assert not confirm.drift_seen(c._levels(w1[1]), c._levels(w1[0]), var)
+
+
+def test_drift_is_a_move_beyond_the_launch_noise_and_the_passes() -> None:
+    b = [{"concurrency": 1, "output_tok_s": 100.0, "output_tok_s_runs": [100.0, 100.0, 100.0]}]
+    a3 = [{"concurrency": 1, "output_tok_s": 103.0, "output_tok_s_runs": [103.0] * 3}]
+    # 3% against a launch pair's 1% sd (drift) and 3% sd (noise).
+    assert confirm.drift_seen(a3, b, launch_var=0.01**2)
+    assert not confirm.drift_seen(a3, b, launch_var=0.03**2)
+    # The passes' spread counts too: the same 3% over passes 5% apart is no drift.
+    spread = [{**a3[0], "output_tok_s_runs": [98.0, 103.0, 108.0]}]
+    assert not confirm.drift_seen(spread, b, launch_var=0.01**2)
+    # The test level: 3% is 2.1 sd of a 1.4% launch pair, drift at 95%, not at 99%.
+    assert confirm.drift_seen(a3, b, launch_var=0.014**2, z=1.96)
+    assert not confirm.drift_seen(a3, b, launch_var=0.014**2, z=2.576)
 
 
 def _joining(s: c.Snapshot, fleet: Sequence[c.HostView]) -> tuple[c.Snapshot, dict[str, c.Action]]:
@@ -727,3 +788,32 @@ def test_an_envelope_nothing_started_in_takes_one_confirmation_at_a_time() -> No
     # 1/1/2 needs less than the 2/1/3 that failed, so the old rule launched it in the printed
     # envelope; the model gives it more than an even chance to fail there: the next one.
     assert go.deployment[0] == 1 and "no deployment of this study started there" in go.deployment[1].note
+
+
+def test_a_host_measures_its_baseline_while_the_first_launch_in_an_untested_envelope_runs() -> None:
+    """Family engine 17: two confirmations queued in an envelope nothing started in, each found on
+    one of two hosts.  w1 measures its baseline to launch first there; w2, which can launch only
+    after that launch, measures nothing yet (a baseline measured now would wait out w1's baseline
+    and launch, go stale and pair with nothing), and measures it while w1's launch runs."""
+    spec = spec_of("cond-envelope-wait", **NO_CONVERGE, confirmation={"top": 2}, serving={"max_running_requests": 48})
+
+    def queued(lease_id: str, number: int) -> c.LeaseView:
+        cfg = CONFIGS[number]
+        printed = deploy.deployment_envelopes(spec, cfg)[0].settings
+        return c.LeaseView(
+            lease_id, "confirm", "queued", number, created_at=BEGAN, avoid_worker="w1" if number % 2 == 0 else "w2",
+            config=cfg, tier=0, server=printed,
+        )  # fmt: skip
+
+    first, second = queued("c1", 1), queued("c0", 0)  # w1 may take c1 only, w2 c0 only
+    s = replace(confirming(leases=(first, second)), spec=spec)  # BASES: 30 minutes old, not fresh
+    measure_w2 = c.MeasureBaseline("w2", for_confirmation=True)
+    assert c.next_action(s, "w1") == c.MeasureBaseline("w1", for_confirmation=True)
+    measuring = c.LeaseView("b-w1", "baseline", "active", worker_id="w1", created_at=T0, leased_at=T0)
+    waits = c.next_action(replace(s, leases=(first, second, measuring)), "w2")
+    assert isinstance(waits, c.Wait) and "another host's first launch" in waits.reason
+    # w1 launches there: w2 measures its baseline meanwhile.
+    trying = replace(first, state="active", worker_id="w1", leased_at=T0)
+    assert c.next_action(replace(s, leases=(trying, second)), "w2") == measure_w2
+    # Nobody is measuring or holds a fresh baseline: w2 measures its own as before.
+    assert c.next_action(s, "w2") == measure_w2
