@@ -216,7 +216,7 @@ def test_a_quarantined_trial_no_longer_steers_the_study(api: Api, db_url: str, t
             _confirmation(forged_number, snapshot[forged_number].user_attrs["config"], 9.0),
             _confirmation(good, snapshot[good].user_attrs["config"], 1.2),
         ]
-        winner = service._winner(spec, trials, snapshot[good], None, confirmed)  # noqa: SLF001
+        winner = service._winner(spec, trials, snapshot[good], None, confirmed, shapes={})  # noqa: SLF001
         assert winner is not None and winner.trial_number == good and winner.confirmed
 
 
