@@ -1045,22 +1045,15 @@ def _confirmation_for(snap: Snapshot, worker_id: str) -> Action:
     ran = [x.terms for x in tuning_launches(snap.spec, snap.trials) if x.started]
     due: dict[str, tuple[int, deploy.Envelope] | None] = {}
     untested: dict[str, EnvelopeKey] = {}
-    ready, behind = [], []
+    ready = []
     for le in queued:
         due[le.id], key = _launch_envelope(snap, le, ran)
         if key is not None and key not in started:
             if key in trying:
-                behind.append(le)
                 continue
             untested[le.id] = key
         ready.append(le)
     if not ready:
-        # The first launch there is running: a host that will take one of those behind it next
-        # measures its baseline meanwhile, so it is fresh when that launch ends (one measured
-        # before it began would go stale waiting, `baseline_fresh`).
-        left = [le for le in _unclaimed(snap, worker_id, behind) if _may_take(snap, worker_id, le)]
-        if left and not _holds_fresh_baseline(snap, worker_id):
-            return MeasureBaseline(worker_id, for_confirmation=True)
         return Wait(
             "the queued confirmations wait for the first launch in their deployment envelope: none of this "
             "study's has started there yet, and one out-of-memory start there teaches the others"
@@ -1099,28 +1092,7 @@ def _confirmation_for(snap: Snapshot, worker_id: str) -> Action:
     # where a host that found neither confirms both next to one (benchmarks/README.md, 2026-12-02).
     if not (_confirming_hosts(snap) - {worker_id}) and _another_host_takes_all(snap, worker_id, ready):
         return Wait("another host may confirm every candidate next to one fresh baseline")
-    # What this host would confirm waits behind another host's first launch in an untested
-    # envelope: a baseline measured now would wait out that host's baseline and launch and go
-    # stale before it paired with anything (family engine 17: a baseline no confirmation used).
-    # It is measured once that launch runs (above, `behind`).
-    left = [le for le in _unclaimed(snap, worker_id, queued) if _may_take(snap, worker_id, le)]
-    if left and all(
-        le.id in untested and _first_elsewhere(snap, worker_id, untested[le.id], ready, untested) for le in left
-    ):
-        return Wait(
-            "the queued confirmations this host may take wait for another host's first launch in their "
-            "deployment envelope; this host measures its baseline while that launch runs"
-        )
     return MeasureBaseline(worker_id, for_confirmation=True)
-
-
-def _first_elsewhere(
-    snap: Snapshot, worker_id: str, key: EnvelopeKey, ready: Sequence[LeaseView], untested: Mapping[str, EnvelopeKey]
-) -> bool:
-    """Will another host make the first launch in the untested envelope `key`: one holding or
-    measuring a fresh baseline (or confirming) that may take a queued confirmation there?"""
-    there = [le for le in ready if untested.get(le.id) == key]
-    return any(any(_may_take(snap, h, le) for le in there) for h in _confirming_hosts(snap) - {worker_id})
 
 
 def _pairs_again(snap: Snapshot, worker_id: str, lease: LeaseView) -> bool:

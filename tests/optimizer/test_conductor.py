@@ -788,32 +788,3 @@ def test_an_envelope_nothing_started_in_takes_one_confirmation_at_a_time() -> No
     # 1/1/2 needs less than the 2/1/3 that failed, so the old rule launched it in the printed
     # envelope; the model gives it more than an even chance to fail there: the next one.
     assert go.deployment[0] == 1 and "no deployment of this study started there" in go.deployment[1].note
-
-
-def test_a_host_measures_its_baseline_while_the_first_launch_in_an_untested_envelope_runs() -> None:
-    """Family engine 17: two confirmations queued in an envelope nothing started in, each found on
-    one of two hosts.  w1 measures its baseline to launch first there; w2, which can launch only
-    after that launch, measures nothing yet (a baseline measured now would wait out w1's baseline
-    and launch, go stale and pair with nothing), and measures it while w1's launch runs."""
-    spec = spec_of("cond-envelope-wait", **NO_CONVERGE, confirmation={"top": 2}, serving={"max_running_requests": 48})
-
-    def queued(lease_id: str, number: int) -> c.LeaseView:
-        cfg = CONFIGS[number]
-        printed = deploy.deployment_envelopes(spec, cfg)[0].settings
-        return c.LeaseView(
-            lease_id, "confirm", "queued", number, created_at=BEGAN, avoid_worker="w1" if number % 2 == 0 else "w2",
-            config=cfg, tier=0, server=printed,
-        )  # fmt: skip
-
-    first, second = queued("c1", 1), queued("c0", 0)  # w1 may take c1 only, w2 c0 only
-    s = replace(confirming(leases=(first, second)), spec=spec)  # BASES: 30 minutes old, not fresh
-    measure_w2 = c.MeasureBaseline("w2", for_confirmation=True)
-    assert c.next_action(s, "w1") == c.MeasureBaseline("w1", for_confirmation=True)
-    measuring = c.LeaseView("b-w1", "baseline", "active", worker_id="w1", created_at=T0, leased_at=T0)
-    waits = c.next_action(replace(s, leases=(first, second, measuring)), "w2")
-    assert isinstance(waits, c.Wait) and "another host's first launch" in waits.reason
-    # w1 launches there: w2 measures its baseline meanwhile.
-    trying = replace(first, state="active", worker_id="w1", leased_at=T0)
-    assert c.next_action(replace(s, leases=(trying, second)), "w2") == measure_w2
-    # Nobody is measuring or holds a fresh baseline: w2 measures its own as before.
-    assert c.next_action(s, "w2") == measure_w2
