@@ -21,6 +21,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from functools import cached_property
 from statistics import NormalDist
 from typing import Any
 
@@ -173,6 +174,12 @@ class Snapshot:
     def verify_shapes(self) -> dict[str, VerifyShape]:
         """Each host's newest probed verify cost shape: what every fit of the study reads
         (the sampler's, the stop rule's, the ranking's), and the study document's winner too."""
+        return self._shapes
+
+    @cached_property
+    def _shapes(self) -> dict[str, VerifyShape]:
+        # Read once per snapshot: one decision asks for it several times (stop rule, believer,
+        # ranking), and a snapshot's baselines do not change under it.
         return latest_shapes(self.baselines)
 
     def host(self, worker_id: str) -> HostView | None:
