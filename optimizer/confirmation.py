@@ -148,14 +148,30 @@ def candidates(
     chance of at least RUNNER_UP_CHANCE (their search intervals, widened by the launch noise
     `extra_var`): one that cannot changes no answer the study stands behind, and each
     confirmation is a restart.  With a `ranking` (the study's model of every launch, trusted where
-    its predictions held, optimizer.ranking) the model judges instead: a runner-up is confirmed
-    when the model gives it that chance (it pools every launch, so it is far surer of a difference
-    than two launches' intervals are) or ranks it above the leader (the leader's one search launch
-    may be its luckiest, and `choose` asks the same ranking which is best).
+    its predictions held, optimizer.ranking) the model judges instead: the leader is the launched
+    configuration it ranks first (the best measured may owe its place to one lucky launch, or to
+    its host's baseline: `choose` asks the same ranking which is best), and a runner-up is
+    confirmed when the model gives it that chance to beat the leader (it pools every launch, so
+    it is far surer of a difference than two launches' intervals are).
     """
     if top <= 0:
         return []
-    ranked = sorted(A.measured_feasible(trials, A.CONFIG, A.LEVELS), key=lambda t: (-float(t.value or 0.0), t.number))
+    measured = A.measured_feasible(trials, A.CONFIG, A.LEVELS)
+    # With a ranking, the model's estimate orders them: every launch of one host is divided by
+    # that host's one baseline, whose launch noise (and the host's offset) moves them all
+    # together, and the model's per-host offsets take that out where the raw values cannot (on
+    # family engine 36 a host's baseline drawn high put the optimum fourth by value, out of `top`).
+    if ranking is not None:
+        est = {id(t): ranking.estimate(A.TrialRecord(t).config) for t in measured}
+
+        def score(t: FrozenTrial) -> float:
+            return est[id(t)]
+    else:
+
+        def score(t: FrozenTrial) -> float:
+            return float(t.value or 0.0)
+
+    ranked = sorted(measured, key=lambda t: (-score(t), t.number))
     out: list[FrozenTrial] = []
     seen: set[str] = set()
     lead_iv: Interval | None = None
@@ -163,7 +179,7 @@ def candidates(
         key = str(A.TrialRecord(t).config_key)
         if key in seen:
             continue
-        if out and float(t.value or 0.0) < float(out[0].value or 0.0) * (1.0 - CANDIDATE_WINDOW):
+        if out and score(t) < score(out[0]) * (1.0 - CANDIDATE_WINDOW):
             break
         if spec is not None:
             iv = search_interval(spec, t, extra_var)

@@ -638,19 +638,20 @@ def test_a_lucky_launch_is_not_the_bar_where_the_model_ranks_the_answer() -> Non
     # Without the lucky draw the leader is s6-k8-n42 by measurement too: the same bar.
     fair_bar = ranking.answer_bar(sp, [*trials[:7], fair, *trials[8:]], rank)
     assert fair_bar is not None and fair_bar.user_attrs["config_key"] == "s6-k8-n42-bsauto"
-    # A study that confirms only its leader answers with the leader: then the leader is the bar.
+    # A study that confirms only one candidate confirms the model's first, not the luckiest launch.
     one = spec(confirmation={"top": 1})
-    assert ranking.answer_bar(one, trials, rank) is lucky
+    assert ranking.answer_bar(one, trials, rank) is bar
     # The believer (optimizer.believer) asks what the rule would say if a launch came in as
     # believed: a believed launch is the bar the real one would be.
     believed = [*trials[:9], _frozen(9, float(trials[9].value or 0.0), {**trials[9].user_attrs, A.BELIEVED: True})]
     assert ranking.answer_bar(sp, believed, rank) is believed[9]
 
 
-def test_a_runner_up_the_confirmation_skips_frees_a_place_for_the_bar() -> None:
+def test_the_models_first_leads_the_candidates_and_lucky_launches_take_no_place() -> None:
     """With `confirmation.top` 2, two lucky launches lead by measurement: s7-k8-n50 and s7-k8-n64,
-    which the model ranks far below (no chance to beat the leader: the confirmation skips it).
-    s6-k8-n42, third by measurement, takes its place, and the model ranks it first: the bar."""
+    which the model ranks far below.  s6-k8-n42, third by measurement, is the model's first: it
+    leads the candidates and is the bar, and neither lucky launch (no chance to beat it by
+    min_gain) takes the second place: s6-k4-n19, which has that chance, does."""
     sp = spec(confirmation={"top": 2})
     trials = _lucky(_lucky(_predicted("dense-8b-h100", NOISY_SEED_9), 2, 1.03), 4, 1.04)
     by_value = [t.user_attrs["config_key"] for t in sorted(trials, key=lambda t: -float(t.value or 0.0))]
@@ -658,7 +659,7 @@ def test_a_runner_up_the_confirmation_skips_frees_a_place_for_the_bar() -> None:
     rank = ranking.of(sp, trials)
     assert rank is not None
     chosen = [t.user_attrs["config_key"] for t in confirm.candidates(trials, 2, sp, 0.0, rank)]
-    assert chosen == ["s7-k8-n50-bsauto", "s6-k8-n42-bsauto"]
+    assert chosen == ["s6-k8-n42-bsauto", "s6-k4-n19-bsauto"]
     bar = ranking.answer_bar(sp, trials, rank)
     assert bar is not None and bar.user_attrs["config_key"] == "s6-k8-n42-bsauto"
 

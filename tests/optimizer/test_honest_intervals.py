@@ -178,6 +178,9 @@ def test_the_study_model_decides_which_runners_up_are_confirmed() -> None:
     got = candidates(trials, 3, sp, noise, ranking=model)
     assert [A.TrialRecord(t).config_key for t in got] == [configs[0].key, configs[1].key]
     assert {best for _, best in model.asked} == {configs[0].key}  # each judged against the leader
-    # One the model ranks above the leader is confirmed whatever its chance to win by min_gain.
-    above = _Model({configs[1].key: 0.2, configs[2].key: 0.01}, {**estimates, configs[2].key: 2.51})
-    assert len(candidates(trials, 3, sp, noise, ranking=above)) == 3
+    # One the model ranks above the best measured leads, and the others are judged against it:
+    # the leader by measurement, with no chance to beat it by min_gain, is not re-launched.
+    above = _Model({configs[0].key: 0.05, configs[1].key: 0.2}, {**estimates, configs[2].key: 2.51})
+    got = candidates(trials, 3, sp, noise, ranking=above)
+    assert [A.TrialRecord(t).config_key for t in got] == [configs[2].key, configs[1].key]
+    assert {best for _, best in above.asked} == {configs[2].key}

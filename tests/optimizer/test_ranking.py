@@ -274,7 +274,7 @@ def test_the_service_answers_the_candidate_its_model_ranks_first_not_the_luckies
 def test_a_runner_up_the_model_ranks_above_the_leader_is_confirmed() -> None:
     """The leader's one search launch may be its luckiest: a runner-up measured 3% behind (no
     chance to beat it by min_gain on the measurements alone) is confirmed when the trusted model
-    puts it first, and only then."""
+    puts it first, and only then; it then leads, and the best measured is judged against it."""
     spec = StudySpec.model_validate(
         {"name": "cands", "model": {"target": "t", "draft": "d"}, "workload": {"concurrency": [1]}}
     )
@@ -288,7 +288,9 @@ def test_a_runner_up_the_model_ranks_above_the_leader_is_confirmed() -> None:
     trials = [_trial(0, lead, lv(105.0), lv(100.0)), _trial(1, runner, lv(102.0), lv(100.0))]
     assert [t.number for t in candidates(trials, 3, spec)] == [0]
     ranks = FakeRanking({lead.key: 1.03, runner.key: 1.04}, sure=False)
-    assert [t.number for t in candidates(trials, 3, spec, 0.0, ranks)] == [0, 1]
+    assert [t.number for t in candidates(trials, 3, spec, 0.0, ranks)] == [1]
+    close = FakeRanking({lead.key: 1.035, runner.key: 1.04}, sure=False)
+    assert [t.number for t in candidates(trials, 1, spec, 0.0, close)] == [1]  # top 1: the model's first
     behind = FakeRanking({lead.key: 1.04, runner.key: 1.03}, sure=False)
     assert [t.number for t in candidates(trials, 3, spec, 0.0, behind)] == [0]
 
