@@ -9,6 +9,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import numpy as np
+import pytest
 
 from optimizer import conductor
 from optimizer.perf_model import Candidates, Observation, fit, probe_rows
@@ -47,14 +48,20 @@ NO_SLOPE = _shape({1: 1.0})
 
 
 def test_no_shapes_fit_exactly_as_before() -> None:
-    # Catches any change the probe rows make to a fit that has none: the cost, the knee and the
-    # acceptance equal main's, bit for bit, with no shapes, empty ones, or ones with only k = 1.
-    for shapes in (None, {}, {"h0": NO_SLOPE}):
-        m = fit(OBS, 10, shapes=shapes)
+    # Catches any change the probe rows make to a fit that has none: with no shapes, empty ones,
+    # or ones with only k = 1 the fit is the same, bit for bit, on this machine; and it is the fit
+    # main made before the probe existed, up to what another machine's BLAS and CPU move in a
+    # solver's last iterations (bit for bit against stored values failed on a new box: 3e-6).
+    fits = [fit(OBS, 10, shapes=shapes) for shapes in (None, {}, {"h0": NO_SLOPE})]
+    first = fits[0]
+    assert first is not None
+    for m in fits:
         assert m is not None
-        assert m.cost.tolist() == MAIN_COST
+        assert m.cost.tolist() == first.cost.tolist()
+        assert m.logits.tolist() == first.logits.tolist()
         assert m.knee == 6.0
-        assert m.logits.tolist() == MAIN_LOGITS
+    assert first.cost.tolist() == pytest.approx(MAIN_COST, rel=1e-4, abs=1e-9)
+    assert first.logits.tolist() == pytest.approx(MAIN_LOGITS, rel=1e-4, abs=1e-9)
     assert len(probe_rows({"h0": NO_SLOPE})) == 0
 
 
