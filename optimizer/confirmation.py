@@ -353,11 +353,6 @@ def log_sd(iv: Interval) -> float:
     return math.log(iv.high / iv.low) / (2 * Z95) if iv.low > 0 and iv.high > iv.low else 0.0
 
 
-# Extra passes on the warm server per level, as a multiple of the workload's repeats: the cost
-# cap of resolving one confirmation (stated in the lease and in `cost`).
-EXTRA_PASSES_PER_REPEAT = DEFAULT_POLICY.extra_passes_per_repeat  # optimizer.policy
-
-
 # Hosts whose baselines of the same server differ by more than this share, and beyond their
 # noise, are not measuring the same thing: one is likely saturated (issue 17 item 6).
 HOST_DISAGREEMENT = DEFAULT_POLICY.host_disagreement  # optimizer.policy

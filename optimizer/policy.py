@@ -306,5 +306,6 @@ SNAPSHOT_FIELDS: frozenset[str] = frozenset(
         "model_parallel",
         "belief_margin",
         "max_extra_launches",
+        "extra_passes_per_repeat",
     }
 )
