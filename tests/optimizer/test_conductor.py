@@ -24,6 +24,7 @@ from optimizer import confirmation as confirm
 from optimizer import convergence, deploy
 from optimizer import stop_rules as R
 from optimizer.analysis import Interval
+from optimizer.policy import DEFAULT_POLICY
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 from optimizer.stop_rules import StopRule
@@ -737,6 +738,10 @@ def test_a_confirmation_carries_the_conductors_resolve_order() -> None:
     assert order.baseline_runs == {"1": runs}
     assert order.extra_var == pytest.approx(c.launch_noise(s).variance)
     assert order.max_passes == 3 * s.spec.workload.repeats
+    # The cap is the study's policy, as the snapshot carries it (a benchmark's --policy sets it).
+    off = replace(s, policy=DEFAULT_POLICY.with_overrides(["extra_passes_per_repeat=0"]))
+    action = c.next_action(off, "w1")
+    assert isinstance(action, c.Confirm) and action.resolve is not None and action.resolve.max_passes == 0
 
 
 def test_candidates_name_the_deployment_their_confirmation_launches() -> None:
