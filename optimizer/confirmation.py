@@ -169,17 +169,11 @@ def candidates(
     # that host's one baseline, whose launch noise (and the host's offset) moves them all
     # together, and the model's per-host offsets take that out where the raw values cannot (on
     # family engine 36 a host's baseline drawn high put the optimum fourth by value, out of `top`).
-    if ranking is not None:
-        est = {id(t): ranking.estimate(A.TrialRecord(t).config) for t in measured}
-
-        def score(t: FrozenTrial) -> float:
-            return est[id(t)]
-    else:
-
-        def score(t: FrozenTrial) -> float:
-            return float(t.value or 0.0)
-
-    ranked = sorted(measured, key=lambda t: (-score(t), t.number))
+    score = {
+        id(t): ranking.estimate(A.TrialRecord(t).config) if ranking is not None else float(t.value or 0.0)
+        for t in measured
+    }
+    ranked = sorted(measured, key=lambda t: (-score[id(t)], t.number))
     out: list[FrozenTrial] = []
     seen: set[str] = set()
     lead_iv: Interval | None = None
@@ -187,17 +181,16 @@ def candidates(
         key = str(A.TrialRecord(t).config_key)
         if key in seen:
             continue
-        if out and score(t) < score(out[0]) * (1.0 - CANDIDATE_WINDOW):
+        if out and score[id(t)] < score[id(out[0])] * (1.0 - CANDIDATE_WINDOW):
             break
         if spec is not None:
             iv = search_interval(spec, t, extra_var)
             if not out:
                 lead_iv = iv
             elif ranking is not None:
+                # Ordered by the model, no runner-up ranks above the leader: its chance decides.
                 cfg, lead_cfg = A.TrialRecord(t).config, A.TrialRecord(out[0]).config
-                if ranking.beat_chance(cfg, lead_cfg, spec.budget.min_gain) < RUNNER_UP_CHANCE and ranking.estimate(
-                    cfg
-                ) <= ranking.estimate(lead_cfg):
+                if ranking.beat_chance(cfg, lead_cfg, spec.budget.min_gain) < RUNNER_UP_CHANCE:
                     continue
             elif lead_iv is None or iv is None:
                 if not overlaps(iv, lead_iv, float(t.value or 0.0), float(out[0].value or 0.0)):
