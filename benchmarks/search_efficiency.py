@@ -101,14 +101,20 @@ class Truth:
             return self._cache[c.key]
         p = self.plan
         v = 0.0
-        mem = check_memory(self.ls, c, max_running_requests=p.max_running_requests, cuda_graph_bs=p.cuda_graph_bs)
+        # The plan exactly as every host launches it (optimizer.rehearsal.Host._measure): the baseline
+        # too runs with the study's graph settings, or at a level above the engine's default
+        # capture size the truth would divide by an eager baseline no host measured.
+        mrr, bs, max_bs = p.max_running_requests, p.cuda_graph_bs, p.cuda_graph_max_bs
+        mem = check_memory(self.ls, c, max_running_requests=mrr, cuda_graph_bs=bs, cuda_graph_max_bs=max_bs)
         if mem.ok and c.num_draft_tokens <= max_draft_tokens(c.num_steps, c.topk):
             logs = []
             for lvl in self.wl.levels:
-                base = predict(self.ls, None, lvl, max_running_requests=p.max_running_requests).output_tok_s
+                base = predict(
+                    self.ls, None, lvl, max_running_requests=mrr, cuda_graph_bs=bs, cuda_graph_max_bs=max_bs
+                ).output_tok_s
                 try:
                     tok = predict(
-                        self.ls, c, lvl, max_running_requests=p.max_running_requests, cuda_graph_bs=p.cuda_graph_bs
+                        self.ls, c, lvl, max_running_requests=mrr, cuda_graph_bs=bs, cuda_graph_max_bs=max_bs
                     ).output_tok_s
                 except InfeasibleConfigError:
                     tok = 0.0

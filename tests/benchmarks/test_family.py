@@ -10,6 +10,7 @@ import statistics
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import pytest
 from optuna.distributions import FloatDistribution
 from optuna.trial import FrozenTrial, TrialState
 
@@ -158,3 +159,25 @@ def test_the_fleet_factor_is_the_studied_hosts_speculative_slow_down() -> None:
     offsets = F.engine(k).host_offsets[:2]
     assert math.isclose(got.fleet_factor, math.sqrt((1 + offsets[0]) * (1 + offsets[1])), rel_tol=1e-9)
     assert "on the fleet" in bf.per_engine([got])[0]
+
+
+def test_the_truth_is_what_the_hosts_measure_with_the_noise_taken_out() -> None:
+    """The benchmark's noise-free objective of a configuration is the speedup a host measures
+    against its own baseline, both launched in the study's plan.  Engine 76 serves at concurrency
+    64, above the engine's default graph capture: a truth whose baseline ran without the plan's
+    graph settings called 2/1/3 1.37x where every host measures about 1.00x."""
+    config = SpecConfig(num_steps=2, topk=1, num_draft_tokens=3)
+    for k in (76, 3):
+        e = F.engine(k)
+        ls = dataclasses.replace(e.landscape, launch_sigma=0.0)
+        workload = Workload(levels=e.levels)
+        spec = se.spec_for(workload, "auto", k)
+        plan = se.spectune_plan(spec)
+        truth = se.Truth(ls, workload, plan, spec.search_space)
+        quiet = se.NoiseModel(sigma=0.0)
+        host = Host(ls, workload, plan, random.Random(k), k, quiet, "h0")
+        base = {lv["concurrency"]: lv["output_tok_s"] for lv in host.baseline_levels()}
+        outcome, levels = host.launch(config)
+        assert outcome == "ok"
+        measured = math.exp(statistics.fmean(math.log(lv["output_tok_s"] / base[lv["concurrency"]]) for lv in levels))
+        assert measured == pytest.approx(truth.value(config), rel=0.02), k
