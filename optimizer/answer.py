@@ -29,7 +29,7 @@ from optimizer import attrs as A
 from optimizer.analysis import Interval
 from optimizer.confirmation import log_sd
 from optimizer.objective import objective_intervals
-from optimizer.policy import DEFAULT_POLICY
+from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 from optimizer.study_state import Outcome
@@ -145,7 +145,7 @@ class Ranking(Protocol):
 
     def estimate(self, config: SpecConfig) -> float: ...
 
-    def surely_within(self, config: SpecConfig, best: SpecConfig, min_gain: float) -> bool: ...
+    def surely_within(self, config: SpecConfig, best: SpecConfig, min_gain: float, z: float = ...) -> bool: ...
 
 
 def _ranking_value(c: Contender) -> float:
@@ -165,11 +165,11 @@ def _ranking_value(c: Contender) -> float:
 OVERRULE_Z = DEFAULT_POLICY.overrule_z  # optimizer.policy
 
 
-def _measured_better(a: Contender, b: Contender, min_gain: float) -> bool:
+def _measured_better(a: Contender, b: Contender, min_gain: float, z: float = OVERRULE_Z) -> bool:
     """`a` measured more than `min_gain` above `b` on two launches each, its confirmation and its
     search launch, by more than their noise explains (`OVERRULE_Z`, on the confirmations' own
-    intervals, a search launch as noisy as one confirmation launch).  Smaller gaps are the launch
-    noise the model's ranking is there to see through."""
+    intervals, a search launch as noisy as one confirmation launch; `z`: the policy's `overrule_z`).
+    Smaller gaps are the launch noise the model's ranking is there to see through."""
     sa, sb = a.search_speedup, b.search_speedup
     if sa is None or sb is None or sa <= 0 or sb <= 0:
         return False
@@ -183,10 +183,15 @@ def _measured_better(a: Contender, b: Contender, min_gain: float) -> bool:
     va, vb = log_sd(ia) ** 2, log_sd(ib) ** 2
     sd = math.sqrt(va + vb + va * a.launches + vb * b.launches) / 2
     d = (math.log(a.speedup / b.speedup) + math.log(sa / sb)) / 2
-    return d - math.log1p(min_gain) > OVERRULE_Z * sd
+    return d - math.log1p(min_gain) > z * sd
 
 
-def choose(confirmed: Sequence[Contender], min_gain: float = 0.01, ranking: Ranking | None = None) -> Choice:
+def choose(
+    confirmed: Sequence[Contender],
+    min_gain: float = 0.01,
+    ranking: Ranking | None = None,
+    policy: Policy = DEFAULT_POLICY,
+) -> Choice:
     """The best confirmed candidate, or the cheapest one tied with it.
 
     Best: by `ranking` where there is one, else by the confirmed value and, where it is known
@@ -214,7 +219,11 @@ def choose(confirmed: Sequence[Contender], min_gain: float = 0.01, ranking: Rank
     # The model orders near-equal candidates, but does not overrule two launches: a candidate
     # that another beat by more than min_gain in both its search launch and its confirmation is
     # not the best (a model that fits one regime of an engine can rate the other one level with it).
-    open_ = [c for c in confirmed if not any(_measured_better(o, c, min_gain) for o in confirmed if o is not c)]
+    open_ = [
+        c
+        for c in confirmed
+        if not any(_measured_better(o, c, min_gain, policy.overrule_z) for o in confirmed if o is not c)
+    ]
     best = max(open_ or confirmed, key=lambda c: (rank(c), -c.trial_number))
     best_iv = best.interval
     tied = [
@@ -230,9 +239,10 @@ def choose(confirmed: Sequence[Contender], min_gain: float = 0.01, ranking: Rank
         c
         for c in tied
         if (
-            c.speedup >= best.speedup / (1.0 + min_gain) and ranking.surely_within(c.config, best.config, min_gain)
+            c.speedup >= best.speedup / (1.0 + min_gain)
+            and ranking.surely_within(c.config, best.config, min_gain, policy.within_z)
             if ranking is not None
-            else behind_risk(best, c, min_gain) < TIE_RISK
+            else behind_risk(best, c, min_gain) < policy.tie_risk
         )
     ]
     winner = min([best, *close], key=lambda c: (cost_key(c.config), -c.speedup))
@@ -245,6 +255,7 @@ def winner(
     confirmed: Sequence[Contender],
     ranking: Ranking | None,
     min_gain: float | None = None,
+    policy: Policy = DEFAULT_POLICY,
 ) -> Choice | None:
     """The study's answer among its confirmed candidates, or None when none can be it.
 
@@ -262,7 +273,7 @@ def winner(
     if not ok:
         return None
     gain = spec.budget.min_gain if min_gain is None else min_gain
-    return choose(ok, gain, ranking)
+    return choose(ok, gain, ranking, policy)
 
 
 # ----------------------------------------------------------------------------------- the verdict

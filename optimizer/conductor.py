@@ -716,7 +716,7 @@ def candidates(snap: Snapshot) -> tuple[Candidate, ...]:
     # The study's model, where trusted, judges the runners-up (optimizer.ranking): those it ranks
     # above the leader (its one launch may be its luckiest) and those that may beat it by min_gain.
     rank = ranking.of(spec, snap.trials, snap.verify_shapes(), relaunched(snap))
-    for t in confirm.candidates(list(snap.trials), spec.confirmation.top, spec, noise.variance, rank):
+    for t in confirm.candidates(list(snap.trials), spec.confirmation.top, spec, noise.variance, rank, snap.policy):
         r = A.TrialRecord(t)
         measured_on = r.worker_id
         first = next_deployment(spec, r.config, trials=snap.trials)
@@ -967,6 +967,7 @@ def winner(snap: Snapshot) -> answer.Choice | None:
         snap.trials,
         contenders(snap),
         ranking.of(snap.spec, snap.trials, snap.verify_shapes(), relaunched(snap)),
+        policy=snap.policy,
     )
 
 

@@ -31,7 +31,7 @@ from optimizer.analysis import (
     log_mean_variance,
 )
 from optimizer.objective import objective_intervals, objective_view, score_levels
-from optimizer.policy import DEFAULT_POLICY
+from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.space import SpecConfig
 from optimizer.spec import Objective, StudySpec
 
@@ -103,10 +103,13 @@ def study_noise(
     return launch_noise(study_relaunches(trials, baselines, confirmations, objective))
 
 
-def overlaps(a: Interval | None, b: Interval | None, value_a: float, value_b: float) -> bool:
-    """Could the two be in either order?  Without intervals: within CANDIDATE_WINDOW."""
+def overlaps(
+    a: Interval | None, b: Interval | None, value_a: float, value_b: float, window: float = CANDIDATE_WINDOW
+) -> bool:
+    """Could the two be in either order?  Without intervals: within `window` (the policy's
+    `candidate_window`)."""
     if a is None or b is None:
-        return value_a >= value_b * (1.0 - CANDIDATE_WINDOW)
+        return value_a >= value_b * (1.0 - window)
     return a.high >= b.low and b.high >= a.low
 
 
@@ -141,6 +144,7 @@ def candidates(
     spec: StudySpec | None = None,
     extra_var: float = 0.0,
     ranking: RunnerUps | None = None,
+    policy: Policy = DEFAULT_POLICY,
 ) -> list[FrozenTrial]:
     """The distinct configurations worth confirming, best first (at most `top`): by the model's
     estimate where a trusted `ranking` is given, else by measured value.
@@ -181,7 +185,7 @@ def candidates(
         key = str(A.TrialRecord(t).config_key)
         if key in seen:
             continue
-        if out and score[id(t)] < score[id(out[0])] * (1.0 - CANDIDATE_WINDOW):
+        if out and score[id(t)] < score[id(out[0])] * (1.0 - policy.candidate_window):
             break
         if spec is not None:
             iv = search_interval(spec, t, extra_var)
@@ -190,12 +194,14 @@ def candidates(
             elif ranking is not None:
                 # Ordered by the model, no runner-up ranks above the leader: its chance decides.
                 cfg, lead_cfg = A.TrialRecord(t).config, A.TrialRecord(out[0]).config
-                if ranking.beat_chance(cfg, lead_cfg, spec.budget.min_gain) < RUNNER_UP_CHANCE:
+                if ranking.beat_chance(cfg, lead_cfg, spec.budget.min_gain) < policy.runner_up_chance:
                     continue
             elif lead_iv is None or iv is None:
-                if not overlaps(iv, lead_iv, float(t.value or 0.0), float(out[0].value or 0.0)):
+                if not overlaps(
+                    iv, lead_iv, float(t.value or 0.0), float(out[0].value or 0.0), policy.candidate_window
+                ):
                     continue
-            elif beat_chance(lead_iv, iv, spec.budget.min_gain) < RUNNER_UP_CHANCE:
+            elif beat_chance(lead_iv, iv, spec.budget.min_gain) < policy.runner_up_chance:
                 continue
         seen.add(key)
         out.append(t)

@@ -161,7 +161,7 @@ def assess(
     if model is not None and check is not None:
         floor = ranking.floor_sd(check)
         if pays_now:
-            bar = ranking.bar_of(spec, trials, model, check, best)
+            bar = ranking.bar_of(spec, trials, model, check, best, policy)
         top, top_key, misfit = _model_chance(
             spec, model, measured, best_value, A.TrialRecord(bar).config, op, gain, floor, policy.host_sd
         )

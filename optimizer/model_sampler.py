@@ -321,7 +321,7 @@ def propose(
         # where that is most likely also settles the study soonest.  The bar is the incumbent,
         # or where the model ranks the confirmed candidates, the one it ranks first.
         check = stop_rules.prediction_check(trials, policy)
-        ref = A.TrialRecord(ranking.bar_of(spec, trials, model, check, best)).config
+        ref = A.TrialRecord(ranking.bar_of(spec, trials, model, check, best, policy)).config
         diff, sd = gain_over(spec, model, pool, ref)
         z = (diff - math.log1p(spec.budget.min_gain)) / sd
         if policy.depth_probe and not op.pending and float(norm.cdf(z).max()) < policy.p_matters and check.trusted:

@@ -313,5 +313,10 @@ SNAPSHOT_FIELDS: frozenset[str] = frozenset(
         "belief_margin",
         "max_extra_launches",
         "extra_passes_per_repeat",
+        "candidate_window",
+        "runner_up_chance",
+        "tie_risk",
+        "overrule_z",
+        "within_z",
     }
 )

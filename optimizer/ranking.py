@@ -40,7 +40,7 @@ from optimizer import stop_rules as R
 from optimizer.gains import gain_over, objective_levels, observations_of
 from optimizer.memo import PerStudyMemo
 from optimizer.perf_model import MODEL_FLOOR, Candidates, FittedModel, Observation, fit, observations_from_attrs
-from optimizer.policy import DEFAULT_POLICY
+from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 from optimizer.verify_probe import VerifyShape, shapes_key
@@ -92,8 +92,9 @@ class Ranking:
         diff, sd = gain_over(self.spec, self.model, [config], best, self.floor_sd)
         return (math.log1p(min_gain) + float(diff[0])) / max(float(sd[0]), 1e-9)
 
-    def surely_within(self, config: SpecConfig, best: SpecConfig, min_gain: float) -> bool:
-        return self.within(config, best, min_gain) > WITHIN_Z
+    def surely_within(self, config: SpecConfig, best: SpecConfig, min_gain: float, z: float = WITHIN_Z) -> bool:
+        """Is the model `z` sd sure that `config` loses less than `min_gain` (the policy's `within_z`)?"""
+        return self.within(config, best, min_gain) > z
 
     def beat_chance(self, config: SpecConfig, best: SpecConfig, min_gain: float) -> float:
         """The model's chance that `config` beats `best` by more than `min_gain` (whether a
@@ -114,7 +115,9 @@ def floor_sd(check: R.PredictionCheck) -> float:
     return max(MODEL_FLOOR, check.excess_sd if check.checked >= check.check_min else 0.0)
 
 
-def answer_bar(spec: StudySpec, trials: Sequence[FrozenTrial], ranking: Ranking) -> FrozenTrial | None:
+def answer_bar(
+    spec: StudySpec, trials: Sequence[FrozenTrial], ranking: Ranking, policy: Policy = DEFAULT_POLICY
+) -> FrozenTrial | None:
     """The answer the study would stand behind now, by its model: of the candidates the
     confirmation re-measures (optimizer.confirmation.candidates, judged by this ranking), the one
     the model ranks first (`optimizer.answer.choose` asks the same ranking, and answers with it or a
@@ -125,18 +128,23 @@ def answer_bar(spec: StudySpec, trials: Sequence[FrozenTrial], ranking: Ranking)
     launch (optimizer.believer) counts as if it had come in as believed: the believer asks what
     the rule would say then.  None when no candidate is left (nothing measured, or the study
     confirms nothing)."""
-    chosen = confirm.candidates(list(trials), spec.confirmation.top, spec, 0.0, ranking)
+    chosen = confirm.candidates(list(trials), spec.confirmation.top, spec, 0.0, ranking, policy)
     return max(chosen, key=lambda t: (ranking.estimate(A.TrialRecord(t).config), -t.number), default=None)
 
 
 def bar_of(
-    spec: StudySpec, trials: Sequence[FrozenTrial], model: FittedModel, check: R.PredictionCheck, best: FrozenTrial
+    spec: StudySpec,
+    trials: Sequence[FrozenTrial],
+    model: FittedModel,
+    check: R.PredictionCheck,
+    best: FrozenTrial,
+    policy: Policy = DEFAULT_POLICY,
 ) -> FrozenTrial:
     """What is left must beat (the stop rule and the sampler's aim alike): `answer_bar` where the
     model ranks the candidates, else the incumbent `best`."""
     if not ranks(check):
         return best
-    return answer_bar(spec, trials, Ranking(spec, model, floor_sd(check))) or best
+    return answer_bar(spec, trials, Ranking(spec, model, floor_sd(check)), policy) or best
 
 
 _MEMO: PerStudyMemo[Ranking | None] = PerStudyMemo(128)

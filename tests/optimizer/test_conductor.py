@@ -744,6 +744,40 @@ def test_a_confirmation_carries_the_conductors_resolve_order() -> None:
     assert isinstance(action, c.Confirm) and action.resolve is not None and action.resolve.max_passes == 0
 
 
+def test_the_confirmations_thresholds_are_the_snapshots_policy() -> None:
+    """The candidate window, the runner-up chance and the tie risk reach the rules through the
+    snapshot (a benchmark's --policy sets them), not as module constants."""
+    s = snap(spec_of(**NO_CONVERGE, confirmation={"top": 3}), FOUR, baselines=BASES)
+
+    def chosen(*overrides: str) -> list[int | None]:
+        return [k.trial_number for k in c.candidates(replace(s, policy=DEFAULT_POLICY.with_overrides(overrides)))]
+
+    assert chosen() == [1, 0]
+    assert chosen("candidate_window=0") == [1]
+    assert chosen("runner_up_chance=1.0") == [1]
+    # Two confirmations the data cannot order: the cheaper one only at a larger tie risk.
+    done = [
+        c.LeaseView(
+            f"c{n}",
+            "confirm",
+            "completed",
+            n,
+            worker_id=w,
+            created_at=BEGAN,
+            finished_at=T0,
+            measurement=(
+                [{"concurrency": 1, "output_tok_s": 100.0 * v, "output_tok_s_runs": [100.0 * v] * 3}],
+                [{"concurrency": 1, "output_tok_s": 100.0, "output_tok_s_runs": [99.9, 100.0, 100.1]}],
+            ),
+        )  # fmt: skip
+        for n, v, w in ((1, 1.06, "w1"), (0, 1.065, "w2"))
+    ]
+    tied = confirming(leases=tuple(done))
+    assert [w.winner.trial_number for w in [c.winner(tied)] if w] == [1]
+    loose = replace(tied, policy=DEFAULT_POLICY.with_overrides(["tie_risk=0.9"]))
+    assert [w.winner.trial_number for w in [c.winner(loose)] if w] == [0]
+
+
 def test_candidates_name_the_deployment_their_confirmation_launches() -> None:
     """The printed envelope first (issue 17 item 1); after an out-of-memory start the next one
     the serving section leaves, and None once none is left."""

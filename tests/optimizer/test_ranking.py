@@ -24,6 +24,7 @@ from optimizer import ranking
 from optimizer.analysis import Interval, ratio_interval
 from optimizer.answer import Contender, choose
 from optimizer.confirmation import candidates
+from optimizer.policy import DEFAULT_POLICY
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 from spectune_sim.model import predict
@@ -42,12 +43,14 @@ def _c(n: int, steps: int, topk: int, tokens: int, v: float, lo: float, hi: floa
 class FakeRanking:
     estimates: dict[str, float]
     sure: bool
+    # How many sd sure the model is that a cheaper one gives up less than min_gain (None: `sure`).
+    within_sd: float | None = None
 
     def estimate(self, config: SpecConfig) -> float:
         return self.estimates[config.key]
 
-    def surely_within(self, config: SpecConfig, best: SpecConfig, min_gain: float) -> bool:
-        return self.sure
+    def surely_within(self, config: SpecConfig, best: SpecConfig, min_gain: float, z: float = 1.28) -> bool:
+        return self.sure if self.within_sd is None else self.within_sd > z
 
     def beat_chance(self, config: SpecConfig, best: SpecConfig, min_gain: float) -> float:
         return 1.0 if self.estimate(config) > self.estimate(best) * (1.0 + min_gain) else 0.0
@@ -145,6 +148,23 @@ def _trial(number: int, cfg: SpecConfig, levels: list[Any], base: list[Any]) -> 
 def _truth(cfg: SpecConfig) -> float:
     base = predict(LS, None, 1, max_running_requests=1, cuda_graph_bs=(1,)).output_tok_s
     return predict(LS, cfg, 1, max_running_requests=1, cuda_graph_bs=(1,)).output_tok_s / base
+
+
+def test_the_overrule_and_tie_thresholds_are_the_policy_handed_in() -> None:
+    """`overrule_z` and `within_z` are read from the policy `choose` is handed (the snapshot's,
+    through optimizer.conductor.winner), so a benchmark's --policy varies them."""
+    tree = replace(_c(9, 6, 4, 19, 2.240, 2.198, 2.284), search_speedup=2.236)
+    chain = replace(_c(8, 6, 2, 7, 2.180, 2.139, 2.222), search_speedup=2.209)
+    rank = FakeRanking({_key(tree): 2.207, _key(chain): 2.208}, sure=False)
+    assert choose([tree, chain], 0.01, rank).best is tree  # two launches overrule the model
+    never = DEFAULT_POLICY.with_overrides(["overrule_z=1e9"])
+    assert choose([tree, chain], 0.01, rank, never).best is chain
+    cheap = _c(1, 1, 1, 2, 1.060, 1.034, 1.086)
+    best = _c(2, 2, 2, 3, 1.052, 1.027, 1.079)
+    model = FakeRanking({_key(cheap): 1.044, _key(best): 1.046}, sure=False, within_sd=2.0)
+    assert choose([cheap, best], 0.01, model).winner is cheap  # 2 sd sure: within_z 1.28 passes
+    stricter = DEFAULT_POLICY.with_overrides(["within_z=3"])
+    assert choose([cheap, best], 0.01, model, stricter).winner is best
 
 
 def test_ranked_on_every_launch_the_answer_is_within_one_percent_more_often() -> None:
