@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 
 import optuna
 
+from optimizer import answer as answer_
 from optimizer import attrs as A
 from optimizer import conductor, costs, rehearsal
 from optimizer import study as opt
@@ -250,9 +251,17 @@ def _study_answer(store: MemoryStudy, hosts: Sequence[Host], truth: Truth) -> An
     choice = conductor.winner(snap)
     if choice is not None and choice.winner.violation <= 0:
         top = choice.winner
-        pays = top.speedup > 1.0
+        pays = printed_pays(top)
         return answer(truth.value(top.config) if pays else 1.0, pays)
     return answer(incumbent, best is not None and float(best.value or 0.0) > 1.0)
+
+
+def printed_pays(winner: answer_.Contender) -> bool:
+    """Does the service print the winner's speculative command?  Only where its interval clears
+    1.0 (optimizer.answer.pays, which api.services.studies plans the deployment by); a winner
+    whose interval straddles 1.0 is printed as "does not pay here; run without speculation", and
+    the user runs the baseline, so that is what the answer is judged as."""
+    return answer_.clears(winner.speedup, winner.interval)
 
 
 def _measured_value(host: Host, config: SpecConfig) -> tuple[str, float]:

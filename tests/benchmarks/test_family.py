@@ -18,6 +18,8 @@ from benchmarks import family as bf
 from benchmarks import search_efficiency as se
 from benchmarks.search_efficiency import Host, Plan, Workload
 from optimizer import attrs as A
+from optimizer.analysis import Interval
+from optimizer.answer import Contender
 from optimizer.space import SpecConfig
 from spectune_sim import family as F
 from spectune_sim.landscapes import DENSE_8B_H100, LANDSCAPES
@@ -181,3 +183,14 @@ def test_the_truth_is_what_the_hosts_measure_with_the_noise_taken_out() -> None:
         assert outcome == "ok"
         measured = math.exp(statistics.fmean(math.log(lv["output_tok_s"] / base[lv["concurrency"]]) for lv in levels))
         assert measured == pytest.approx(truth.value(config), rel=0.02), k
+
+
+def test_a_winner_whose_interval_straddles_one_is_judged_as_the_baseline_the_service_prints() -> None:
+    """The service prints a straddling winner as "does not pay here; run without speculation"
+    (optimizer.answer.pays plans the deployment): the benchmark judges what the user then runs."""
+    config = SpecConfig(num_steps=2, topk=1, num_draft_tokens=3)
+    straddles = Contender(1, config, 1.02, Interval(1.02, 0.99, 1.05))
+    assert not se.printed_pays(straddles)
+    assert se.printed_pays(dataclasses.replace(straddles, interval=Interval(1.02, 1.005, 1.035)))
+    assert se.printed_pays(dataclasses.replace(straddles, interval=None))  # no spread: the value decides
+    assert not se.printed_pays(dataclasses.replace(straddles, speedup=0.99, interval=None))
