@@ -994,7 +994,9 @@ def relaunches(snap: Snapshot) -> Reconfirm | None:
     `Resolve` has taken those).  It is launched on another host than its last confirmation (or, on
     one host, after a fresh baseline: `_confirmation_for`), and pooled with its earlier
     confirmations, never the search launch.  At most `policy.max_extra_launches` per study; when they are
-    spent the verdict says what the data holds.
+    spent the verdict says what the data holds.  The cases that fail without it: family engines
+    25, 31, 45 and 59 (seeds = indices) print "does not pay" where a 1-4% gain was there
+    (benchmarks/README.md "Two mends to the family's judge, and rules measured (stop 42)").
 
     A runner-up tied with the winner is not re-launched: the verdict calls them a tie and prefers
     the cheaper one only where that is safe (optimizer.answer.choose).  Measured side by

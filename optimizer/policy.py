@@ -111,7 +111,9 @@ class Policy:
     stop_after_hosts: int = 2
     # Extra confirmation launches per study where the answer straddles on launch noise alone: a
     # cost cap.  benchmarks/README.md "Answer quality": small-gain 6/10 -> 9/10 answers "pays" and
-    # within 1% once one was allowed (`python -m benchmarks.answer_quality`).  0: relaunches off.
+    # within 1% once one was allowed (`python -m benchmarks.answer_quality`).  0: relaunches off;
+    # off, family engines 25, 31, 45 and 59 print "does not pay" where a 1-4% gain was there
+    # (benchmarks/README.md "Two mends to the family's judge, and rules measured (stop 42)").
     max_extra_launches: int = 2
 
     # ------------------------------------------------------ the confirmation (optimizer.confirmation)
