@@ -129,10 +129,6 @@ class Policy:
     # The risk the answer may take of being min_gain below the best confirmed for being cheaper:
     # `p_matters` again.
     tie_risk: float = 0.1
-    # How sure two launches must make it that a candidate beats another before they overrule the
-    # model (one-sided 80%).  Tuned between two cases (benchmarks/README.md "Answer quality"):
-    # two-peaks seed 12 (z 0.99: overruled, rightly) and small-gain seed 3 (z 0.74: the model stands).
-    overrule_z: float = 0.84
     # Extra passes on the warm server per level, as a multiple of the workload's repeats: the cost
     # cap of resolving one confirmation (a stated cost bound).  0 switches them off: family engines
     # 0-39 gave the same lines, and no answer_quality study got an extra pass with them on (the
@@ -318,7 +314,6 @@ SNAPSHOT_FIELDS: frozenset[str] = frozenset(
         "candidate_window",
         "runner_up_chance",
         "tie_risk",
-        "overrule_z",
         "within_z",
     }
 )

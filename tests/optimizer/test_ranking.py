@@ -79,38 +79,18 @@ def test_the_ranking_names_the_best_and_a_cheaper_tie_must_be_surely_within_min_
     assert choose([behind, best], 0.01, sure).winner is best
 
 
-def test_the_model_does_not_rank_a_candidate_above_one_measured_min_gain_better_on_both_launches() -> None:
-    # two-peaks seed 12 (benchmarks/search_efficiency.py): a model that fits one regime rated the
-    # narrow chain level with the wide tree that beat it in the search and in confirmation.
+def test_where_the_model_ranks_two_launches_do_not_overrule_it() -> None:
+    """The model's first is the best even against a candidate measured more than min_gain better
+    on both its launches, however tightly (the overrule rule, removed at stop 42: it changed no
+    answer on family engines 0-199 nor on two-peaks and small-gain, 20 seeds each).  Without a
+    model, the two launches decide."""
     tree = replace(_c(9, 6, 4, 19, 2.240, 2.198, 2.284), search_speedup=2.236)
     chain = replace(_c(8, 6, 2, 7, 2.180, 2.139, 2.222), search_speedup=2.209)
     rank = FakeRanking({_key(tree): 2.207, _key(chain): 2.208}, sure=False)
-    choice = choose([tree, chain], 0.01, rank)
-    assert choice.best is tree and choice.winner is tree
-    # Better on both, but by less than min_gain on one (launch noise): the model's order stands.
-    near = replace(tree, search_speedup=2.220)
-    assert choose([near, chain], 0.01, rank).best is chain
-    # Better on one launch only: the model's order stands.
-    split = replace(chain, search_speedup=2.250)
-    assert choose([tree, split], 0.01, rank).best is split
-    # Ahead on both launches by more than min_gain, but by less than their noise makes sure
-    # (benchmarks/answer_quality.py small-gain seed 3: the lucky cheaper chain, 1.3% worse in
-    # truth, against the model's right order): the model's order stands.
-    lucky = replace(_c(5, 1, 2, 2, 1.0484, 1.0164, 1.0814), search_speedup=1.0499)
-    right = replace(_c(6, 2, 2, 3, 1.0272, 0.9958, 1.0596), search_speedup=1.0262)
-    wide = replace(_c(7, 2, 8, 3, 1.0630, 1.0303, 1.0966), search_speedup=1.0215)
-    model = FakeRanking({_key(lucky): 1.0334, _key(right): 1.041, _key(wide): 1.0286}, sure=False)
-    assert choose([lucky, right, wide], 0.01, model).winner is right
-
-    # The same gaps measured twice as tightly are beyond the noise: they overrule the model.
-    def tight(c: Contender) -> Contender:
-        v = c.speedup
-        return replace(c, interval=Interval(v, v * 0.992, v / 0.992))
-
-    assert choose([tight(lucky), tight(right)], 0.01, model).best.trial_number == 5
-    # Without the search measurement there is no second launch to go by.
-    bare = replace(chain, search_speedup=None)
-    assert choose([replace(tree, search_speedup=None), bare], 0.01, rank).best is bare
+    assert choose([tree, chain], 0.01, rank).best is chain
+    tight = [replace(c, interval=Interval(c.speedup, c.speedup * 0.999, c.speedup / 0.999)) for c in (tree, chain)]
+    assert choose(tight, 0.01, rank).best is tight[1]
+    assert choose([tree, chain], 0.01).best is tree
 
 
 # ------------------------------------------------------------------ the real model, side by side
@@ -150,15 +130,9 @@ def _truth(cfg: SpecConfig) -> float:
     return predict(LS, cfg, 1, max_running_requests=1, cuda_graph_bs=(1,)).output_tok_s / base
 
 
-def test_the_overrule_and_tie_thresholds_are_the_policy_handed_in() -> None:
-    """`overrule_z` and `within_z` are read from the policy `choose` is handed (the snapshot's,
-    through optimizer.conductor.winner), so a benchmark's --policy varies them."""
-    tree = replace(_c(9, 6, 4, 19, 2.240, 2.198, 2.284), search_speedup=2.236)
-    chain = replace(_c(8, 6, 2, 7, 2.180, 2.139, 2.222), search_speedup=2.209)
-    rank = FakeRanking({_key(tree): 2.207, _key(chain): 2.208}, sure=False)
-    assert choose([tree, chain], 0.01, rank).best is tree  # two launches overrule the model
-    never = DEFAULT_POLICY.with_overrides(["overrule_z=1e9"])
-    assert choose([tree, chain], 0.01, rank, never).best is chain
+def test_the_tie_threshold_is_the_policy_handed_in() -> None:
+    """`within_z` is read from the policy `choose` is handed (the snapshot's, through
+    optimizer.conductor.winner), so a benchmark's --policy varies it."""
     cheap = _c(1, 1, 1, 2, 1.060, 1.034, 1.086)
     best = _c(2, 2, 2, 3, 1.052, 1.027, 1.079)
     model = FakeRanking({_key(cheap): 1.044, _key(best): 1.046}, sure=False, within_sd=2.0)
