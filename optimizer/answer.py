@@ -103,6 +103,7 @@ class Choice:
     best: Contender  # the highest confirmed value, or the best by the study's model
     ties: list[Contender]  # the others the winner cannot be told apart from
     ranked: bool = False  # the study's model ordered them (optimizer.ranking), not the confirmations alone
+    tie_risk: float = TIE_RISK  # the policy's risk a cheaper tie was judged by, as the note says it
 
     @property
     def note(self) -> str | None:
@@ -120,7 +121,7 @@ class Choice:
                     )
                 return (
                     f"ties with {others} (overlapping 95% intervals); the cheaper {cheaper[0].label} "
-                    f"may be more than min_gain behind (a {100 * TIE_RISK:.0f}% chance or more), so the best "
+                    f"may be more than min_gain behind (a {100 * self.tie_risk:.0f}% chance or more), so the best "
                     "measured is the answer"
                 )
             return f"ties with {others} (overlapping 95% intervals); it is also the cheapest of them"
@@ -179,9 +180,9 @@ def choose(
     `ranking` (optimizer.ranking.of: the study's model of every launch, where it is trusted):
     which candidate is best is its call, not one confirmation launch's, and a cheaper tied one is
     preferred only when measured within `min_gain` of the best and the ranking is sure
-    (optimizer.ranking.WITHIN_Z) that it gives up less than `min_gain`.  Without one, the cheapest
+    (`policy.within_z`) that it gives up less than `min_gain`.  Without one, the cheapest
     tied candidate is the answer only when the chance that it is more than `min_gain` below the
-    best (the study's "worth having") is under `TIE_RISK`; a cheaper one that may well be further
+    best (the study's "worth having") is under `policy.tie_risk`; a cheaper one that may well be further
     behind is not given the benefit of the doubt.
     """
     if not confirmed:
@@ -212,7 +213,7 @@ def choose(
         )
     ]
     winner = min([best, *close], key=lambda c: (cost_key(c.config), -c.speedup))
-    return Choice(winner, best, [c for c in [best, *tied] if c is not winner], ranking is not None)
+    return Choice(winner, best, [c for c in [best, *tied] if c is not winner], ranking is not None, policy.tie_risk)
 
 
 def winner(

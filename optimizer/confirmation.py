@@ -8,7 +8,7 @@ baseline is the last thing that host measured before the candidate).  Drift and 
 then cancel in the ratio, and each confirmation is reported with its 95% interval (delta method
 on the log ratio of the repeated passes, `optimizer.analysis`).
 
-Only candidates within `CANDIDATE_WINDOW` of the best measured value are confirmed: one that far
+Only candidates within `candidate_window` (the study's policy) of the best are confirmed: one that far
 behind cannot overtake the best on a re-measurement, and each confirmation is a restart.
 """
 
@@ -150,7 +150,7 @@ def candidates(
     estimate where a trusted `ranking` is given, else by measured value.
 
     With the spec, only the runners-up that may beat the leader by more than `min_gain` with a
-    chance of at least RUNNER_UP_CHANCE (their search intervals, widened by the launch noise
+    chance of at least `policy.runner_up_chance` (their search intervals, widened by the launch noise
     `extra_var`): one that cannot changes no answer the study stands behind, and each
     confirmation is a restart.  With a `ranking` (the study's model of every launch, trusted where
     its predictions held, optimizer.ranking) the model judges instead: the leader is the launched
@@ -159,7 +159,7 @@ def candidates(
     confirmed when the model gives it that chance to beat the leader (it pools every launch, so
     it is far surer of a difference than two launches' intervals are).
 
-    The case that fails without the runners-up (`CANDIDATE_WINDOW` 0: the leader alone confirmed,
+    The case that fails without the runners-up (`policy.candidate_window` 0: the leader alone confirmed,
     measured while the best measured led):
     family engine 39 (seed 39) answers 0.9470 of the fleet's optimum instead of 0.9975, and family
     engine 10 (seed 10) 0.9685 instead of 1.0000 in 16 launches instead of 13; on engines 0-39 the

@@ -34,7 +34,6 @@ from typing import Any
 from optuna.trial import FrozenTrial
 from scipy.stats import norm
 
-from optimizer import attrs as A
 from optimizer import confirmation as confirm
 from optimizer import stop_rules as R
 from optimizer.gains import gain_over, objective_levels, observations_of
@@ -128,8 +127,9 @@ def answer_bar(
     launch (optimizer.believer) counts as if it had come in as believed: the believer asks what
     the rule would say then.  None when no candidate is left (nothing measured, or the study
     confirms nothing)."""
+    # Ordered by this ranking's estimate, the model's first leads (optimizer.confirmation.candidates).
     chosen = confirm.candidates(list(trials), spec.confirmation.top, spec, 0.0, ranking, policy)
-    return max(chosen, key=lambda t: (ranking.estimate(A.TrialRecord(t).config), -t.number), default=None)
+    return chosen[0] if chosen else None
 
 
 def bar_of(
