@@ -1,6 +1,6 @@
 """a study's phase, when its confirmation began, and why its search ended, as columns
 
-The conductor (optimizer/conductor.py) keeps a running study's phase (`search` |
+The conductor (optimizer/conductor/) keeps a running study's phase (`search` |
 `confirmation`) explicitly instead of inferring "confirming" from whether confirm leases exist,
 and its finish reason as a value of optimizer/study_state.py's FinishReason next to the words.
 Existing studies: one with confirm leases is in confirmation since its first one was queued; the

@@ -20,11 +20,11 @@ from api.report.tables import study_summary
 from api.services.adaptive_answer import outcome
 from api.services.lease_rows import ConfirmInfo, lease_payload
 from api.services.studies import _confirmations
-from optimizer import answer, deploy
+from optimizer import answer, convergence, deploy
 from optimizer import attrs as A
 from optimizer import conductor as c
 from optimizer.space import SpecConfig
-from optimizer.study_state import Ending, FinishReason
+from optimizer.study_state import Ending, FinishReason, Phase
 from tests.api.test_printed_command import _printed
 from tests.optimizer.test_conductor import BASES, T0, _settled, finished, snap, spec_of
 from tests.support.api_client import Api
@@ -66,7 +66,7 @@ def test_a_search_that_does_not_pay_over_both_levels_launches_the_adaptive_answe
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     spec = spec_of("adaptive-nopay", **SPEC)
-    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials, *_: _settled(False))
+    monkeypatch.setattr(convergence, "assess", lambda spec, trials, *_: _settled(False))
     action = c.settle(snap(spec, TRIALS, baselines=BASES))
     # "Does not pay" over both levels, but the chain pays alone: its adaptive server is launched.
     assert isinstance(action, c.StartConfirmation), action
@@ -85,7 +85,7 @@ def test_a_search_that_does_not_pay_over_both_levels_launches_the_adaptive_answe
 
 def test_with_candidates_to_confirm_the_adaptive_proof_comes_last(monkeypatch: pytest.MonkeyPatch) -> None:
     spec = spec_of("adaptive-pays", **SPEC, confirmation={"top": 2})
-    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials, *_: _settled(True))
+    monkeypatch.setattr(convergence, "assess", lambda spec, trials, *_: _settled(True))
     action = c.settle(snap(spec, TRIALS, baselines=BASES))
     assert isinstance(action, c.StartConfirmation)
     assert [x.adaptive for x in action.candidates][-1] is True
@@ -97,7 +97,7 @@ def test_with_candidates_to_confirm_the_adaptive_proof_comes_last(monkeypatch: p
     ]
     confirming = snap(
         spec, TRIALS, baselines=(*BASES, c.Baseline(9, "w2", T0 + timedelta(minutes=1), {1: 100.0, 4: 100.0})),
-        leases=queued, phase=c.Phase.CONFIRMATION, confirmation_began_at=T0, now=T0 + timedelta(minutes=2),
+        leases=queued, phase=Phase.CONFIRMATION, confirmation_began_at=T0, now=T0 + timedelta(minutes=2),
     )  # fmt: skip
     first = c.next_action(confirming, "w2")
     assert isinstance(first, c.Confirm) and first.lease_id != "l0", first
@@ -105,7 +105,7 @@ def test_with_candidates_to_confirm_the_adaptive_proof_comes_last(monkeypatch: p
 
 def test_no_adaptive_answer_no_proof(monkeypatch: pytest.MonkeyPatch) -> None:
     spec = spec_of("adaptive-none", **SPEC)
-    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials, *_: _settled(False))
+    monkeypatch.setattr(convergence, "assess", lambda spec, trials, *_: _settled(False))
     losing = [split(0, CHAIN, {1: 0.9, 4: 0.5})]
     # A study that confirms nothing (confirmation.top 0) launches no proof either.
     unconfirmed = spec_of("adaptive-top0", **SPEC, confirmation={"top": 0})

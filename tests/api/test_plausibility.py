@@ -17,6 +17,7 @@ from optimizer import conductor as c
 from optimizer import plausibility as P
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec, Workload
+from optimizer.study_state import Phase, StudyState
 from tests.support.api_client import Api
 from tests.support.helpers import ok_result
 from tests.support.specs import INVENTORY, small_spec
@@ -69,7 +70,7 @@ def test_a_forged_confirmed_speedup_does_not_break_the_resolve_order() -> None:
     other = c.LeaseView("l2", "confirm", "queued", trial_number=1)
     base = c.Baseline(1, "w1", now - timedelta(seconds=5), {1: 100.0}, levels=base_levels)
     snap = c.Snapshot(
-        spec=spec, state=c.StudyState.RUNNING, phase=c.Phase.CONFIRMATION, created_at=now, now=now,
+        spec=spec, state=StudyState.RUNNING, phase=Phase.CONFIRMATION, created_at=now, now=now,
         trials=(), launched=frozenset(), leases=[forged, other], baselines=[base], hosts=[], timing=c.Timing(),
     )  # fmt: skip
     order = c.resolve_order(snap, other, base)

@@ -159,7 +159,7 @@ def test_a_fleet_holds_a_launch_the_believed_launches_in_flight_make_needless(
     """Four hosts, one model proposal in flight: when the rule, with that launch believed at the
     model's prediction, settles with room to spare, the next host waits for its result; otherwise
     it asks (one more proposal, up to MODEL_PARALLEL)."""
-    monkeypatch.setattr(c.convergence, "assess", settled_once_believed(chance, trusted=trusted))
+    monkeypatch.setattr(convergence, "assess", settled_once_believed(chance, trusted=trusted))
     trials = [*MEASURED, in_flight(5, DEEP, PREDICTED)]
     lease = c.LeaseView("t5", "trial", "active", 5, worker_id="w1")
     s = snap(spec_of(name), trials, baselines=FLEET_BASES, hosts=FLEET, leases=[lease])
@@ -197,7 +197,7 @@ def test_without_a_confirmation_a_believed_launch_never_becomes_the_incumbent(mo
     assert got is not None and "interval is wider" not in convergence.assess(top2, got).reason
     # The conductor holds a launch back for a believed launch below the best, with or without a
     # confirmation, and for a believed leader when a confirmation will measure it again.
-    monkeypatch.setattr(c.convergence, "assess", settled_once_believed(0.01))
+    monkeypatch.setattr(convergence, "assess", settled_once_believed(0.01))
     lease = c.LeaseView("t5", "trial", "active", 5, worker_id="w1")
     for name, trials, top in (("believe-hold-below", below, 0), ("believe-hold-top2", above, 2)):
         spec = spec_of(name, confirmation={"top": top})

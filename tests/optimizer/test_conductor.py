@@ -24,6 +24,7 @@ from optimizer import confirmation as confirm
 from optimizer import convergence, deploy
 from optimizer import stop_rules as R
 from optimizer.analysis import Interval
+from optimizer.conductor import hosts, search
 from optimizer.policy import DEFAULT_POLICY
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
@@ -209,14 +210,14 @@ def test_a_fleet_waits_when_the_launches_in_flight_are_what_the_model_rule_still
     launch (the depth probe).  With one launch in flight the other hosts wait (before: each asked, and every launch they
     started was counted after the rule settled); with none in flight, one asks."""
     spec = spec_of("cond-hold")
-    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials, *_: unsettled(0.05))
+    monkeypatch.setattr(convergence, "assess", lambda spec, trials, *_: unsettled(0.05))
     assert c.launches_needed(spec, HOLD_PENDING, unsettled(0.05)) == 1
     s = snap(spec, HOLD_PENDING, baselines=FLEET_BASES, hosts=FLEET)
     assert isinstance(c.next_action(s, "w1"), c.Ask)
     action = c.next_action(replace(s, leases=flying(1)), "w4")
     assert isinstance(action, c.Wait) and "in flight are what the stop rule still needs" in action.reason
     # Still undecided (a 50% chance left): one more model proposal, not a third.
-    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials, *_: unsettled(0.5))
+    monkeypatch.setattr(convergence, "assess", lambda spec, trials, *_: unsettled(0.5))
     s = replace(s, spec=spec_of("cond-unsure"))  # the rule's memo is per study name
     assert isinstance(c.next_action(replace(s, leases=flying(1)), "w4"), c.Ask)
     action = c.next_action(replace(s, leases=flying(c.MODEL_PARALLEL)), "w4")
@@ -229,7 +230,7 @@ def test_a_host_the_search_leaves_idle_measures_the_confirmations_baseline_meanw
     """The launch in flight is what the model rule still needs: a host that found none of the
     candidates the confirmation would take measures the baseline it will pair with now, instead of
     after the last result; the host that found the leader (w4) waits, and only one host measures."""
-    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials, *_: unsettled(0.05))
+    monkeypatch.setattr(convergence, "assess", lambda spec, trials, *_: unsettled(0.05))
     s = replace(snap(spec_of("cond-ready"), HOLD_PENDING, baselines=FLEET_BASES, hosts=FLEET), leases=flying(1))
     assert [(x.trial_number, x.avoid_worker) for x in c.candidates(s)] == [(3, "w4")]
     assert c.next_action(s, "w2") == c.MeasureBaseline("w2", for_confirmation=True)
@@ -270,10 +271,10 @@ def test_after_the_rule_settled_an_idle_host_measures_the_baseline_unless_nothin
     """The rule settled with a launch still in flight: the confirmation waits for it, and a host
     that found no candidate measures the baseline meanwhile; a study that ends "does not pay"
     confirms nothing, so none is measured."""
-    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials, *_: _settled(True))
+    monkeypatch.setattr(convergence, "assess", lambda spec, trials, *_: _settled(True))
     s = replace(snap(spec_of("cond-ready-settled"), HOLD_PENDING, baselines=FLEET_BASES, hosts=FLEET), leases=flying(1))
     assert c.next_action(s, "w2") == c.MeasureBaseline("w2", for_confirmation=True)
-    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials, *_: _settled(False))
+    monkeypatch.setattr(convergence, "assess", lambda spec, trials, *_: _settled(False))
     s = replace(s, spec=spec_of("cond-ready-nopay"))
     assert c.next_action(s, "w2") == c.Wait("launches of this study are still in flight")
 
@@ -287,7 +288,7 @@ def test_a_distrusted_model_waits_for_its_quiet_spell_in_flight(monkeypatch: pyt
     def assess(spec: StudySpec, trials: list[FrozenTrial], *_: object) -> convergence.Assessment:
         return unsettled(0.5, trusted=False, quiet=R.lead(R.launches(trials), 0.01).since)
 
-    monkeypatch.setattr(c.convergence, "assess", assess)
+    monkeypatch.setattr(convergence, "assess", assess)
     extra = [SpecConfig(num_steps=4, topk=1, num_draft_tokens=5), SpecConfig(num_steps=1, topk=2, num_draft_tokens=3)]
     quiet = [*HOLD_PENDING, measured(4, 1.00, extra[0], "w1")]  # one launch without a gain so far
     need = R.hold_needed(4) - 1
@@ -373,7 +374,7 @@ def test_a_space_with_configurations_left_is_not_built_to_know_it(monkeypatch: p
     def built(space: Any) -> Any:
         raise AssertionError("the space was built")
 
-    monkeypatch.setattr(c, "space_configs", built)
+    monkeypatch.setattr(search, "space_configs", built)
     space = {"num_steps": {"low": 1, "high": 4}, "topk": [1], "num_draft_tokens": {"low": 2, "high": 5}}
     spec = spec_of(search_space=space, budget={"max_trials": 30, "converge": False}, confirmation={"top": 0})
     assert isinstance(c.settle(snap(spec, FOUR[:2], baselines=BASES)), c.Ask)
@@ -392,7 +393,7 @@ def _settled(pays: bool) -> convergence.Assessment:
 
 def test_the_stop_rule_ends_the_search_through_one_seam(monkeypatch: pytest.MonkeyPatch) -> None:
     spec = spec_of("cond-pays", budget={"max_trials": 30}, confirmation={"top": 1})
-    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials, *_: _settled(True))
+    monkeypatch.setattr(convergence, "assess", lambda spec, trials, *_: _settled(True))
     action = c.settle(snap(spec, FOUR, baselines=BASES))
     assert isinstance(action, c.StartConfirmation)
     assert action.ending == Ending(FinishReason.CONVERGED, "the rule's words")
@@ -402,7 +403,7 @@ def test_the_stop_rule_ends_the_search_through_one_seam(monkeypatch: pytest.Monk
 
 def test_does_not_pay_finishes_without_confirming(monkeypatch: pytest.MonkeyPatch) -> None:
     spec = spec_of("cond-nopay", budget={"max_trials": 30}, confirmation={"top": 3})
-    monkeypatch.setattr(c.convergence, "assess", lambda spec, trials, *_: _settled(False))
+    monkeypatch.setattr(convergence, "assess", lambda spec, trials, *_: _settled(False))
     action = c.settle(snap(spec, FOUR, baselines=BASES))
     assert action == c.Finish(Ending(FinishReason.DOES_NOT_PAY, "the rule's words"))
 
@@ -411,7 +412,7 @@ def test_other_samplers_never_ask_the_stop_rule(monkeypatch: pytest.MonkeyPatch)
     def boom(spec: StudySpec, trials: Sequence[FrozenTrial], *_: object) -> convergence.Assessment:
         raise AssertionError("asked")
 
-    monkeypatch.setattr(c.convergence, "assess", boom)
+    monkeypatch.setattr(convergence, "assess", boom)
     assert isinstance(c.settle(snap(spec_of("cond-tpe", sampler="tpe"), FOUR, baselines=BASES)), c.Ask)
 
 
@@ -550,7 +551,7 @@ def test_a_drifted_baseline_does_not_hide_in_the_noise_it_adds() -> None:
     assert c.next_action(s, "w1") == c.MeasureBaseline("w1", for_confirmation=True)
     # With the moved baseline counted in the noise, the test would not call it drift.
     var = c.launch_noise(s).variance
-    assert not confirm.drift_seen(c._levels(w1[1]), c._levels(w1[0]), var)
+    assert not confirm.drift_seen(hosts._levels(w1[1]), hosts._levels(w1[0]), var)
 
 
 def test_drift_is_a_move_beyond_the_launch_noise_and_the_passes() -> None:
@@ -827,3 +828,44 @@ def test_an_envelope_nothing_started_in_takes_one_confirmation_at_a_time() -> No
     # 1/1/2 needs less than the 2/1/3 that failed, so the old rule launched it in the printed
     # envelope; the model gives it more than an even chance to fail there: the next one.
     assert go.deployment[0] == 1 and "no deployment of this study started there" in go.deployment[1].note
+
+
+# The functions that decide a study's life, per phase: each must read in one screen.
+PHASE_DECISIONS = {
+    "__init__.py": ("next_action", "settle"),
+    "search.py": ("searching", "search_ending"),
+    "confirming.py": ("start", "confirmation_for", "done"),
+}
+ONE_SCREEN = 60  # lines, docstring included
+
+
+def decision_lengths(package: Path) -> dict[str, int]:
+    """Each phase decision's length in lines, by `module.function`."""
+    import ast
+
+    out: dict[str, int] = {}
+    for module, names in PHASE_DECISIONS.items():
+        tree = ast.parse((package / module).read_text())
+        found = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+        for name in names:
+            node = found[name]  # a KeyError names a decision that moved without this list
+            assert node.end_lineno is not None
+            out[f"{module}:{name}"] = node.end_lineno - node.lineno + 1
+    return out
+
+
+def test_each_phase_of_a_studys_life_reads_in_one_screen() -> None:
+    """Issue 31: the conductor's decisions read in one screen per phase.  A decision that grows past
+    it is split into named steps (as `confirming._launchable` is), not let sprawl."""
+    lengths = decision_lengths(ROOT / "optimizer" / "conductor")
+    assert len(lengths) == 7
+    assert {k: n for k, n in lengths.items() if n > ONE_SCREEN} == {}
+
+
+def test_the_screen_check_sees_a_decision_that_sprawls(tmp_path: Path) -> None:
+    for module in PHASE_DECISIONS:
+        (tmp_path / module).write_text((ROOT / "optimizer" / "conductor" / module).read_text())
+    body = "".join(f"    x{i} = {i}\n" for i in range(ONE_SCREEN))
+    with (tmp_path / "search.py").open("a") as f:
+        f.write(f"\n\ndef searching(snap, worker_id, spare):\n{body}")
+    assert decision_lengths(tmp_path)["search.py:searching"] > ONE_SCREEN

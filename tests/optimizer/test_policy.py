@@ -101,7 +101,7 @@ def _numeric(node: ast.expr) -> bool:
 def numeric_constants() -> dict[str, int]:
     """Every module-level UPPER_CASE name in optimizer/*.py assigned a number, with its line."""
     out: dict[str, int] = {}
-    for path in sorted(OPTIMIZER.glob("*.py")):
+    for path in sorted(OPTIMIZER.rglob("*.py")):
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.Assign):
                 targets, value = node.targets, node.value
@@ -210,7 +210,7 @@ def test_the_parallel_cap_reads_model_parallel_from_the_snapshot(monkeypatch: py
         seen.append(policy)
         return unsure
 
-    monkeypatch.setattr(c.convergence, "assess", assess)
+    monkeypatch.setattr(convergence, "assess", assess)
     spec = StudySpec.model_validate(small_spec("policy-cap"))
     wider = dataclasses.replace(DEFAULT_POLICY, model_parallel=3)
     held = c.next_action(_snapshot(spec, [], DEFAULT_POLICY, 2), "w3")

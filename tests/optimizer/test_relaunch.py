@@ -16,6 +16,7 @@ from optimizer import conductor as c
 from optimizer import confirmation as confirm
 from optimizer import ranking
 from optimizer.analysis import LaunchNoise
+from optimizer.conductor import confirming as confirming_phase
 from tests.optimizer.test_conductor import BASES, BEGAN, FOUR, T0, base, confirming, host
 
 RUNS = [99.9, 100.0, 100.1]
@@ -39,7 +40,7 @@ def done(lid: str, number: int, speedup: float, worker: str = "w1", minute: int 
 def launch_noise(monkeypatch: pytest.MonkeyPatch) -> None:
     # A launch-to-launch sd of 1.4% (answer_quality's small-gain engine), which the tight passes
     # above cannot show: the study's estimate as `launch_noise` would give it.
-    monkeypatch.setattr(c, "launch_noise", lambda snap: LaunchNoise(0.014**2, 3, 6.0))
+    monkeypatch.setattr(confirming_phase, "launch_noise", lambda snap: LaunchNoise(0.014**2, 3, 6.0))
 
 
 def test_a_winner_straddling_one_on_launch_noise_gets_one_more_launch_on_another_host() -> None:
@@ -58,7 +59,7 @@ def test_a_clear_winner_gets_none() -> None:
 
 def test_a_straddle_the_passes_own_spread_explains_is_not_relaunched(monkeypatch: pytest.MonkeyPatch) -> None:
     # No launch noise: the interval is the passes' (the warm server's extra passes resolve those).
-    monkeypatch.setattr(c, "launch_noise", lambda snap: LaunchNoise(0.0, 0, 0.0))
+    monkeypatch.setattr(confirming_phase, "launch_noise", lambda snap: LaunchNoise(0.0, 0, 0.0))
     wide = c.LeaseView(
         "c0", "confirm", "completed", 1, worker_id="w1", created_at=BEGAN, finished_at=T0,
         measurement=([{"concurrency": 1, "output_tok_s": 102.0, "output_tok_s_runs": [97.0, 102.0, 107.0]}], BASE_LEVELS),
