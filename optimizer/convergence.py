@@ -2,8 +2,10 @@
 
 After each result the study asks its fitted model (optimizer.perf_model) two questions:
 
-1. Could a configuration not yet launched still beat the incumbent by more than `min_gain`
-   with a probability that matters (`P_MATTERS`)?  The incumbent is the best measured
+1. Could one launch of a configuration not yet launched still move the study's answer past the
+   incumbent by more than `min_gain`, with a probability that matters (`P_MATTERS`)?  The answer
+   is the model's estimate, so a launch moves it only as far as the model believes the launch
+   (optimizer.gains.moved_sd, the preposterior; the policy's `answer_moves`).  The incumbent is the best measured
    configuration, or the baseline (1.0x) when none beats it: the same rule then ends a study in
    which nothing is likely to pay ("speculation does not pay").  Where the model ranks the
    confirmed candidates, the bar is the answer the study would give now (ranking.answer_bar),
@@ -42,6 +44,7 @@ from optimizer import attrs as A
 from optimizer import ranking
 from optimizer import stop_rules as R
 from optimizer.confirmation import objective_interval
+from optimizer.gains import moved_sd
 from optimizer.model_sampler import OpenPool, gain_over, local_moves, objective_levels, observations_of, open_pool
 from optimizer.objective import objective_intervals
 from optimizer.perf_model import Candidates, FittedModel, fit
@@ -162,8 +165,10 @@ def assess(
         floor = ranking.floor_sd(check)
         if pays_now:
             bar = ranking.bar_of(spec, trials, model, check, best, policy)
+        # What one more launch may move the model by (None: the configuration's value itself).
+        moves = R.launch_variance(trials, policy) if policy.answer_moves else None
         top, top_key, misfit = _model_chance(
-            spec, model, measured, best_value, A.TrialRecord(bar).config, op, gain, floor, policy.host_sd
+            spec, model, measured, best_value, A.TrialRecord(bar).config, op, gain, floor, policy.host_sd, moves
         )
     else:
         top, top_key, misfit = 1.0, None, 1.0
@@ -205,10 +210,12 @@ def assess(
             f"one launch one draft step deeper ({probe.key}) first"
         )
     if trusted and top < policy.p_matters:
-        beat = f"beat {against}" if pays_now else "beat the baseline"
+        # "to show it beats": in what one launch of it can show (`answer_moves`).
+        verb = "show it beats" if policy.answer_moves else "beat"
         return settle(
             StopRule.MODEL,
-            f"{left} has a {100 * policy.p_matters:.0f}% chance to {beat} by more than {100 * gain:.0f}%",
+            f"{left} has a {100 * policy.p_matters:.0f}% chance to {verb} "
+            f"{against if pays_now else 'the baseline'} by more than {100 * gain:.0f}%",
         )
     quiet = f"none of the last {lead.since} launches beat {incumbent} by more than {100 * gain:.0f}%" + (
         f" (best of them {lead.best_since:.3f}x)" if lead.since else ""
@@ -261,10 +268,16 @@ def _model_chance(
     gain: float,
     floor_sd: float,
     host_sd: float = DEFAULT_POLICY.host_sd,
+    launch_var: float | None = None,
 ) -> tuple[float, str | None, float]:
     """The largest chance that an open configuration beats the bar (the launch `bar`, as the
     model sees it, where the incumbent pays; else the baseline) by more than `gain`, which one,
-    and the model's misfit factor (host offsets taken out)."""
+    and the model's misfit factor (host offsets taken out).
+
+    With `launch_var` (a launch's noise variance: `stop_rules.launch_variance`), the chance that
+    one launch of it moves the model's estimate past the bar by more than `gain`
+    (optimizer.gains.moved_sd): the study's answer is the model's, so that is the chance that a
+    launch changes the answer."""
     levels, weights = objective_levels(spec)
     recs = A.records(measured)
     mcfg = [r.config for r in recs]
@@ -285,10 +298,10 @@ def _model_chance(
         # Against the bar as the model sees it (its fit of every measurement), so what is
         # uncertain for both alike cancels.
         diff, sd = gain_over(spec, model, op.configs, bar, floor_sd)
-        z = (diff - math.log1p(gain)) / (sd * misfit)
     else:
-        mean, sd = model.predict_log_speedup(Candidates.of(op.configs), levels, weights)
-        z = (mean - math.log1p(gain)) / (sd * misfit)
+        diff, sd = model.predict_log_speedup(Candidates.of(op.configs), levels, weights)
+    spread = sd * misfit if launch_var is None else moved_sd(sd * misfit, launch_var)
+    z = (diff - math.log1p(gain)) / spread
     chance = norm.cdf(z) * (1.0 - op.p_fail)
     i = int(np.argmax(chance))
     return float(chance[i]), op.configs[i].key, misfit

@@ -63,3 +63,17 @@ def gain_over(
     dist = np.sqrt(((coords(pool) - coords([ref])) ** 2).sum(axis=1))
     floor = floor_sd * np.minimum(1.0, dist / 8.0)
     return model.predict_gain(Candidates.of(pool), Candidates.of([ref]), levels, weights, floor)
+
+
+def moved_sd(sd: FloatArray, launch_var: float) -> FloatArray:
+    """How far one launch of each candidate may move the model's estimate of it: the sd of the
+    posterior mean after one result measured with noise variance `launch_var` (the preposterior).
+
+    A Gaussian update moves the mean by the gain sd²/(sd² + v) times a surprise of sd
+    sqrt(sd² + v), so by sd²/sqrt(sd² + v).  The study answers with the model's ranking, not with a
+    launch's raw result (optimizer.ranking), so a launch changes the answer only as far as it
+    moves the model: where launch noise is as large as what the model is unsure of, one launch
+    moves it by half as much or less ("Knowledge gradient", Frazier, Powell and Dayanik 2009,
+    restated in docs/search.md).
+    """
+    return sd * sd / np.sqrt(sd * sd + launch_var)

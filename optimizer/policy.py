@@ -85,6 +85,13 @@ class Policy:
     # first).  benchmarks/README.md "The depth probe (2026-12-01 g)": two-peaks.  False: off; off,
     # two-peaks seed 7 answers 0.9747 of the optimum instead of 0.9916 (benchmarks/README.md "Rules switched off").
     depth_probe: bool = True
+    # The model rule asks whether one more launch can move the study's answer (the model's
+    # estimate) past the bar by min_gain (optimizer.gains.moved_sd: the preposterior, with a
+    # launch's noise in the prediction check's terms), not whether a configuration's true value
+    # may beat it: a launch whose result the model must mostly read as noise cannot change the
+    # answer.  No tuned value.  False: off; off, family engine 53 runs to the cap (30 configurations)
+    # on a flat top it cannot resolve (benchmarks/README.md "The answer a launch can move (stop 43)").
+    answer_moves: bool = True
 
     # ---------------------------------------------------------------- the conductor (optimizer.conductor)
     # A host's baseline has drifted (each confirmation then gets its own baseline) when two of its
@@ -306,6 +313,7 @@ SNAPSHOT_FIELDS: frozenset[str] = frozenset(
         "min_measured",
         "tight",
         "depth_probe",
+        "answer_moves",
         "drift_level",
         "model_parallel",
         "belief_margin",

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from optuna.trial import FrozenTrial, TrialState
 from scipy.stats import chi2
 
@@ -131,6 +132,15 @@ def measurement_sd(r: A.TrialRecord, policy: Policy = DEFAULT_POLICY) -> float:
         return policy.measurement_floor
     # The objective is a mean of log speedups over the levels: its variance is the mean variance / n.
     return max(policy.measurement_floor, math.sqrt(sum(s * s for s in sds)) / len(sds))
+
+
+def launch_variance(trials: Sequence[FrozenTrial], policy: Policy = DEFAULT_POLICY) -> float:
+    """The noise variance of one more launch's objective, in the prediction check's own terms: the
+    median pass spread of the launches measured so far (`measurement_sd`) and a host's offset
+    (`policy.host_sd`), which a prediction does not know."""
+    sds = [measurement_sd(A.TrialRecord(t), policy) for t in A.measured_feasible(trials, A.LEVELS)]
+    spread = float(np.median(sds)) if sds else policy.measurement_floor
+    return spread**2 + policy.host_sd**2
 
 
 def prediction_check(trials: Sequence[FrozenTrial], policy: Policy = DEFAULT_POLICY) -> PredictionCheck:

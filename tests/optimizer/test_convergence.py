@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from typing import Any
@@ -32,6 +33,7 @@ from optimizer.model_sampler import (
 )
 from optimizer.perf_model import MODEL_FLOOR, fit
 from optimizer.plan import server_settings
+from optimizer.policy import DEFAULT_POLICY
 from optimizer.space import SearchSpace, SpecConfig
 from optimizer.spec import parse_spec
 from optimizer.stop_rules import StopRule
@@ -437,9 +439,13 @@ def test_the_improvement_rate_rule_stops_a_model_that_keeps_seeing_a_chance() ->
     ]
     run = ZIGZAG_RUN + extra
     assert stop_rules.stall_needed(1) == 8 == len(run) - 1
-    before = convergence.assess(spec(), _run_with_predictions(run[:-1], miss=1.0))
+    # The model rule asking of the configurations' values (`answer_moves` off): a model that keeps
+    # a chance open.  Asking what one launch can show, it settles these launches itself
+    # (tests/optimizer/test_answer_moves.py).
+    keeps = dataclasses.replace(DEFAULT_POLICY, answer_moves=False)
+    before = convergence.assess(spec(), _run_with_predictions(run[:-1], miss=1.0), keeps)
     assert not before.settled and before.model_trusted and before.best_chance >= convergence.P_MATTERS, before.reason
-    a = convergence.assess(spec(), _run_with_predictions(run, miss=1.0))
+    a = convergence.assess(spec(), _run_with_predictions(run, miss=1.0), keeps)
     assert a.settled and a.rule is StopRule.IMPROVEMENT_RATE and a.model_trusted, a.reason
     assert a.reason.startswith("converged after 9 configurations (improvement-rate rule)"), a.reason
     assert "none of the last 8 launches beat s6-k4-n16" in a.reason and "found at launch 1" in a.reason
@@ -629,8 +635,10 @@ def test_a_lucky_launch_is_not_the_bar_where_the_model_ranks_the_answer() -> Non
     assert model is not None
     op = open_pool(sp, trials)
     v = float(lucky.value or 0.0)
-    plain = convergence._model_chance(sp, model, trials, v, lucky_cfg, op, 0.01, MODEL_FLOOR)
-    ranked = convergence._model_chance(sp, model, trials, v, bar_cfg, op, 0.01, MODEL_FLOOR)
+    # As the rule asks it: what one launch can move the answer by (optimizer.gains.moved_sd).
+    noise = stop_rules.launch_variance(trials)
+    plain = convergence._model_chance(sp, model, trials, v, lucky_cfg, op, 0.01, MODEL_FLOOR, launch_var=noise)
+    ranked = convergence._model_chance(sp, model, trials, v, bar_cfg, op, 0.01, MODEL_FLOOR, launch_var=noise)
     assert ranked[0] < plain[0]
     now = convergence.assess(sp, trials)
     assert not now.settled and "s6-k8-n42-bsauto (the model's first)" in now.reason, now.reason
