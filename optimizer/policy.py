@@ -225,11 +225,15 @@ class Policy:
     # doubling of topk): a residual shared by neighbours only, or by a wider region.  Equal weight.
     residual_lengths: tuple[float, ...] = (1.0, 2.5)
     # Per-host offset sd: none, host_sd-like (1.2%) and issue 31's "host offsets of 0-8%" at their
-    # middle (4%).  Equal weight.
-    residual_host_sds: tuple[float, ...] = (0.0, 0.012, 0.04)
+    # middle (4%) and their top (8%; with the host's one baseline drawn off, a fleet shows that
+    # much).  Equal weight.  Without the top (the noise top below kept), family engines 0-79
+    # answer 13 studies more than min_gain short instead of 11, engine 43 0.956 instead of 1.000
+    # (benchmarks/README.md "The model's noise grid spans the stated ranges (stop 43)").
+    residual_host_sds: tuple[float, ...] = (0.0, 0.012, 0.04, 0.08)
     # Launch-to-launch noise beyond the fit's own noise model: none, or issue 31's "launch noise of
-    # 0.5-4%" at its middle (2%).  Equal weight.
-    residual_extra_noise: tuple[float, ...] = (0.0, 0.02)
+    # 0.5-4%" at its middle (2%) and its top (4%).  Equal weight.  Without the top (the host top
+    # kept), engines 0-79 take 1,049 launches instead of 996 and answer 15 short instead of 11.
+    residual_extra_noise: tuple[float, ...] = (0.0, 0.02, 0.04)
 
     # ----------------------------------------------------- the acquisition (optimizer.model_sampler)
     # No proposal the model predicts to lose to the best measured by more than this share while

@@ -46,10 +46,11 @@ AMPLITUDES = DEFAULT_POLICY.residual_amplitudes  # optimizer.policy
 # by a wider region.  Equal prior weight.
 LENGTHS = DEFAULT_POLICY.residual_lengths  # optimizer.policy
 # Per-host offset sd: none, HOST_SD-like (optimizer.stop_rules, 1.2%) and issue 31's "host
-# offsets of 0-8%" at their middle (4%).  Equal prior weight.
+# offsets of 0-8%" at their middle (4%) and top (8%).  Equal prior weight.
 HOST_SDS = DEFAULT_POLICY.residual_host_sds  # optimizer.policy
 # Launch-to-launch noise beyond what the fit's own noise model states: none, or a launch's spread
-# as issue 31 gives it ("launch noise of 0.5-4%", 2% at its middle).  Equal prior weight.
+# as issue 31 gives it ("launch noise of 0.5-4%", 2% at its middle, 4% at its top).  Equal prior
+# weight.
 EXTRA_NOISE = DEFAULT_POLICY.residual_extra_noise  # optimizer.policy
 # Leverage cap for the leave-one-out residuals (a point the fit passes through exactly would
 # divide by zero): at most a tenfold inflation.
