@@ -299,7 +299,9 @@ def _model_chance(
         # uncertain for both alike cancels.
         diff, sd = gain_over(spec, model, op.configs, bar, floor_sd)
     else:
-        diff, sd = model.predict_log_speedup(Candidates.of(op.configs), levels, weights)
+        # Of the value itself where a launch's noise is added below (`moved_sd`), else of a
+        # measurement of a new launch (the host offset and launch noise the model's residuals show).
+        diff, sd = model.predict_log_speedup(Candidates.of(op.configs), levels, weights, new_launch=launch_var is None)
     spread = sd * misfit if launch_var is None else moved_sd(sd * misfit, launch_var)
     z = (diff - math.log1p(gain)) / spread
     chance = norm.cdf(z) * (1.0 - op.p_fail)

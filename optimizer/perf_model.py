@@ -205,8 +205,10 @@ class FittedModel:
         weights: Sequence[float],
         *,
         with_sd: bool = True,
+        new_launch: bool = True,
     ) -> tuple[FloatArray, FloatArray]:
-        """Mean and sd of the weighted mean over levels of log(speedup) for every candidate."""
+        """Mean and sd of the weighted mean over levels of log(speedup) for every candidate: of a
+        measurement of a new launch of it, or with `new_launch` False of its value alone."""
         theta = np.concatenate([self.logits, [self.gain], self.cost])
         mean = self._objective(theta, cand, levels, weights)
         if not with_sd:
@@ -215,7 +217,7 @@ class FittedModel:
         grads = self._gradients(theta, cand, levels, weights, mean)
         var = np.einsum("ic,ij,jc->c", grads, cov, grads)
         # A measurement of a new launch: the misfit, an unknown host's offset and launch noise too.
-        r_mean, r_var = self._residual(cand, levels, weights, None, True)
+        r_mean, r_var = self._residual(cand, levels, weights, None, new_launch)
         return mean + r_mean, np.sqrt(np.maximum(var, 0.0) + r_var + MODEL_FLOOR**2)
 
     def predict_gain(

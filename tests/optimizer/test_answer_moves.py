@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import numpy as np
+import pytest
 
 from optimizer import convergence, stop_rules
 from optimizer.gains import moved_sd
@@ -55,3 +57,42 @@ def test_the_model_rule_stops_where_no_launch_can_move_the_answer_by_min_gain() 
     # With the default host offset, it asks less of the same study, but a launch still may.
     quiet = convergence.assess(spec(), trials)
     assert not quiet.settled and quiet.best_chance < off.best_chance
+
+
+def test_where_nothing_pays_the_rule_weighs_the_value_not_a_launch_of_it() -> None:
+    """The preposterior adds a launch's noise to what the model is unsure of about the value: the
+    sd it starts from is the value's (`new_launch=False`), not a measurement's, which holds the
+    host offset and launch noise already (counted twice, the rule would stop sooner than it says)."""
+    from optimizer.model_sampler import objective_levels, observations_of
+    from optimizer.perf_model import Candidates, fit
+
+    trials = measured("no-gain", EIGHT)
+    model = fit(observations_of(trials), 10)
+    assert model is not None
+    levels, weights = objective_levels(spec())
+    cand = Candidates.of(
+        [SpecConfig(num_steps=2, topk=1, num_draft_tokens=3), SpecConfig(num_steps=4, topk=2, num_draft_tokens=8)]
+    )
+    m_launch, sd_launch = model.predict_log_speedup(cand, levels, weights)
+    m_value, sd_value = model.predict_log_speedup(cand, levels, weights, new_launch=False)
+    assert np.allclose(m_launch, m_value)
+    assert np.all(sd_value <= sd_launch) and np.any(sd_value < sd_launch)
+
+
+def test_the_rule_asks_the_value_where_it_adds_a_launchs_noise(monkeypatch: pytest.MonkeyPatch) -> None:
+    from optimizer.perf_model import FittedModel
+
+    asked: list[bool] = []
+    real = FittedModel.predict_log_speedup
+
+    def spy(self: FittedModel, *args: Any, **kw: Any) -> Any:
+        asked.append(bool(kw.get("new_launch", True)))
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(FittedModel, "predict_log_speedup", spy)
+    trials = measured("no-gain", EIGHT)
+    a = convergence.assess(spec(), trials)
+    assert a.pays is not True and asked and asked[-1] is False, a.reason
+    asked.clear()
+    convergence.assess(spec(), trials, dataclasses.replace(DEFAULT_POLICY, answer_moves=False))
+    assert asked[-1] is True
