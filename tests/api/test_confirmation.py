@@ -53,10 +53,16 @@ def test_confirmation_remeasures_the_top_candidates_next_to_fresh_baselines(api:
         # ... and on another host than the one that found the candidate (there are two).
         assert c["worker"] != trials[c["trial_number"]]["worker_id"]
         assert key_of(c["config"]) == key_of(trials[c["trial_number"]]["config"])
-    # No trial was asked for after the confirmation began, and it came only after the budget.
+    # No trial was asked for after the confirmation began, and it came only once the search ended:
+    # at the budget, or where the stop rule settled first (moe-pcie's gain is clear after the
+    # model's first four results: optimizer.convergence), and the finish says which.
     first_confirm = handed.index(confirms[0])
     assert all(le["kind"] != "trial" for le in handed[first_confirm:])
-    assert sum(1 for le in handed if le["kind"] == "trial") == 5
+    searched = sum(1 for le in handed if le["kind"] == "trial")
+    if searched == 5:
+        assert shown["finish_reason"].startswith("max_trials=5"), shown["finish_reason"]
+    else:
+        assert searched == 4 and "(model rule)" in shown["finish_reason"], (searched, shown["finish_reason"])
 
     winner = shown["winner"]
     assert winner["confirmed"] is True and winner["confirmed_on"] in ("w1", "w2")
