@@ -5,8 +5,8 @@ After each result the study asks its fitted model (optimizer.perf_model) two que
 1. Could one launch of a configuration not yet launched still move the study's answer past the
    incumbent by more than `min_gain`, with a probability that matters (`P_MATTERS`)?  The answer
    is the model's estimate, so a launch moves it only as far as the model believes the launch
-   (optimizer.gains.moved_sd, the preposterior; the policy's `answer_moves`).  The incumbent is the best measured
-   configuration, or the baseline (1.0x) when none beats it: the same rule then ends a study in
+   (optimizer.gains.moved_sd, the preposterior; the policy's `answer_moves`).  The incumbent is
+   the best measured configuration, or the baseline (1.0x) when none beats it: the same rule then ends a study in
    which nothing is likely to pay ("speculation does not pay").  Where the model ranks the
    confirmed candidates, the bar is the answer the study would give now (ranking.answer_bar),
    not a launch that drew lucky noise.  Each candidate's chance counts the model's own
@@ -44,7 +44,7 @@ from optimizer import attrs as A
 from optimizer import ranking
 from optimizer import stop_rules as R
 from optimizer.confirmation import objective_interval
-from optimizer.gains import moved_sd
+from optimizer.gains import beat_z
 from optimizer.model_sampler import OpenPool, gain_over, local_moves, objective_levels, observations_of, open_pool
 from optimizer.objective import objective_intervals
 from optimizer.perf_model import Candidates, FittedModel, fit
@@ -302,8 +302,6 @@ def _model_chance(
         # Of the value itself where a launch's noise is added below (`moved_sd`), else of a
         # measurement of a new launch (the host offset and launch noise the model's residuals show).
         diff, sd = model.predict_log_speedup(Candidates.of(op.configs), levels, weights, new_launch=launch_var is None)
-    spread = sd * misfit if launch_var is None else moved_sd(sd * misfit, launch_var)
-    z = (diff - math.log1p(gain)) / spread
-    chance = norm.cdf(z) * (1.0 - op.p_fail)
+    chance = norm.cdf(beat_z(diff, sd * misfit, gain, launch_var)) * (1.0 - op.p_fail)
     i = int(np.argmax(chance))
     return float(chance[i]), op.configs[i].key, misfit

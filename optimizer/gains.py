@@ -77,3 +77,11 @@ def moved_sd(sd: FloatArray, launch_var: float) -> FloatArray:
     restated in docs/search.md).
     """
     return sd * sd / np.sqrt(sd * sd + launch_var)
+
+
+def beat_z(diff: FloatArray, sd: FloatArray, min_gain: float, launch_var: float | None) -> FloatArray:
+    """How many sd each candidate's estimated gain `diff` (log, sd `sd`) lies above `min_gain`: of
+    its value, or with `launch_var` of what one launch of it can move the estimate to (`moved_sd`).
+    The stop rule's chance (optimizer.convergence) and the sampler's depth-probe gate ask this one."""
+    spread = sd if launch_var is None else moved_sd(sd, launch_var)
+    return (diff - math.log1p(min_gain)) / spread

@@ -38,9 +38,9 @@ from scipy.stats import norm
 
 from optimizer import attrs as A
 from optimizer import deployability, launch_cost, ranking, stop_rules
+from optimizer.gains import beat_z
 from optimizer.gains import coords as coords
 from optimizer.gains import gain_over as gain_over
-from optimizer.gains import moved_sd
 from optimizer.gains import objective_levels as objective_levels
 from optimizer.gains import observations_of as observations_of
 from optimizer.infeasible import known_to_fail, oom_points
@@ -324,10 +324,10 @@ def propose(
         check = stop_rules.prediction_check(trials, policy)
         ref = A.TrialRecord(ranking.bar_of(spec, trials, model, check, best, policy)).config
         diff, sd = gain_over(spec, model, pool, ref)
-        z = (diff - math.log1p(spec.budget.min_gain)) / sd
+        z = beat_z(diff, sd, spec.budget.min_gain, None)
         # The stop rule's chance (optimizer.convergence: what one launch may move the answer by).
-        moved = moved_sd(sd, stop_rules.launch_variance(trials, policy)) if policy.answer_moves else sd
-        settles = float(norm.cdf((diff - math.log1p(spec.budget.min_gain)) / moved).max()) < policy.p_matters
+        noise = stop_rules.launch_variance(trials, policy) if policy.answer_moves else None
+        settles = float(norm.cdf(beat_z(diff, sd, spec.budget.min_gain, noise)).max()) < policy.p_matters
         if policy.depth_probe and not op.pending and settles and check.trusted:
             # The model sees nothing left to beat the incumbent: where the incumbent is the
             # deepest launch, the stop rule first wants one launch past it (stop_rules.depth_probe).

@@ -10,8 +10,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from optimizer import attrs as A
 from optimizer import convergence, stop_rules
 from optimizer.gains import moved_sd
+from optimizer.model_sampler import objective_levels, observations_of
+from optimizer.perf_model import Candidates, FittedModel, fit
 from optimizer.policy import DEFAULT_POLICY
 from optimizer.space import SpecConfig
 from tests.optimizer.test_convergence import measured, spec
@@ -39,7 +42,7 @@ def test_a_launchs_noise_is_the_prediction_checks_terms() -> None:
     # The host's part is the policy's; the measured part is the same whatever the host.
     gap = stop_rules.launch_variance(trials, wide) - stop_rules.launch_variance(trials)
     assert math.isclose(gap, 0.05**2 - DEFAULT_POLICY.host_sd**2)
-    spreads = sorted(stop_rules.measurement_sd(stop_rules.A.TrialRecord(t)) for t in trials)
+    spreads = sorted(stop_rules.measurement_sd(A.TrialRecord(t)) for t in trials)
     own = stop_rules.launch_variance(trials) - DEFAULT_POLICY.host_sd**2
     assert spreads[0] ** 2 - 1e-12 <= own <= spreads[-1] ** 2 + 1e-12
 
@@ -63,9 +66,6 @@ def test_where_nothing_pays_the_rule_weighs_the_value_not_a_launch_of_it() -> No
     """The preposterior adds a launch's noise to what the model is unsure of about the value: the
     sd it starts from is the value's (`new_launch=False`), not a measurement's, which holds the
     host offset and launch noise already (counted twice, the rule would stop sooner than it says)."""
-    from optimizer.model_sampler import objective_levels, observations_of
-    from optimizer.perf_model import Candidates, fit
-
     trials = measured("no-gain", EIGHT)
     model = fit(observations_of(trials), 10)
     assert model is not None
@@ -80,8 +80,6 @@ def test_where_nothing_pays_the_rule_weighs_the_value_not_a_launch_of_it() -> No
 
 
 def test_the_rule_asks_the_value_where_it_adds_a_launchs_noise(monkeypatch: pytest.MonkeyPatch) -> None:
-    from optimizer.perf_model import FittedModel
-
     asked: list[bool] = []
     real = FittedModel.predict_log_speedup
 

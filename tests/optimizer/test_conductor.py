@@ -7,6 +7,7 @@ conductor answers, so every move of a study's life is pinned down here; the serv
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Sequence
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
@@ -841,8 +842,6 @@ ONE_SCREEN = 60  # lines, docstring included
 
 def decision_lengths(package: Path) -> dict[str, int]:
     """Each phase decision's length in lines, by `module.function`."""
-    import ast
-
     out: dict[str, int] = {}
     for module, names in PHASE_DECISIONS.items():
         tree = ast.parse((package / module).read_text())
