@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from optimizer import convergence
 from tests.support.api_client import Api
 from tests.support.search import OOM, drive, key_of, lease, ok, sim_levels
 from tests.support.specs import small_spec
@@ -169,10 +170,10 @@ def test_a_quarantined_result_is_not_copied_into_its_duplicates(api: Api) -> Non
 
 
 def test_a_fleets_starts_get_predictions_in_flight_through_the_service(api: Api) -> None:
-    """Four workers lease before any result is in: four starting points fly with no prediction.
-    As their results come in one by one, those still in flight get the model's prediction (move
-    "start", from the results before them); the trial rows show it, and the prediction check then
-    counts them."""
+    """Four workers lease before any result is in: as many starting points fly as the model rule
+    needs (MIN_MEASURED), with no prediction, and the fourth worker waits.  As their results come
+    in one by one, those still in flight get the model's prediction (move "start", from the
+    results before them); the trial rows show it, and the prediction check then counts them."""
     spec = small_spec("fleet-starts", budget={"max_trials": 12})
     assert api.post("/v1/studies", "user", spec).status_code == 201
     workers = ["w1", "w2", "w3", "w4"]
@@ -182,8 +183,10 @@ def test_a_fleets_starts_get_predictions_in_flight_through_the_service(api: Api)
         levels = got["workload"]["concurrency"]
         r = api.post(f"/v1/leases/{got['lease_id']}/complete", "fleet", ok(sim_levels("moe-pcie", None, levels)))
         assert r.status_code == 200, r.text
-    starts = [lease(api, w) for w in workers]
-    assert all(s is not None and s["kind"] == "trial" for s in starts), starts
+    asked = [lease(api, w) for w in workers]
+    starts = [s for s in asked if s is not None]
+    assert len(starts) == convergence.MIN_MEASURED < len(workers), asked
+    assert all(s["kind"] == "trial" for s in starts), starts
 
     def rows() -> dict[int, dict[str, Any]]:
         return {t["number"]: t for t in api.get("/v1/studies/fleet-starts/trials", "user").json()}
@@ -198,5 +201,6 @@ def test_a_fleets_starts_get_predictions_in_flight_through_the_service(api: Api)
     # The first result comes in with no model to predict from; the second is not predicted as it
     # arrives, but the two still in flight are, then, from the first result alone.
     assert made[:2] == [None, None]
+    assert len(made) > 2
     for m in made[2:]:
         assert m is not None and m["move"] == "start" and m["observations"] == 1 and m["p_oom"] is None, m

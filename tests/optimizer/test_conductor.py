@@ -305,7 +305,7 @@ def test_a_distrusted_model_waits_for_its_quiet_spell_in_flight(monkeypatch: pyt
 
 
 def test_before_the_model_has_its_results_the_fleet_launches_only_what_it_needs() -> None:
-    """One result in, the model wants MIN_MEASURED: three in flight are enough, two are not."""
+    """One result in, the model wants MIN_MEASURED: the missing ones in flight are enough, one fewer is not."""
     spec = spec_of("cond-first")
     one = [measured(0, 1.05, CONFIGS[0])]
     s = snap(spec, one, baselines=FLEET_BASES, hosts=FLEET)
