@@ -91,8 +91,10 @@ class Policy:
     # set) before the search ends: a stated risk, ~2x the calibrated pass noise.
     tight: float = 0.03
     # The model rule does not settle while the incumbent is the deepest launch (one step deeper
-    # first).  benchmarks/README.md "The depth probe (2026-12-01 g)": two-peaks.  False: off; off,
-    # two-peaks seed 7 answers 0.9747 of the optimum instead of 0.9916 (benchmarks/README.md "Rules switched off").
+    # first).  benchmarks/README.md "The depth probe (2026-12-01 g)": two-peaks.  False: off.  Its
+    # case now: family engine 124 answers 0.982 of the optimum off, 0.999 on (one launch more);
+    # two-peaks seeds 0-9 and every other engine of 0-199 are the same either way
+    # (benchmarks/README.md "The depth probe, measured again (stop 44)").
     depth_probe: bool = True
     # The model rule asks whether one more launch can move the study's answer (the model's
     # estimate) past the bar by min_gain (optimizer.gains.moved_sd: the preposterior, with a

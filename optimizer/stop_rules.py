@@ -28,7 +28,9 @@ was measured, in the order it was measured:
   (`depth_probe`): what the model says of the draft positions past it is its form's
   extrapolation, and on an engine whose acceptance is not smooth in the position (two-peaks:
   a hard token at position 3, good positions after it) that is where its answer is wrong.  The
-  sampler then launches one step deeper; the rule settles once a deeper launch is in.
+  sampler then launches one step deeper; the rule settles once a deeper launch is in.  The case
+  that fails without it: family engine 124 (benchmarks/README.md "The depth probe, measured
+  again (stop 44)").
 
 All functions are pure: they take the trials (Optuna's FrozenTrial records) and return values.
 """
