@@ -376,6 +376,24 @@ def log_sd(iv: Interval) -> float:
     return math.log(iv.high / iv.low) / (2 * Z95) if iv.low > 0 and iv.high > iv.low else 0.0
 
 
+def clear_chance(iv: Interval, launches: int) -> float:
+    """The chance that one more launch, pooled with the `launches` behind `iv`, lifts its 95%
+    interval above 1.0 (the verdict "pays", optimizer.answer.clears).
+
+    The preposterior of the stop rule (optimizer.gains.moved_sd), asked of the verdict: one launch
+    of the variance the pooled interval implies for each of its launches (n sd²) moves the pooled
+    log-value by a normal of sd sd/sqrt(n+1) and leaves it held with sd sd·sqrt(n/(n+1)).  Where the
+    interval is mostly a launch's own passes or the value sits at or below 1.0, that chance is small,
+    so one rule replaces "straddles with the value above 1.0" and "launch noise is half of it"."""
+    sd = log_sd(iv)
+    if sd <= 0.0 or iv.value <= 0.0:
+        return 0.0
+    n = max(launches, 1)
+    after = sd * math.sqrt(n / (n + 1))
+    moved = sd / math.sqrt(n + 1)
+    return 0.5 * math.erfc(-(math.log(iv.value) - Z95 * after) / (moved * math.sqrt(2.0)))
+
+
 # Hosts whose baselines of the same server differ by more than this share, and beyond their
 # noise, are not measuring the same thing: one is likely saturated (issue 17 item 6).
 HOST_DISAGREEMENT = DEFAULT_POLICY.host_disagreement  # optimizer.policy

@@ -71,7 +71,8 @@ class Policy:
     stall_min: int = 8
     # A chance below this to beat the bar by min_gain does not matter: the risk the study takes of
     # stopping short (the stated promise behind `min_gain`); the runner-up and tie rules spend the
-    # same risk so they do not spend what the stop rule promised.
+    # same risk so they do not spend what the stop rule promised, and a relaunch is ordered only
+    # where it lifts a straddling verdict clear with this chance (optimizer.confirmation.clear_chance).
     p_matters: float = 0.1
 
     # ------------------------------------------------- the convergence stop (optimizer.convergence)
@@ -127,8 +128,8 @@ class Policy:
     # A study stops as a study fault once this many hosts (own tokens) agree that its baseline
     # fails: one host could be broken, two agreeing is the study (stated risk).
     stop_after_hosts: int = 2
-    # Extra confirmation launches per study where the answer straddles on launch noise alone: a
-    # cost cap.  benchmarks/README.md "Answer quality": small-gain 6/10 -> 9/10 answers "pays" and
+    # Extra confirmation launches per study where the answer straddles 1.0 and one more launch can
+    # lift it clear (optimizer.conductor.confirming.relaunches): a cost cap.  benchmarks/README.md "Answer quality": small-gain 6/10 -> 9/10 answers "pays" and
     # within 1% once one was allowed (`python -m benchmarks.answer_quality`).  0: relaunches off;
     # off, family engines 25, 31, 45 and 59 print "does not pay" where a 1-4% gain was there
     # (benchmarks/README.md "Two mends to the family's judge, and rules measured (stop 42)").

@@ -331,12 +331,13 @@ def relaunched(snap: Snapshot) -> list[ranking.Relaunch]:
 
 
 def relaunches(snap: Snapshot) -> Reconfirm | None:
-    """One more confirmation launch where the answer straddles "pays" on launch noise and only
-    another launch can move it (issue 17 item 4), else None.
+    """One more confirmation launch where the answer straddles "pays" and one more launch can move
+    it (issue 17 item 4), else None.
 
-    Straddles: the winner's interval holds 1.0.  Only another launch: the launch-to-launch part of
-    its interval is at least half of it (extra passes on the warm server narrow only the rest, and
-    `Resolve` has taken those).  It is launched on another host than its last confirmation (or, on
+    Straddles: the winner's interval holds 1.0.  Can move it: pooled with the launches before it,
+    one more lifts the interval clear of 1.0 with a chance of `policy.p_matters` or more
+    (`confirmation.clear_chance`: the stop rule's preposterior, asked of the verdict).  It is
+    launched on another host than its last confirmation (or, on
     one host, after a fresh baseline: `_confirmation_for`), and pooled with its earlier
     confirmations, never the search launch.  At most `policy.max_extra_launches` per study; when they are
     spent the verdict says what the data holds.  The cases that fail without it: family engines
@@ -360,12 +361,11 @@ def relaunches(snap: Snapshot) -> Reconfirm | None:
     w = None if choice is None else choice.winner
     if w is None or w.violation > 0 or w.saturated or (w_iv := w.interval) is None:
         return None
-    spec, noise = snap.spec, launch_noise(snap).variance
-    # Launch noise dominates: each pooled launch carries `noise`; the passes the rest.
-    if noise / w.launches < 0.5 * confirm.log_sd(w_iv) ** 2:
+    # Straddles (a winner that clears is printed; one that straddles is printed as "does not pay"),
+    # and one more launch can lift it clear with the chance the stop rule calls one that matters.
+    if w_iv.low > 1.0 or confirm.clear_chance(w_iv, w.launches) < snap.policy.p_matters:
         return None
-    if not w_iv.low <= 1.0 < w_iv.value:
-        return None
+    spec = snap.spec
     number = w.trial_number
     trial = next(t for t in snap.trials if t.number == number)
     cfg = A.TrialRecord(trial).config

@@ -216,10 +216,15 @@ def test_a_confirmation_straddling_one_on_launch_noise_is_relaunched_pooled_and_
             continue
         kinds.append(got["kind"])
         if got["kind"] == "confirm":
-            # 1% over the baseline with tight passes: only launch noise keeps it from clearing 1.0.
-            body = ok(sim_levels("dense-8b-h100", None, [1], scale=1.01))
+            # 2% over the baseline with tight passes, as in the search: only launch noise keeps it
+            # from clearing 1.0, and one more launch may lift it clear (a chance above p_matters).
+            body = ok(sim_levels("dense-8b-h100", None, [1], scale=1.02))
+        elif got["kind"] == "trial":
+            # Every configuration 2% over the baseline: the search and its confirmation agree, so
+            # the study's launch noise is its prior's, not a 2x gap between two measurements.
+            body = ok(sim_levels("dense-8b-h100", None, [1], scale=1.02))
         else:
-            body = ok(sim_levels("dense-8b-h100", None if got["kind"] == "baseline" else got["config"], [1]))
+            body = ok(sim_levels("dense-8b-h100", None, [1]))
         assert api.post(f"/v1/leases/{got['lease_id']}/complete", "fleet", body).status_code == 200
     shown = api.get("/v1/studies/relaunch", "user").json()
     assert shown["state"] == "finished", kinds
@@ -229,6 +234,6 @@ def test_a_confirmation_straddling_one_on_launch_noise_is_relaunched_pooled_and_
         if k == "confirm":
             assert kinds[i - 1] == "baseline", kinds  # never paired twice with one baseline
     assert shown["winner"]["confirmation_launches"] == confirms
-    assert shown["winner"]["speedup"] == pytest.approx(1.01, rel=1e-3)
+    assert shown["winner"]["speedup"] == pytest.approx(1.02, rel=1e-3)
     assert f"pooled over {confirms} confirmation launches" in shown["verdict"]
     assert shown["cost"]["launches_by_kind"]["confirmation"] == confirms

@@ -15,7 +15,7 @@ import pytest
 from optimizer import conductor as c
 from optimizer import confirmation as confirm
 from optimizer import ranking
-from optimizer.analysis import LaunchNoise
+from optimizer.analysis import Interval, LaunchNoise
 from optimizer.conductor import confirming as confirming_phase
 from tests.optimizer.test_conductor import BASES, BEGAN, FOUR, T0, base, confirming, host
 
@@ -57,14 +57,41 @@ def test_a_clear_winner_gets_none() -> None:
     assert isinstance(c.settle(s), c.Finish)
 
 
-def test_a_straddle_the_passes_own_spread_explains_is_not_relaunched(monkeypatch: pytest.MonkeyPatch) -> None:
-    # No launch noise: the interval is the passes' (the warm server's extra passes resolve those).
+def test_a_straddle_one_launch_cannot_lift_clear_is_not_relaunched(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 0.99x with a launch noise of 1.4%: pooled with one more launch, its interval clears 1.0 only
+    # if that launch comes in near 1.05x, a chance of about 1% (< p_matters): the verdict stands.
+    s = confirming(leases=(done("c0", 1, 0.99, worker="w1"),))
+    assert isinstance(c.settle(s), c.Finish)
+    # 1.02x whose passes alone are wide (no launch noise): one more launch, with its own passes,
+    # lifts it clear with a chance of about 16%, so it is launched; at 1.005x (about 4%) it is not.
     monkeypatch.setattr(confirming_phase, "launch_noise", lambda snap: LaunchNoise(0.0, 0, 0.0))
-    wide = c.LeaseView(
-        "c0", "confirm", "completed", 1, worker_id="w1", created_at=BEGAN, finished_at=T0,
-        measurement=([{"concurrency": 1, "output_tok_s": 102.0, "output_tok_s_runs": [97.0, 102.0, 107.0]}], BASE_LEVELS),
-    )  # fmt: skip
-    assert isinstance(c.settle(confirming(leases=(wide,))), c.Finish)
+
+    def wide(speedup: float) -> c.LeaseView:
+        tok = 100.0 * speedup
+        return c.LeaseView(
+            "c0", "confirm", "completed", 1, worker_id="w1", created_at=BEGAN, finished_at=T0,
+            measurement=([{"concurrency": 1, "output_tok_s": tok, "output_tok_s_runs": [tok - 5, tok, tok + 5]}], BASE_LEVELS),
+        )  # fmt: skip
+
+    assert isinstance(c.settle(confirming(leases=(wide(1.02),))), c.Reconfirm)
+    assert isinstance(c.settle(confirming(leases=(wide(1.005),))), c.Finish)
+
+
+def test_the_chance_to_clear_is_the_preposterior_of_the_pooled_interval() -> None:
+    """One launch whose interval is centred 1.96 sd/sqrt(2) above 1.0 clears with an even chance;
+    the chance grows with the value and falls as more launches already hold the interval."""
+    sd = 0.02
+
+    def iv(v: float) -> Interval:
+        return Interval(v, v * math.exp(-1.96 * sd), v * math.exp(1.96 * sd))
+
+    even = math.exp(1.96 * sd / math.sqrt(2))
+    assert confirm.clear_chance(iv(even), 1) == pytest.approx(0.5, abs=1e-6)
+    chances = [confirm.clear_chance(iv(v), 1) for v in (0.98, 1.0, 1.01, 1.02, 1.04)]
+    assert chances == sorted(chances) and chances[0] < 0.01 and chances[-1] > 0.5
+    # The same interval held by three launches: one more moves it less.
+    assert confirm.clear_chance(iv(1.01), 3) < confirm.clear_chance(iv(1.01), 1)
+    assert confirm.clear_chance(Interval(1.02, 1.02, 1.02), 1) == 0.0  # no spread: nothing to move
 
 
 def test_the_cap_holds() -> None:
