@@ -90,9 +90,9 @@ def cost_key(config: SpecConfig) -> tuple[int, int, int]:
 
 
 # The risk the answer may take of being more than min_gain below the best confirmed candidate
-# for being cheaper: the stop rule's (optimizer.convergence.P_MATTERS), so the tie rule does not
-# spend what the stop rule promised.
-TIE_RISK = DEFAULT_POLICY.tie_risk  # optimizer.policy
+# for being cheaper: the stop rule's (`Policy.p_matters`), so the tie rule does not spend what the
+# stop rule promised.
+TIE_RISK = DEFAULT_POLICY.p_matters  # optimizer.policy
 
 
 @dataclass(frozen=True)
@@ -182,7 +182,7 @@ def choose(
     preferred only when measured within `min_gain` of the best and the ranking is sure
     (`policy.within_z`) that it gives up less than `min_gain`.  Without one, the cheapest
     tied candidate is the answer only when the chance that it is more than `min_gain` below the
-    best (the study's "worth having") is under `policy.tie_risk`; a cheaper one that may well be further
+    best (the study's "worth having") is under `policy.p_matters`; a cheaper one that may well be further
     behind is not given the benefit of the doubt.
     """
     if not confirmed:
@@ -209,11 +209,11 @@ def choose(
             c.speedup >= best.speedup / (1.0 + min_gain)
             and ranking.surely_within(c.config, best.config, min_gain, policy.within_z)
             if ranking is not None
-            else behind_risk(best, c, min_gain) < policy.tie_risk
+            else behind_risk(best, c, min_gain) < policy.p_matters
         )
     ]
     winner = min([best, *close], key=lambda c: (cost_key(c.config), -c.speedup))
-    return Choice(winner, best, [c for c in [best, *tied] if c is not winner], ranking is not None, policy.tie_risk)
+    return Choice(winner, best, [c for c in [best, *tied] if c is not winner], ranking is not None, policy.p_matters)
 
 
 def winner(

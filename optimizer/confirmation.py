@@ -114,10 +114,10 @@ def overlaps(
 
 
 # A runner-up is confirmed only when its chance of beating the leader by more than min_gain is at
-# least this (the stop rule's risk, optimizer.convergence.P_MATTERS): otherwise choosing the
-# leader without it keeps within what the study promises, and each confirmation is a restart
-# (and, on a host without a fresh baseline, a baseline too).
-RUNNER_UP_CHANCE = DEFAULT_POLICY.runner_up_chance  # optimizer.policy
+# least this (the stop rule's risk, `Policy.p_matters`): otherwise choosing the leader without it
+# keeps within what the study promises, and each confirmation is a restart (and, on a host
+# without a fresh baseline, a baseline too).
+RUNNER_UP_CHANCE = DEFAULT_POLICY.p_matters  # optimizer.policy
 
 
 def beat_chance(leader: Interval, other: Interval, min_gain: float) -> float:
@@ -150,7 +150,7 @@ def candidates(
     estimate where a trusted `ranking` is given, else by measured value.
 
     With the spec, only the runners-up that may beat the leader by more than `min_gain` with a
-    chance of at least `policy.runner_up_chance` (their search intervals, widened by the launch noise
+    chance of at least `policy.p_matters` (their search intervals, widened by the launch noise
     `extra_var`): one that cannot changes no answer the study stands behind, and each
     confirmation is a restart.  With a `ranking` (the study's model of every launch, trusted where
     its predictions held, optimizer.ranking) the model judges instead: the leader is the launched
@@ -194,14 +194,14 @@ def candidates(
             elif ranking is not None:
                 # Ordered by the model, no runner-up ranks above the leader: its chance decides.
                 cfg, lead_cfg = A.TrialRecord(t).config, A.TrialRecord(out[0]).config
-                if ranking.beat_chance(cfg, lead_cfg, spec.budget.min_gain) < policy.runner_up_chance:
+                if ranking.beat_chance(cfg, lead_cfg, spec.budget.min_gain) < policy.p_matters:
                     continue
             elif lead_iv is None or iv is None:
                 if not overlaps(
                     iv, lead_iv, float(t.value or 0.0), float(out[0].value or 0.0), policy.candidate_window
                 ):
                     continue
-            elif beat_chance(lead_iv, iv, spec.budget.min_gain) < policy.runner_up_chance:
+            elif beat_chance(lead_iv, iv, spec.budget.min_gain) < policy.p_matters:
                 continue
         seen.add(key)
         out.append(t)

@@ -70,8 +70,9 @@ class Policy:
     # off, zigzag-tiles seed 0 took 24 launches instead of 14 (benchmarks/README.md "Rules switched off").
     stall_min: int = 8
     # A chance below this to beat the bar by min_gain does not matter: the risk the study takes of
-    # stopping short (the stated promise behind `min_gain`); the runner-up and tie rules spend the
-    # same risk so they do not spend what the stop rule promised, and a relaunch is ordered only
+    # stopping short (the stated promise behind `min_gain`); the runner-up and tie rules spend this
+    # risk too (optimizer.confirmation.candidates, optimizer.answer.choose) so they do not spend
+    # more than the stop rule promised, and a relaunch is ordered only
     # where it lifts a straddling verdict clear with this chance (optimizer.confirmation.clear_chance).
     p_matters: float = 0.1
 
@@ -142,12 +143,9 @@ class Policy:
     # fleet 31/40 instead of 38/40 (engine 39: 0.9975 -> 0.9470; benchmarks/README.md "Rules
     # measured off on the family (stop 41)").
     candidate_window: float = 0.05
-    # A runner-up is confirmed only when its chance of beating the leader by min_gain is at least
-    # this: `p_matters`, the stop rule's risk (so the two rules spend the same).
-    runner_up_chance: float = 0.1
-    # The risk the answer may take of being min_gain below the best confirmed for being cheaper:
-    # `p_matters` again.
-    tie_risk: float = 0.1
+    # (A runner-up is confirmed only when its chance of beating the leader by min_gain is at least
+    # `p_matters`, and a cheaper tie is printed only where it risks less than `p_matters` of being
+    # min_gain behind: the stop rule's risk, one field since stop 44, not three of equal value.)
     # Extra passes on the warm server per level, as a multiple of the workload's repeats: the cost
     # cap of resolving one confirmation (a stated cost bound).  0 switches them off: family engines
     # 0-39 gave the same lines, and no answer_quality study got an extra pass with them on (the
@@ -336,8 +334,6 @@ SNAPSHOT_FIELDS: frozenset[str] = frozenset(
         "max_extra_launches",
         "extra_passes_per_repeat",
         "candidate_window",
-        "runner_up_chance",
-        "tie_risk",
         "within_z",
     }
 )

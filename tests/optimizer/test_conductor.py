@@ -747,7 +747,7 @@ def test_a_confirmation_carries_the_conductors_resolve_order() -> None:
 
 
 def test_the_confirmations_thresholds_are_the_snapshots_policy() -> None:
-    """The candidate window, the runner-up chance and the tie risk reach the rules through the
+    """The candidate window and the risk the runner-ups and ties spend (p_matters) reach the rules through the
     snapshot (a benchmark's --policy sets them), not as module constants."""
     s = snap(spec_of(**NO_CONVERGE, confirmation={"top": 3}), FOUR, baselines=BASES)
 
@@ -756,7 +756,7 @@ def test_the_confirmations_thresholds_are_the_snapshots_policy() -> None:
 
     assert chosen() == [1, 0]
     assert chosen("candidate_window=0") == [1]
-    assert chosen("runner_up_chance=1.0") == [1]
+    assert chosen("p_matters=1.0") == [1]
     # Two confirmations the data cannot order: the cheaper one only at a larger tie risk.
     done = [
         c.LeaseView(
@@ -776,7 +776,7 @@ def test_the_confirmations_thresholds_are_the_snapshots_policy() -> None:
     ]
     tied = confirming(leases=tuple(done))
     assert [w.winner.trial_number for w in [c.winner(tied)] if w] == [1]
-    loose = replace(tied, policy=DEFAULT_POLICY.with_overrides(["tie_risk=0.9"]))
+    loose = replace(tied, policy=DEFAULT_POLICY.with_overrides(["p_matters=0.9"]))
     assert [w.winner.trial_number for w in [c.winner(loose)] if w] == [0]
 
 

@@ -141,7 +141,7 @@ def test_the_tie_threshold_is_the_policy_handed_in() -> None:
     assert choose([cheap, best], 0.01, model, stricter).winner is best
     # Without a model the tie risk decides, and the verdict's note states the risk it was judged by.
     behind = _c(1, 1, 1, 2, 1.030, 1.004, 1.056)
-    note = choose([behind, best], 0.01, None, DEFAULT_POLICY.with_overrides(["tie_risk=0.05"])).note
+    note = choose([behind, best], 0.01, None, DEFAULT_POLICY.with_overrides(["p_matters=0.05"])).note
     assert note is not None and "a 5% chance or more" in note
 
 
