@@ -180,7 +180,7 @@ def choose(
     `ranking` (optimizer.ranking.of: the study's model of every launch, where it is trusted):
     which candidate is best is its call, not one confirmation launch's, and a cheaper tied one is
     preferred only when measured within `min_gain` of the best and the ranking is sure
-    (`policy.within_z`) that it gives up less than `min_gain`.  Without one, the cheapest
+    (`policy.risk_z`: one-sided, `p_matters`) that it gives up less than `min_gain`.  Without one, the cheapest
     tied candidate is the answer only when the chance that it is more than `min_gain` below the
     best (the study's "worth having") is under `policy.p_matters`; a cheaper one that may well be further
     behind is not given the benefit of the doubt.
@@ -207,7 +207,7 @@ def choose(
         for c in tied
         if (
             c.speedup >= best.speedup / (1.0 + min_gain)
-            and ranking.surely_within(c.config, best.config, min_gain, policy.within_z)
+            and ranking.surely_within(c.config, best.config, min_gain, policy.risk_z)
             if ranking is not None
             else behind_risk(best, c, min_gain) < policy.p_matters
         )

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -155,9 +156,6 @@ class Policy:
     # Hosts whose baselines of the same server differ by more than this share, beyond their noise,
     # are not measuring the same thing (issue 17 item 6; a saturated host, stated risk).
     host_disagreement: float = 0.10
-    # A cheaper tied candidate is preferred only when the model is this sure (one-sided 90%) that it
-    # gives up less than min_gain (optimizer.ranking; stated risk).
-    within_z: float = 1.28
 
     # ------------------------------------------ launch noise (optimizer.analysis): read from the default
     # Prior sd of a speedup across launches (what the simulator and reference hosts show, 1-2%),
@@ -266,6 +264,12 @@ class Policy:
             out[key] = _parse(getattr(self, key), text.strip(), key)
         return dataclasses.replace(self, **out)
 
+    @property
+    def risk_z(self) -> float:
+        """`p_matters` as a one-sided z (1.28 at 0.1): how sure the model must be where a rule asks
+        it in sd, e.g. that a cheaper tie gives up less than min_gain (optimizer.answer.choose)."""
+        return statistics.NormalDist().inv_cdf(1.0 - self.p_matters)
+
     def changed(self) -> dict[str, Any]:
         """The fields that differ from the default policy (for a benchmark's heading)."""
         return {
@@ -334,6 +338,5 @@ SNAPSHOT_FIELDS: frozenset[str] = frozenset(
         "max_extra_launches",
         "extra_passes_per_repeat",
         "candidate_window",
-        "within_z",
     }
 )

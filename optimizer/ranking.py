@@ -44,10 +44,11 @@ from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 from optimizer.verify_probe import VerifyShape, shapes_key
 
-# A cheaper tied candidate is preferred only when the model is this sure (one-sided 90%) that it
-# gives up less than `min_gain` against the best: "cannot tell apart" is not "as good", and with
-# launch noise as large as the gaps a one-launch tie says little about how much the cheap one loses.
-WITHIN_Z = DEFAULT_POLICY.within_z  # optimizer.policy
+# A cheaper tied candidate is preferred only when the model is this sure (one-sided, the stop
+# rule's `p_matters`: 1.28 sd) that it gives up less than `min_gain` against the best: "cannot
+# tell apart" is not "as good", and with launch noise as large as the gaps a one-launch tie says
+# little about how much the cheap one loses.
+WITHIN_Z = DEFAULT_POLICY.risk_z  # optimizer.policy
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ class Ranking:
         return (math.log1p(min_gain) + float(diff[0])) / max(float(sd[0]), 1e-9)
 
     def surely_within(self, config: SpecConfig, best: SpecConfig, min_gain: float, z: float = WITHIN_Z) -> bool:
-        """Is the model `z` sd sure that `config` loses less than `min_gain` (the policy's `within_z`)?"""
+        """Is the model `z` sd sure that `config` loses less than `min_gain` (the policy's `risk_z`)?"""
         return self.within(config, best, min_gain) > z
 
     def beat_chance(self, config: SpecConfig, best: SpecConfig, min_gain: float) -> float:

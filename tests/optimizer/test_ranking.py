@@ -131,13 +131,13 @@ def _truth(cfg: SpecConfig) -> float:
 
 
 def test_the_tie_threshold_is_the_policy_handed_in() -> None:
-    """`within_z` is read from the policy `choose` is handed (the snapshot's, through
+    """The model's tie threshold (`risk_z`, from `p_matters`) is read from the policy `choose` is handed (the snapshot's, through
     optimizer.conductor.winner), so a benchmark's --policy varies it."""
     cheap = _c(1, 1, 1, 2, 1.060, 1.034, 1.086)
     best = _c(2, 2, 2, 3, 1.052, 1.027, 1.079)
     model = FakeRanking({_key(cheap): 1.044, _key(best): 1.046}, sure=False, within_sd=2.0)
-    assert choose([cheap, best], 0.01, model).winner is cheap  # 2 sd sure: within_z 1.28 passes
-    stricter = DEFAULT_POLICY.with_overrides(["within_z=3"])
+    assert choose([cheap, best], 0.01, model).winner is cheap  # 2 sd sure: 1.28 (p_matters 0.1) passes
+    stricter = DEFAULT_POLICY.with_overrides(["p_matters=0.001"])  # 3.09 sd
     assert choose([cheap, best], 0.01, model, stricter).winner is best
     # Without a model the tie risk decides, and the verdict's note states the risk it was judged by.
     behind = _c(1, 1, 1, 2, 1.030, 1.004, 1.056)
