@@ -8,8 +8,9 @@ baseline is the last thing that host measured before the candidate).  Drift and 
 then cancel in the ratio, and each confirmation is reported with its 95% interval (delta method
 on the log ratio of the repeated passes, `optimizer.analysis`).
 
-Only candidates within `candidate_window` (the study's policy) of the best are confirmed: one that far
-behind cannot overtake the best on a re-measurement, and each confirmation is a restart.
+Only runners-up with a chance of `p_matters` (the study's policy) to beat the best by `min_gain`
+are confirmed: one that cannot changes no answer the study stands behind, and each confirmation is
+a restart.
 """
 
 from __future__ import annotations
@@ -34,8 +35,6 @@ from optimizer.objective import objective_intervals, objective_view, score_level
 from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.space import SpecConfig
 from optimizer.spec import Objective, StudySpec
-
-CANDIDATE_WINDOW = DEFAULT_POLICY.candidate_window  # optimizer.policy
 
 
 def search_interval(spec: StudySpec, t: FrozenTrial, extra_var: float = 0.0) -> Interval | None:
@@ -103,16 +102,6 @@ def study_noise(
     return launch_noise(study_relaunches(trials, baselines, confirmations, objective))
 
 
-def overlaps(
-    a: Interval | None, b: Interval | None, value_a: float, value_b: float, window: float = CANDIDATE_WINDOW
-) -> bool:
-    """Could the two be in either order?  Without intervals: within `window` (the policy's
-    `candidate_window`)."""
-    if a is None or b is None:
-        return value_a >= value_b * (1.0 - window)
-    return a.high >= b.low and b.high >= a.low
-
-
 # A runner-up is confirmed only when its chance of beating the leader by more than min_gain is at
 # least this (the stop rule's risk, `Policy.p_matters`): otherwise choosing the leader without it
 # keeps within what the study promises, and each confirmation is a restart (and, on a host
@@ -159,8 +148,14 @@ def candidates(
     confirmed when the model gives it that chance to beat the leader (it pools every launch, so
     it is far surer of a difference than two launches' intervals are).
 
-    The case that fails without the runners-up (`policy.candidate_window` 0: the leader alone confirmed,
-    measured while the best measured led):
+    A runner-up without a search interval (no passes to judge a chance by) is not confirmed, as
+    `answer.choose` calls nothing tied without intervals.  Until stop 44 a `candidate_window` (5%
+    of the leader) also bounded them; it decided nothing the chance did not (family engines 0-199
+    line for line the same at 100%: benchmarks/README.md "The candidate window, measured (stop
+    44)").
+
+    The case that fails without the runners-up (the leader alone confirmed, as `confirmation.top` 1
+    does; measured while the best measured led):
     family engine 39 (seed 39) answers 0.9470 of the fleet's optimum instead of 0.9975, and family
     engine 10 (seed 10) 0.9685 instead of 1.0000 in 16 launches instead of 13; on engines 0-39 the
     answers within 2% on the fleet fall from 38/40 to 31/40 (benchmarks/README.md "Rules measured
@@ -185,8 +180,6 @@ def candidates(
         key = str(A.TrialRecord(t).config_key)
         if key in seen:
             continue
-        if out and score[id(t)] < score[id(out[0])] * (1.0 - policy.candidate_window):
-            break
         if spec is not None:
             iv = search_interval(spec, t, extra_var)
             if not out:
@@ -197,10 +190,7 @@ def candidates(
                 if ranking.beat_chance(cfg, lead_cfg, spec.budget.min_gain) < policy.p_matters:
                     continue
             elif lead_iv is None or iv is None:
-                if not overlaps(
-                    iv, lead_iv, float(t.value or 0.0), float(out[0].value or 0.0), policy.candidate_window
-                ):
-                    continue
+                continue
             elif beat_chance(lead_iv, iv, spec.budget.min_gain) < policy.p_matters:
                 continue
         seen.add(key)

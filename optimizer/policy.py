@@ -138,12 +138,9 @@ class Policy:
     max_extra_launches: int = 2
 
     # ------------------------------------------------------ the confirmation (optimizer.confirmation)
-    # Candidates within this share of the best measured are confirmed with it: the launch noise
-    # seen on the reference hosts (1-2%) many times over (stated risk).  0 confirms the leader
-    # alone: family engines 0-39 then take 482 launches instead of 546 and answer within 2% on the
-    # fleet 31/40 instead of 38/40 (engine 39: 0.9975 -> 0.9470; benchmarks/README.md "Rules
-    # measured off on the family (stop 41)").
-    candidate_window: float = 0.05
+    # (Which runners-up are confirmed is `p_matters`'s call alone since stop 44: a 5% window before
+    # it, `candidate_window`, decided nothing the chance did not; benchmarks/README.md "The
+    # candidate window, measured (stop 44)".)
     # (A runner-up is confirmed only when its chance of beating the leader by min_gain is at least
     # `p_matters`, and a cheaper tie is printed only where it risks less than `p_matters` of being
     # min_gain behind: the stop rule's risk, one field since stop 44, not three of equal value.)
@@ -337,6 +334,5 @@ SNAPSHOT_FIELDS: frozenset[str] = frozenset(
         "belief_margin",
         "max_extra_launches",
         "extra_passes_per_repeat",
-        "candidate_window",
     }
 )

@@ -747,7 +747,7 @@ def test_a_confirmation_carries_the_conductors_resolve_order() -> None:
 
 
 def test_the_confirmations_thresholds_are_the_snapshots_policy() -> None:
-    """The candidate window and the risk the runner-ups and ties spend (p_matters) reach the rules through the
+    """The risk the runner-ups and ties spend (p_matters) reaches the rules through the
     snapshot (a benchmark's --policy sets them), not as module constants."""
     s = snap(spec_of(**NO_CONVERGE, confirmation={"top": 3}), FOUR, baselines=BASES)
 
@@ -755,7 +755,6 @@ def test_the_confirmations_thresholds_are_the_snapshots_policy() -> None:
         return [k.trial_number for k in c.candidates(replace(s, policy=DEFAULT_POLICY.with_overrides(overrides)))]
 
     assert chosen() == [1, 0]
-    assert chosen("candidate_window=0") == [1]
     assert chosen("p_matters=1.0") == [1]
     # Two confirmations the data cannot order: the cheaper one only at a larger tie risk.
     done = [
