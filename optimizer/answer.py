@@ -89,12 +89,6 @@ def cost_key(config: SpecConfig) -> tuple[int, int, int]:
     return config.num_draft_tokens, config.num_steps * config.topk, config.num_steps
 
 
-# The risk the answer may take of being more than min_gain below the best confirmed candidate
-# for being cheaper: the stop rule's (`Policy.p_matters`), so the tie rule does not spend what the
-# stop rule promised.
-TIE_RISK = DEFAULT_POLICY.p_matters  # optimizer.policy
-
-
 @dataclass(frozen=True)
 class Choice:
     """The answer among confirmed candidates: the cheapest of those tied with the best."""
@@ -103,7 +97,7 @@ class Choice:
     best: Contender  # the highest confirmed value, or the best by the study's model
     ties: list[Contender]  # the others the winner cannot be told apart from
     ranked: bool = False  # the study's model ordered them (optimizer.ranking), not the confirmations alone
-    tie_risk: float = TIE_RISK  # the policy's risk a cheaper tie was judged by, as the note says it
+    tie_risk: float = DEFAULT_POLICY.p_matters  # the policy's risk a cheaper tie was judged by, as the note says it
 
     @property
     def note(self) -> str | None:

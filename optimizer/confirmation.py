@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 from optuna.trial import FrozenTrial
 
 from optimizer import attrs as A
@@ -31,6 +32,7 @@ from optimizer.analysis import (
     launch_noise,
     log_mean_variance,
 )
+from optimizer.gains import moved_sd
 from optimizer.objective import objective_intervals, objective_view, score_levels
 from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.space import SpecConfig
@@ -100,13 +102,6 @@ def study_noise(
 ) -> LaunchNoise:
     """The study's launch-to-launch noise (`optimizer.analysis.launch_noise`) from its own re-launches."""
     return launch_noise(study_relaunches(trials, baselines, confirmations, objective))
-
-
-# A runner-up is confirmed only when its chance of beating the leader by more than min_gain is at
-# least this (the stop rule's risk, `Policy.p_matters`): otherwise choosing the leader without it
-# keeps within what the study promises, and each confirmation is a restart (and, on a host
-# without a fresh baseline, a baseline too).
-RUNNER_UP_CHANCE = DEFAULT_POLICY.p_matters  # optimizer.policy
 
 
 def beat_chance(leader: Interval, other: Interval, min_gain: float) -> float:
@@ -380,7 +375,7 @@ def clear_chance(iv: Interval, launches: int) -> float:
         return 0.0
     n = max(launches, 1)
     after = sd * math.sqrt(n / (n + 1))
-    moved = sd / math.sqrt(n + 1)
+    moved = float(moved_sd(np.array(sd), n * sd * sd))  # = sd/sqrt(n+1)
     return 0.5 * math.erfc(-(math.log(iv.value) - Z95 * after) / (moved * math.sqrt(2.0)))
 
 

@@ -19,13 +19,13 @@ from optimizer.analysis import (
     launch_noise,
     ratio_interval,
 )
-from optimizer.answer import TIE_RISK, Contender, behind_risk, choose
+from optimizer.answer import Contender, behind_risk, choose
 from optimizer.confirmation import (
-    RUNNER_UP_CHANCE,
     beat_chance,
     candidates,
     study_relaunches,
 )
+from optimizer.policy import DEFAULT_POLICY
 from optimizer.space import SpecConfig
 from optimizer.spec import parse_spec
 from tests.support.search import frozen_trial, trial_attrs
@@ -109,7 +109,7 @@ def test_overlapping_candidates_are_a_tie_and_the_cheaper_one_is_the_answer() ->
     # Tied and measured within min_gain, but with a wide interval: it may well be more than
     # min_gain behind (a 41% chance here), so it is not given the benefit of the doubt.
     wide = _c(7, 3, 4, 8, 1.24, 1.215, 1.265)
-    assert behind_risk(wide, a, 0.01) > TIE_RISK
+    assert behind_risk(wide, a, 0.01) > DEFAULT_POLICY.p_matters
     choice = choose([a, wide, loser])
     assert choice.winner is wide and choice.ties == [a]
     # Overlapping, but measured more than min_gain behind: not given the benefit of the doubt.
@@ -127,10 +127,10 @@ def test_a_runner_up_is_confirmed_only_when_it_may_beat_the_leader_by_min_gain()
     leader = Interval(1.50, 1.47, 1.53)
     # Measured 0.7% behind with intervals this wide: it may still be ahead by more than 1%.
     close = Interval(1.49, 1.46, 1.52)
-    assert beat_chance(leader, close, 0.01) >= RUNNER_UP_CHANCE
+    assert beat_chance(leader, close, 0.01) >= DEFAULT_POLICY.p_matters
     # 3.4% behind: its interval still overlaps the leader's, but a win by 1% is out of reach.
     behind = Interval(1.45, 1.42, 1.48)
-    assert behind.high > leader.low and beat_chance(leader, behind, 0.01) < RUNNER_UP_CHANCE
+    assert behind.high > leader.low and beat_chance(leader, behind, 0.01) < DEFAULT_POLICY.p_matters
     # The chance falls as the gain that matters grows.
     assert beat_chance(leader, close, 0.03) < beat_chance(leader, close, 0.0)
 
