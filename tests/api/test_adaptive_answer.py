@@ -216,7 +216,11 @@ def test_the_proven_adaptive_launch_is_best_on_every_surface(api: Api, capsys: p
 
 
 def _split_load_study(
-    api: Api, name: str, *, adaptive_starts: Callable[[dict[str, Any]], bool] = lambda server: True
+    api: Api,
+    name: str,
+    *,
+    adaptive_starts: Callable[[dict[str, Any]], bool] = lambda server: True,
+    adaptive_report: Callable[[list[Any]], list[Any]] = lambda levels: levels,
 ) -> list[Any]:
     """A study on split-load driven to its end through the REST API; the adaptive server's launch
     is measured as the simulated engine would run it, or runs out of memory at start-up where
@@ -236,11 +240,30 @@ def _split_load_study(
             if got["server"].get("adaptive"):
                 handed.append(got)
                 starts = adaptive_starts(got["server"])
-                body = ok(_adaptive_levels(got["server"], got["config"], levels)) if starts else OOM
+                measured = adaptive_report(_adaptive_levels(got["server"], got["config"], levels))
+                body = ok(measured) if starts else OOM
             else:
                 body = ok(sim_levels("split-load", got["config"] if got["kind"] != "baseline" else None, levels))
             assert api.post(f"/v1/leases/{got['lease_id']}/complete", "fleet", body).status_code == 200
     raise AssertionError("the study did not finish")
+
+
+def test_the_adaptive_proof_is_not_judged_by_its_initial_chain(api: Api) -> None:
+    """CI on 4dd6983: at 4 running requests the adaptive server drafts nothing (steps 0), but one
+    cycle of the chain ran while a request was alone, so the level reported 96 tokens over one
+    verify: an accept length of 96 that no static 2-step chain allows.  The report was quarantined
+    as implausible and the answer fell back to no speculation.  The engine chooses the adaptive
+    server's chain per batch; its report is scored as measured."""
+
+    def one_verify_at_4(levels: list[Any]) -> list[Any]:
+        return [lv | {"accept_length": 96.0} if lv["concurrency"] == 4 else lv for lv in levels]
+
+    name = "adaptive-one-verify"
+    _split_load_study(api, name, adaptive_report=one_verify_at_4)
+    shown = api.get(f"/v1/studies/{name}", "user").json()
+    (proof,) = [c for c in shown["confirmation"] if c["adaptive"]]
+    assert proof["state"] == "completed", proof
+    assert shown["deployment"]["mode"] == "adaptive" and shown["best"]["adaptive"] is True, shown["verdict"]
 
 
 def test_a_failed_adaptive_launch_leaves_the_static_answer_as_best_and_says_so(api: Api) -> None:
