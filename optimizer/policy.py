@@ -130,12 +130,13 @@ class Policy:
     # A study stops as a study fault once this many hosts (own tokens) agree that its baseline
     # fails: one host could be broken, two agreeing is the study (stated risk).
     stop_after_hosts: int = 2
-    # Extra confirmation launches per study where the answer straddles 1.0 and one more launch can
-    # lift it clear (optimizer.conductor.confirming.relaunches): a cost cap.  benchmarks/README.md "Answer quality": small-gain 6/10 -> 9/10 answers "pays" and
-    # within 1% once one was allowed (`python -m benchmarks.answer_quality`).  0: relaunches off;
-    # off, family engines 25, 31, 45 and 59 print "does not pay" where a 1-4% gain was there
-    # (benchmarks/README.md "Two mends to the family's judge, and rules measured (stop 42)").
-    max_extra_launches: int = 2
+    # One more confirmation launch where the answer straddles 1.0 and that launch lifts it clear
+    # with a chance of `p_matters` or more (optimizer.conductor.confirming.relaunches; no tuned
+    # value: the cap of 2 per study it had until stop 45 is gone, benchmarks/README.md "The
+    # relaunch cap, removed (stop 45)").  False: off; off, family engines 25, 31, 45 and 59 print
+    # "does not pay" where a 1-4% gain was there (benchmarks/README.md "Two mends to the family's
+    # judge, and rules measured (stop 42)"), and answer_quality small-gain "pays" within 1% 9/10 -> 5/10.
+    relaunch: bool = True
 
     # ------------------------------------------------------ the confirmation (optimizer.confirmation)
     # (Which runners-up are confirmed is `p_matters`'s call alone since stop 44: a 5% window before
@@ -332,7 +333,7 @@ SNAPSHOT_FIELDS: frozenset[str] = frozenset(
         "drift_level",
         "model_parallel",
         "belief_margin",
-        "max_extra_launches",
+        "relaunch",
         "extra_passes_per_repeat",
     }
 )

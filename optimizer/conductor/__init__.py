@@ -25,7 +25,6 @@ from datetime import timedelta
 
 from optimizer.conductor import confirming, search
 from optimizer.conductor.confirming import (
-    MAX_EXTRA_LAUNCHES,
     EnvelopeKey,
     adaptive_proof,
     candidates,
@@ -74,7 +73,6 @@ from optimizer.study_state import Phase, StudyState
 __all__ = [
     "BELIEF_MARGIN",
     "FAULT_WORDS",
-    "MAX_EXTRA_LAUNCHES",
     "MODEL_PARALLEL",
     "STOP_AFTER_HOSTS",
     "Action",

@@ -229,7 +229,7 @@ def test_a_confirmation_straddling_one_on_launch_noise_is_relaunched_pooled_and_
     shown = api.get("/v1/studies/relaunch", "user").json()
     assert shown["state"] == "finished", kinds
     confirms = kinds.count("confirm")
-    assert 2 <= confirms <= 1 + 2, kinds  # one ordered at least, the cap (MAX_EXTRA_LAUNCHES) held
+    assert 2 <= confirms <= 1 + 3, kinds  # one ordered at least, the budget (max_trials 3) held
     for i, k in enumerate(kinds):
         if k == "confirm":
             assert kinds[i - 1] == "baseline", kinds  # never paired twice with one baseline

@@ -1,5 +1,5 @@
 """One more confirmation launch where the answer straddles its decision on launch noise alone
-(issue 17 item 4): the conductor's decision (`relaunches`), its cap, where it runs, and the
+(issue 17 item 4): the conductor's decision (`relaunches`), what bounds it, where it runs, and the
 pooled interval the answer then reads (optimizer.confirmation.pooled_result).  Pure: snapshots in,
 actions out."""
 
@@ -94,17 +94,25 @@ def test_the_chance_to_clear_is_the_preposterior_of_the_pooled_interval() -> Non
     assert confirm.clear_chance(Interval(1.02, 1.02, 1.02), 1) == 0.0  # no spread: nothing to move
 
 
-def test_the_cap_holds() -> None:
+def test_the_users_budget_bounds_the_relaunches_and_the_policy_switches_them_off() -> None:
+    """The chance decides how many; what bounds them is the study's `budget.max_trials` (the cap
+    of 2 per study is gone: benchmarks/README.md "The relaunch cap, removed (stop 45)")."""
     leases = (
         done("c0", 1, 1.02, minute=0),
         done("c1", 1, 1.01, worker="w2", minute=1),
         done("c2", 1, 1.015, minute=2),
     )
     s = confirming(leases=leases)
-    assert c.extra_launches(s) == c.MAX_EXTRA_LAUNCHES
-    assert isinstance(c.settle(s), c.Finish)  # still straddling: the verdict says what the data holds
-    # One spent, one left: ordered.
-    assert isinstance(c.settle(confirming(leases=leases[:2])), c.Reconfirm)
+    assert c.extra_launches(s) == 2 < s.spec.budget.max_trials
+    # Two spent, still straddling and one more can lift it: ordered (the old cap of 2 said Finish).
+    assert isinstance(c.settle(s), c.Reconfirm)
+    # The budget spent: the verdict says what the data holds.
+    tight = replace(s, spec=s.spec.model_copy(update={"budget": s.spec.budget.model_copy(update={"max_trials": 2})}))
+    assert isinstance(c.settle(tight), c.Finish)
+    # `relaunch` False: none at all.
+    off = confirming(leases=leases[:1], policy=replace(s.policy, relaunch=False))
+    assert isinstance(c.settle(off), c.Finish)
+    assert isinstance(c.settle(confirming(leases=leases[:1])), c.Reconfirm)
 
 
 def test_a_tied_runner_up_is_called_a_tie_not_relaunched() -> None:
