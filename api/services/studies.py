@@ -62,6 +62,9 @@ def study_cost(s: Session, name: str) -> costs.Cost:
             LeaseRow.leased_at.is_not(None),
             LeaseRow.finished_at.is_not(None),
         )
+        # The document's earlier reads may hold a lease row that ran then and has ended since
+        # (read committed): its instance must show this statement's row, not the one it held.
+        .execution_options(populate_existing=True)
     ).all()
     gpus = {w.id: len((w.inventory or {}).get("gpus") or []) for w in s.scalars(select(WorkerRow)).all()}
     out = []
