@@ -56,7 +56,8 @@ DEFAULT_SGLANG_VERSION = "0.5.23"
 def study_cost(s: Session, name: str) -> costs.Cost:
     """Every launch of the study that ran to an end, with its wall time and its host's GPUs."""
     rows = s.scalars(
-        select(LeaseRow).where(
+        select(LeaseRow)
+        .where(
             LeaseRow.study_name == name,
             LeaseRow.state.in_(("completed", "failed")),
             LeaseRow.leased_at.is_not(None),
