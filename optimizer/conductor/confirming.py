@@ -332,13 +332,10 @@ def relaunches(snap: Snapshot) -> Reconfirm | None:
     (`confirmation.clear_chance`: the stop rule's preposterior, asked of the verdict).  It is
     launched on another host than its last confirmation (or, on
     one host, after a fresh baseline: `_confirmation_for`), and pooled with its earlier
-    confirmations, never the search launch.  The chance alone decides how many: pooled launches
-    narrow the interval faster than one more can move it, so the chance falls below `p_matters`
-    unless the gain is real.  A cap of 2 per study (`max_extra_launches`, until stop 45) changed 2
-    of family engines 0-199, both for the worse (140 and 195 printed "does not pay" where 1.025x
-    and 1.028x were there; without it 9 launches more in all: benchmarks/README.md "The
-    relaunch cap, removed (stop 45)").  What bounds them is the user's: no more than
-    `budget.max_trials` per study.  The cases that fail without it: family engines
+    confirmations, never the search launch.  The chance alone decides how many (pooled launches
+    narrow the interval faster than one more can move it), bounded by the study's
+    `budget.max_trials`; the cap of 2 it replaced only cost answers (benchmarks/README.md "The
+    relaunch cap, removed (stop 45)").  The cases that fail without it: family engines
     25, 31, 45 and 59 (seeds = indices) print "does not pay" where a 1-4% gain was there
     (benchmarks/README.md "Two mends to the family's judge, and rules measured (stop 42)").
 
