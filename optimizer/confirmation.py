@@ -24,6 +24,7 @@ import numpy as np
 from optuna.trial import FrozenTrial
 
 from optimizer import attrs as A
+from optimizer import decide
 from optimizer.analysis import (
     Z95,
     Interval,
@@ -168,6 +169,13 @@ def candidates(
         for t in measured
     }
     ranked = sorted(measured, key=lambda t: (-score[id(t)], t.number))
+    # Each runner-up is a move (optimizer.decide): its chance to beat the leader by min_gain, per
+    # its launch's GPU-seconds (it pairs with the leader's fresh baseline on its host).
+    costs: dict[int, float] = {}
+    if spec is not None and len(ranked) > 1:
+        cfgs = [A.TrialRecord(t).config for t in ranked]
+        rel = decide.relative_costs(spec, trials, cfgs, np.array([score[id(t)] for t in ranked]), policy=policy)
+        costs = {id(t): float(c) for t, c in zip(ranked, rel, strict=True)}
     out: list[FrozenTrial] = []
     seen: set[str] = set()
     lead_iv: Interval | None = None
@@ -182,12 +190,15 @@ def candidates(
             elif ranking is not None:
                 # Ordered by the model, no runner-up ranks above the leader: its chance decides.
                 cfg, lead_cfg = A.TrialRecord(t).config, A.TrialRecord(out[0]).config
-                if ranking.beat_chance(cfg, lead_cfg, spec.budget.min_gain) < policy.p_matters:
+                chance = ranking.beat_chance(cfg, lead_cfg, spec.budget.min_gain)
+                if not decide.worth(decide.Move(decide.Purpose.RUNNER_UP, key, chance, costs[id(t)]), policy):
                     continue
             elif lead_iv is None or iv is None:
                 continue
-            elif beat_chance(lead_iv, iv, spec.budget.min_gain) < policy.p_matters:
-                continue
+            else:
+                chance = beat_chance(lead_iv, iv, spec.budget.min_gain)
+                if not decide.worth(decide.Move(decide.Purpose.RUNNER_UP, key, chance, costs[id(t)]), policy):
+                    continue
         seen.add(key)
         out.append(t)
         if len(out) >= top:

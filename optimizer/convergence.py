@@ -41,7 +41,7 @@ from optuna.trial import FrozenTrial
 from scipy.stats import norm
 
 from optimizer import attrs as A
-from optimizer import ranking
+from optimizer import decide, ranking
 from optimizer import stop_rules as R
 from optimizer.confirmation import objective_interval
 from optimizer.gains import beat_z
@@ -167,11 +167,13 @@ def assess(
             bar = ranking.bar_of(spec, trials, model, check, best, policy)
         # What one more launch may move the model by (None: the configuration's value itself).
         moves = R.launch_variance(trials, policy) if policy.answer_moves else None
-        top, top_key, misfit = _model_chance(
-            spec, model, measured, best_value, A.TrialRecord(bar).config, op, gain, floor, policy.host_sd, moves
+        move, misfit = _model_chance(
+            spec, model, trials, measured, best_value, A.TrialRecord(bar).config, op, gain, floor, policy, moves
         )
+        # The rule (optimizer.decide.worth) weighs the move's chance per typical launch.
+        top, top_key = (0.0, None) if move is None else (move.rate, move.key)
     else:
-        top, top_key, misfit = 1.0, None, 1.0
+        top, top_key, misfit, move = 1.0, None, 1.0, None
     bar_r = A.TrialRecord(bar)
     moved = bar_r.config_key != label  # ties by value keep the incumbent's name
     left = f"none of the {len(op.configs)} configurations left" if op.configs else "no configuration is left that"
@@ -212,6 +214,8 @@ def assess(
     if trusted and top < policy.p_matters:
         # "to show it beats": in what one launch of it can show (`answer_moves`).
         verb = "show it beats" if policy.answer_moves else "beat"
+        # The chance is per typical launch's GPU-seconds (optimizer.decide); the words stay short,
+        # as a finish reason is stored within a bound.
         return settle(
             StopRule.MODEL,
             f"{left} has a {100 * policy.p_matters:.0f}% chance to {verb} "
@@ -235,9 +239,10 @@ def assess(
         return waiting(f"{distrust}; the empirical rule waits for {need} {what} {incumbent} ({quiet_n} so far)")
     # Trusted, and something left has at least a p_matters chance (else the model rule settled above).
     over = f"{bar_r.config_key} (the model's first)" if moved else f"{bar_value:.3f}x"
+    priced = "" if move is None or abs(move.cost - 1.0) <= 0.005 else f" at {move.cost:.2f}x a typical launch"
     return waiting(
         f"{top_key} may still beat {over} by more than {100 * gain:.0f}% "
-        f"(chance {100 * top:.0f}%, model misfit x{misfit:.1f})"
+        f"(chance {100 * (top if move is None else move.chance):.0f}%{priced}, model misfit x{misfit:.1f})"
     )
 
 
@@ -261,18 +266,19 @@ def quiet_spell(
 def _model_chance(
     spec: StudySpec,
     model: FittedModel,
+    trials: Sequence[FrozenTrial],
     measured: Sequence[FrozenTrial],
     best_value: float,
     bar: SpecConfig,
     op: OpenPool,
     gain: float,
     floor_sd: float,
-    host_sd: float = DEFAULT_POLICY.host_sd,
+    policy: Policy = DEFAULT_POLICY,
     launch_var: float | None = None,
-) -> tuple[float, str | None, float]:
-    """The largest chance that an open configuration beats the bar (the launch `bar`, as the
-    model sees it, where the incumbent pays; else the baseline) by more than `gain`, which one,
-    and the model's misfit factor (host offsets taken out).
+) -> tuple[decide.Move | None, float]:
+    """The search's move (optimizer.decide): the open configuration with the largest chance per
+    GPU-second to beat the bar (the launch `bar`, as the model sees it, where the incumbent pays;
+    else the baseline) by more than `gain`, and the model's misfit factor (host offsets taken out).
 
     With `launch_var` (a launch's noise variance: `stop_rules.launch_variance`), the chance that
     one launch of it moves the model's estimate past the bar by more than `gain`
@@ -290,10 +296,10 @@ def _model_chance(
         (got - mean_m)[real],
         np.sqrt(sd_m**2 + 0.01**2)[real],
         [r.worker_id for r in recs if not r.has(A.BELIEVED)],
-        host_sd,
+        policy.host_sd,
     )
     if not op.configs:
-        return 0.0, None, misfit
+        return None, misfit
     if best_value > 1.0:
         # Against the bar as the model sees it (its fit of every measurement), so what is
         # uncertain for both alike cancels.
@@ -303,5 +309,10 @@ def _model_chance(
         # measurement of a new launch (the host offset and launch noise the model's residuals show).
         diff, sd = model.predict_log_speedup(Candidates.of(op.configs), levels, weights, new_launch=launch_var is None)
     chance = norm.cdf(beat_z(diff, sd * misfit, gain, launch_var)) * (1.0 - op.p_fail)
-    i = int(np.argmax(chance))
-    return float(chance[i]), op.configs[i].key, misfit
+    if policy.per_cost:
+        speed, _ = model.predict_log_speedup(Candidates.of(op.configs), levels, weights, with_sd=False)
+        cost = decide.relative_costs(spec, trials, op.configs, np.exp(speed), op.p_fail, policy)
+    else:
+        cost = np.ones(len(op.configs))
+    i = int(np.argmax(chance / cost))
+    return decide.Move(decide.Purpose.SEARCH, op.configs[i].key, float(chance[i]), float(cost[i])), misfit

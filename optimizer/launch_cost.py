@@ -63,6 +63,12 @@ class LaunchCost:
         out: FloatArray = np.maximum(_features(configs) @ self.weights, 1.0)
         return out
 
+    def baseline_s(self) -> float:
+        """Host seconds of a baseline launch: loading the weights (the fit's constant term, what
+        every configuration's start-up shares) and the workload at 1.0x."""
+        load = 1.0 if self.weights is None else max(float(self.weights[0]), 1.0)
+        return load + self.bench_s_at_1x
+
     def seconds(self, configs: Sequence[SpecConfig], speedup: FloatArray, p_fail: FloatArray) -> FloatArray:
         """Expected host seconds of launching each configuration: a failed launch costs its start-up."""
         bench = self.bench_s_at_1x / np.maximum(speedup, 0.05)

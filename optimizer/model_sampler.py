@@ -37,7 +37,7 @@ from optuna.trial import FrozenTrial, TrialState
 from scipy.stats import norm
 
 from optimizer import attrs as A
-from optimizer import deployability, launch_cost, ranking, stop_rules
+from optimizer import decide, deployability, launch_cost, ranking, stop_rules
 from optimizer.gains import beat_z
 from optimizer.gains import coords as coords
 from optimizer.gains import gain_over as gain_over
@@ -327,7 +327,9 @@ def propose(
         z = beat_z(diff, sd, spec.budget.min_gain, None)
         # The stop rule's chance (optimizer.convergence: what one launch may move the answer by).
         noise = stop_rules.launch_variance(trials, policy) if policy.answer_moves else None
-        settles = float(norm.cdf(beat_z(diff, sd, spec.budget.min_gain, noise)).max()) < policy.p_matters
+        # Per GPU-second, as the stop rule weighs it (optimizer.decide).
+        priced = decide.relative_costs(spec, trials, pool, np.exp(mean), p_fail, policy)
+        settles = float((norm.cdf(beat_z(diff, sd, spec.budget.min_gain, noise)) / priced).max()) < policy.p_matters
         if policy.depth_probe and not op.pending and settles and check.trusted:
             # The model sees nothing left to beat the incumbent: where the incumbent is the
             # deepest launch, the stop rule first wants one launch past it (stop_rules.depth_probe).

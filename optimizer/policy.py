@@ -106,6 +106,11 @@ class Policy:
     # answer.  No tuned value.  False: off; off, family engine 53 runs to the cap (30 configurations)
     # on a flat top it cannot resolve (benchmarks/README.md "The answer a launch can move (stop 43)").
     answer_moves: bool = True
+    # Each launch's chance is weighed per GPU-second against the study's typical launch
+    # (optimizer.decide.worth): a launch predicted to take twice as long must be twice as likely
+    # to move the answer.  No tuned value: `p_matters` at the typical launch is the exchange rate.
+    # False: every launch costs the same (the rule before stop 46).
+    per_cost: bool = True
 
     # ---------------------------------------------------------------- the conductor (optimizer.conductor)
     # A host's baseline has drifted (each confirmation then gets its own baseline) when two of its
@@ -330,6 +335,7 @@ SNAPSHOT_FIELDS: frozenset[str] = frozenset(
         "tight",
         "depth_probe",
         "answer_moves",
+        "per_cost",
         "drift_level",
         "model_parallel",
         "belief_margin",

@@ -6,11 +6,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from optuna.trial import FrozenTrial
 
-from optimizer import answer, deploy, ranking
+from optimizer import answer, decide, deploy, ranking
 from optimizer import attrs as A
 from optimizer import confirmation as confirm
+from optimizer.analysis import Interval
 from optimizer.conductor.hosts import (
     another_host_can_confirm,
     another_host_takes_all,
@@ -358,19 +360,34 @@ def relaunches(snap: Snapshot) -> Reconfirm | None:
         return None
     # Straddles (a winner that clears is printed; one that straddles is printed as "does not pay"),
     # and one more launch can lift it clear with the chance the stop rule calls one that matters.
-    if w_iv.low > 1.0 or confirm.clear_chance(w_iv, w.launches) < snap.policy.p_matters:
+    if w_iv.low > 1.0:
         return None
     spec = snap.spec
     number = w.trial_number
     trial = next(t for t in snap.trials if t.number == number)
     cfg = A.TrialRecord(trial).config
+    host = {le.trial_number: le.worker_id for le in completed_confirms(snap)}.get(number)
+    avoid = host if host is not None and another_host_can_confirm(snap, host) else None
+    move = relaunch_move(snap, cfg, w_iv, w.launches, avoid)
+    if not decide.worth(move, snap.policy):
+        return None
     first = next_deployment(spec, cfg, trials=snap.trials)
     if first is None:
         return None
-    host = {le.trial_number: le.worker_id for le in completed_confirms(snap)}.get(number)
-    avoid = host if host is not None and another_host_can_confirm(snap, host) else None
-    why = f"its {w_iv.value:.3f}x ({w_iv.low:.3f}-{w_iv.high:.3f}) straddles 1.0"
+    why = f"its {w_iv.value:.3f}x ({w_iv.low:.3f}-{w_iv.high:.3f}) straddles 1.0 ({move.describe()})"
     return Reconfirm((Candidate(number, cfg, trial.value, avoid, *first),), f"{w.label}: {why}")
+
+
+def relaunch_move(snap: Snapshot, cfg: SpecConfig, iv: Interval, launches: int, avoid: str | None) -> decide.Move:
+    """The relaunch as a move (optimizer.decide): its chance to lift the verdict clear of 1.0
+    (`confirmation.clear_chance`) and its GPU-seconds, the launch and, where no live host but
+    `avoid` holds a baseline that may pair with it, that host's fresh baseline too."""
+    chance = confirm.clear_chance(iv, launches)
+    cost = float(decide.relative_costs(snap.spec, snap.trials, [cfg], np.array([iv.value]), policy=snap.policy)[0])
+    paired = any(h.id != avoid and holds_fresh_baseline(snap, h.id) for h in snap.live_hosts())
+    if not paired:
+        cost += decide.baseline_cost(snap.spec, snap.trials, snap.policy)
+    return decide.Move(decide.Purpose.RELAUNCH, cfg.key, chance, cost)
 
 
 def confirmation_for(snap: Snapshot, worker_id: str) -> Action | None:

@@ -638,12 +638,16 @@ def test_a_lucky_launch_is_not_the_bar_where_the_model_ranks_the_answer() -> Non
     v = float(lucky.value or 0.0)
     # As the rule asks it: what one launch can move the answer by (optimizer.gains.moved_sd).
     noise = stop_rules.launch_variance(trials)
-    plain = convergence._model_chance(sp, model, trials, v, lucky_cfg, op, 0.01, MODEL_FLOOR, launch_var=noise)
-    ranked = convergence._model_chance(sp, model, trials, v, bar_cfg, op, 0.01, MODEL_FLOOR, launch_var=noise)
-    assert ranked[0] < plain[0]
+    plain, _ = convergence._model_chance(
+        sp, model, trials, trials, v, lucky_cfg, op, 0.01, MODEL_FLOOR, launch_var=noise
+    )
+    ranked, _ = convergence._model_chance(
+        sp, model, trials, trials, v, bar_cfg, op, 0.01, MODEL_FLOOR, launch_var=noise
+    )
+    assert ranked is not None and plain is not None and ranked.rate < plain.rate
     now = convergence.assess(sp, trials)
     assert not now.settled and "s6-k8-n42-bsauto (the model's first)" in now.reason, now.reason
-    assert now.best_chance == pytest.approx(ranked[0], rel=0.05)
+    assert now.best_chance == pytest.approx(ranked.rate, rel=0.05)
     # Without the lucky draw the leader is s6-k8-n42 by measurement too: the same bar.
     fair_bar = ranking.answer_bar(sp, [*trials[:7], fair, *trials[8:]], rank)
     assert fair_bar is not None and fair_bar.user_attrs["config_key"] == "s6-k8-n42-bsauto"

@@ -73,8 +73,26 @@ def test_a_straddle_one_launch_cannot_lift_clear_is_not_relaunched(monkeypatch: 
             measurement=([{"concurrency": 1, "output_tok_s": tok, "output_tok_s_runs": [tok - 5, tok, tok + 5]}], BASE_LEVELS),
         )  # fmt: skip
 
-    assert isinstance(c.settle(confirming(leases=(wide(1.02),))), c.Reconfirm)
-    assert isinstance(c.settle(confirming(leases=(wide(1.005),))), c.Finish)
+    # w2, the host it goes to, holds a baseline measured after the confirmation began, so the
+    # relaunch costs one launch (optimizer.decide).
+    paired = (*BASES, base("w2", BEGAN + timedelta(minutes=1), id_=3))
+    assert isinstance(c.settle(confirming(leases=(wide(1.02),), baselines=paired)), c.Reconfirm)
+    assert isinstance(c.settle(confirming(leases=(wide(1.005),), baselines=paired)), c.Finish)
+
+
+def test_a_relaunch_that_needs_its_own_baseline_must_be_twice_as_likely(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rule prices the relaunch's GPU-seconds (optimizer.decide.worth): where no other host
+    holds a baseline the relaunch may pair with, it costs that baseline's launch too, and a 16%
+    chance per two launches is under `p_matters`; with the study's `per_cost` off it is launched."""
+    monkeypatch.setattr(confirming_phase, "launch_noise", lambda snap: LaunchNoise(0.0, 0, 0.0))
+    tok = 102.0
+    wide = c.LeaseView(
+        "c0", "confirm", "completed", 1, worker_id="w1", created_at=BEGAN, finished_at=T0,
+        measurement=([{"concurrency": 1, "output_tok_s": tok, "output_tok_s_runs": [tok - 5, tok, tok + 5]}], BASE_LEVELS),
+    )  # fmt: skip
+    assert isinstance(c.settle(confirming(leases=(wide,))), c.Finish)
+    off = replace(confirming(leases=(wide,)), policy=replace(confirming().policy, per_cost=False))
+    assert isinstance(c.settle(off), c.Reconfirm)
 
 
 def test_the_chance_to_clear_is_the_preposterior_of_the_pooled_interval() -> None:
@@ -128,7 +146,9 @@ def test_a_tied_runner_up_is_called_a_tie_not_relaunched() -> None:
 
 
 def test_a_tied_winner_that_straddles_one_is_still_relaunched_alone() -> None:
-    s = confirming(leases=(done("c0", 1, 1.01), done("c1", 0, 1.012, worker="w2")))
+    # Each host measured the baseline its confirmation paired with after the phase began.
+    paired = (*BASES, base("w1", BEGAN, id_=3), base("w2", BEGAN, id_=4))
+    s = confirming(leases=(done("c0", 1, 1.01), done("c1", 0, 1.012, worker="w2")), baselines=paired)
     action = c.settle(s)
     assert isinstance(action, c.Reconfirm) and len(action.candidates) == 1
     assert "straddles 1.0" in action.why

@@ -1,0 +1,147 @@
+"""One rule for every launch a study may spend: is it worth its GPU-seconds? (issue 31 item 3)
+
+Three decisions spend a launch on the study's posterior, and each is a `Move` here:
+
+* the search goes on: a configuration not yet launched (`optimizer.convergence.assess`, the model
+  rule);
+* a runner-up is confirmed next to the leader (`optimizer.confirmation.candidates`);
+* a winner whose interval straddles 1.0 is launched once more (`optimizer.conductor.confirming
+  .relaunches`).
+
+A move carries the chance that this one launch changes the answer the study would print by the
+user's `min_gain` (each decision's own preposterior: `optimizer.gains.moved_sd`,
+`optimizer.confirmation.clear_chance`), and its cost in GPU-seconds against the study's typical
+launch (`relative_costs`: every launch of a study runs on hosts of the same tensor-parallel
+size, so seconds against the study's own launches are GPU-seconds against them).  One rule judges
+them all (`worth`): a move is worth its cost when its chance per typical launch reaches the
+policy's `p_matters`; a launch predicted to take twice the GPU-seconds must be twice as likely to
+matter.  The study stops searching when no configuration left is worth its launch, and finishes
+when no confirmation move is.
+
+Why this form.  With a benefit B for moving the answer by `min_gain` and a cost c per GPU-second,
+a launch of cost C is worth opening while chance * B >= c * C: the Pandora's-box index of a box
+whose prize is all or nothing (Weitzman 1979; "Cost-aware Stopping for Bayesian Optimization",
+ICML 2026, restated in docs/search.md).  `p_matters` at the typical launch fixes B / c, the only
+exchange rate the rule has, and it is the same risk the stop promised before it was priced.
+An expected improvement per second (tried at stop 40, benchmarks/README.md "The cost-aware stop")
+stopped later and answered worse: at a fixed chance the expected improvement grows with the
+model's sd, so wide long shots kept paying.
+
+What is not a move: the depth probe (`optimizer.stop_rules.depth_probe`) launches where the model
+cannot price the launch at all (past the deepest position it measured), and the empirical rule
+and the improvement-rate backstop end a search whose model is not trusted; docs/design.md "Rules"
+keeps each with its case.
+"""
+
+from __future__ import annotations
+
+import enum
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+from optuna.trial import FrozenTrial
+from scipy.stats import norm
+
+from optimizer import attrs as A
+from optimizer import launch_cost
+from optimizer.policy import Policy
+from optimizer.space import SpecConfig
+from optimizer.spec import StudySpec
+
+FloatArray = NDArray[np.float64]
+
+
+class Purpose(enum.StrEnum):
+    SEARCH = "search"
+    RUNNER_UP = "runner-up"
+    RELAUNCH = "relaunch"
+
+
+@dataclass(frozen=True)
+class Move:
+    """One launch the study could spend: what for, on which configuration, the chance that it
+    moves the printed answer by `min_gain`, and its GPU-seconds against the study's typical launch."""
+
+    purpose: Purpose
+    key: str | None
+    chance: float
+    cost: float = 1.0
+
+    @property
+    def rate(self) -> float:
+        """The chance per typical launch's GPU-seconds: what `worth` compares with `p_matters`."""
+        return self.chance / max(self.cost, 1e-9)
+
+    def describe(self) -> str:
+        priced = f", {self.cost:.2f}x a typical launch" if abs(self.cost - 1.0) > 0.005 else ""
+        return f"{self.purpose.value} {self.key}: chance {100 * self.chance:.0f}%{priced}"
+
+
+def chance(diff: FloatArray, spread: FloatArray) -> FloatArray:
+    """The chance that a normal estimate of mean `diff` (log, above what the move must clear) and
+    sd `spread` comes out above 0: every move's chance is this one, of its own preposterior."""
+    out: FloatArray = np.asarray(norm.cdf(diff / np.maximum(spread, 1e-12)), dtype=float)
+    return out
+
+
+def worth(move: Move, policy: Policy) -> bool:
+    """The rule: the move's chance per typical launch's GPU-seconds reaches `policy.p_matters`."""
+    return move.rate >= policy.p_matters
+
+
+def best(moves: Sequence[Move]) -> Move | None:
+    """The move with the largest chance per GPU-second (the first of equals), None for none."""
+    return max(moves, key=lambda m: m.rate, default=None)
+
+
+def relative_costs(
+    spec: StudySpec,
+    trials: Sequence[FrozenTrial],
+    configs: Sequence[SpecConfig],
+    speedup: FloatArray,
+    p_fail: FloatArray | None = None,
+    policy: Policy | None = None,
+) -> FloatArray:
+    """Each configuration's predicted GPU-seconds (start-up and benchmark, `optimizer.launch_cost`)
+    against the study's typical launch: the median of what its measured launches are predicted
+    to take at their measured speedups.  All ones where the policy does not price (`per_cost`
+    False) or the study has no measured launch yet."""
+    ones: FloatArray = np.ones(len(configs))
+    if policy is not None and not policy.per_cost:
+        return ones
+    priced = _priced(spec, trials)
+    if priced is None or not configs:
+        return ones
+    cost, typical = priced
+    fail = np.zeros(len(configs)) if p_fail is None else p_fail
+    out: FloatArray = cost.seconds(configs, np.maximum(speedup, 0.05), fail) / typical
+    return out
+
+
+def baseline_cost(spec: StudySpec, trials: Sequence[FrozenTrial], policy: Policy | None = None) -> float:
+    """A baseline launch's GPU-seconds against the study's typical launch (its start-up is the
+    weights and the target's graphs, its benchmark the workload at 1.0x); 0 where the policy does
+    not price."""
+    if policy is not None and not policy.per_cost:
+        return 0.0
+    priced = _priced(spec, trials)
+    if priced is None:
+        return 1.0
+    cost, typical = priced
+    return cost.baseline_s() / typical
+
+
+def _priced(spec: StudySpec, trials: Sequence[FrozenTrial]) -> tuple[launch_cost.LaunchCost, float] | None:
+    """The study's launch-cost fit and its typical launch's seconds (the median of what its
+    measured launches are predicted to take at their measured speedups); None before any."""
+    measured = A.measured_feasible(trials, A.CONFIG)
+    if not measured:
+        return None
+    cost = launch_cost.fit(spec, trials)
+    configs = [r.config for r in A.records(measured)]
+    seen = np.array([max(float(t.value or 0.0), 0.05) for t in measured])
+    typical = statistics.median(cost.seconds(configs, seen, np.zeros(len(configs))).tolist())
+    return (cost, typical) if typical > 0 else None
