@@ -67,7 +67,9 @@ class Assessment:
     reason: str
     measured: int
     open_configs: int
-    best_chance: float  # the largest probability that an open configuration beats the bar
+    # The search's move (optimizer.decide): the largest chance per typical launch's GPU-seconds that
+    # an open configuration's launch moves the answer past the bar.
+    best_chance: float
     best_chance_config: str | None
     misfit: float
     pays: bool | None  # None while unsettled
@@ -188,7 +190,7 @@ def assess(
 
     # The sampler walks only where it has a model that failed its check (model_sampler._local_moves).
     walks = pays_now and model is not None and check is not None and not check.trusted
-    quiet_n, walk = quiet_spell(spec, trials, history, lead, best_r, op) if walks else (lead.since, False)
+    quiet_n, walk = quiet_spell(spec, trials, history, lead, best_r, op, policy) if walks else (lead.since, False)
 
     def settle(rule: StopRule, why: str) -> Assessment:
         if pays_now:
@@ -253,11 +255,12 @@ def quiet_spell(
     lead: R.Lead,
     best: A.TrialRecord,
     op: OpenPool,
+    policy: Policy = DEFAULT_POLICY,
 ) -> tuple[int, bool]:
     """The launches the empirical rule counts since the incumbent that beats the baseline, and
     whether they are the walk around it: the sampler's local moves (optimizer.stop_rules.walked_since)
     while a neighbour is left to walk to, else every launch since."""
-    moves = local_moves(best.config, op.configs, spec.search_space, R.launched_configs(trials))
+    moves = local_moves(best.config, op.configs, spec.search_space, R.launched_configs(trials), policy.local_radii)
     if not moves.index.size:
         return lead.since, False
     return R.walked_since(trials, history, lead), True

@@ -225,9 +225,14 @@ def _mirror_key(c: SpecConfig, space: SearchSpace) -> tuple[int, int, int, int]:
 
 
 def local_moves(
-    ref: SpecConfig, pool: Sequence[SpecConfig], space: SearchSpace, measured: Sequence[SpecConfig] = ()
+    ref: SpecConfig,
+    pool: Sequence[SpecConfig],
+    space: SearchSpace,
+    measured: Sequence[SpecConfig] = (),
+    radii: Sequence[float] = LOCAL_RADII,
 ) -> LocalMoves:
-    """The incumbent's nearest unlaunched neighbours (the first ring of LOCAL_RADII that has any).
+    """The incumbent's nearest unlaunched neighbours (the first ring of `radii`, the study's
+    `Policy.local_radii`, that has any).
 
     `measured`: the configurations with a result; a neighbour whose mirror image through the
     incumbent is one of them is "onward" (the incumbent beat that side, so the slope points this
@@ -238,7 +243,7 @@ def local_moves(
         return empty
     dist = lattice_distance(ref, pool, space)
     idx = np.zeros(0, dtype=int)
-    for r in LOCAL_RADII:
+    for r in radii:
         idx = np.flatnonzero((dist > 0) & (dist <= r + 1e-9))
         if idx.size:
             break
@@ -257,8 +262,11 @@ def local_moves(
     return LocalMoves(idx, onward)
 
 
-def pending_penalty(pool: Sequence[SpecConfig], pending: Sequence[SpecConfig]) -> FloatArray:
-    """Factor on each candidate's value: 0 for a near-copy of a configuration in flight, rising to
+def pending_penalty(
+    pool: Sequence[SpecConfig], pending: Sequence[SpecConfig], near_copy: float = NEAR_COPY
+) -> FloatArray:
+    """Factor on each candidate's value: 0 for a near-copy (closer than `near_copy`, the study's
+    `Policy.near_copy`) of a configuration in flight, rising to
     1 away from them (what the pending launch will teach about its neighbours is not worth a
     second launch now)."""
     out = np.ones(len(pool))
@@ -267,7 +275,7 @@ def pending_penalty(pool: Sequence[SpecConfig], pending: Sequence[SpecConfig]) -
     a, b = coords(pool), coords(pending)
     d2 = ((a[:, None, :] - b[None, :, :]) ** 2).sum(axis=2)
     for j in range(len(pending)):
-        out *= np.where(d2[:, j] < NEAR_COPY**2, 0.0, 1.0 - np.exp(-d2[:, j] / 2.0))
+        out *= np.where(d2[:, j] < near_copy**2, 0.0, 1.0 - np.exp(-d2[:, j] / 2.0))
     return out
 
 
@@ -301,7 +309,9 @@ def propose(
         keep = set(rng.sample(range(len(pool)), MAX_SCORED))
         top = best_measured_trial(trials)
         if top is not None:
-            near = lattice_distance(A.TrialRecord(top).config, pool, spec.search_space) <= max(LOCAL_RADII) + 1e-9
+            near = (
+                lattice_distance(A.TrialRecord(top).config, pool, spec.search_space) <= max(policy.local_radii) + 1e-9
+            )
             keep.update(int(i) for i in np.flatnonzero(near))
         idx = sorted(keep)
         pool, p_fail = [pool[i] for i in idx], p_fail[idx]
@@ -310,7 +320,7 @@ def propose(
     mean, sd = model.predict_log_speedup(cand, levels, weights)
     # LOSE_BY: what the model itself expects to lose by more than 20% to the best measured so far.
     best_so_far = _best_measured(trials)
-    bar = math.log((1.0 - LOSE_BY) * max(1.0, best_so_far or 0.0))
+    bar = math.log((1.0 - policy.lose_by) * max(1.0, best_so_far or 0.0))
     loses = mean < bar
     # What the prediction claims about the value itself: the stop rule checks each result against
     # it (optimizer.stop_rules), so it is stored apart from the sd the choice below is made with.
@@ -348,7 +358,7 @@ def propose(
             incumbent = float(mean.max())
         z = (mean - incumbent) / sd
     ei = sd * (z * norm.cdf(z) + norm.pdf(z))
-    penalty = pending_penalty(pool, op.pending)
+    penalty = pending_penalty(pool, op.pending, policy.near_copy)
     cost = launch_cost.fit(spec, trials).seconds(pool, np.exp(mean), p_fail)
     value = ei * (1.0 - p_fail) * penalty / (cost / float(np.median(cost)))
     local = _local_moves(spec, trials, pool, best, policy)
@@ -429,7 +439,7 @@ def _local_moves(
     if stop_rules.prediction_check(trials, policy).trusted:
         return None
     measured = stop_rules.launched_configs(trials)
-    moves = local_moves(A.TrialRecord(best).config, pool, spec.search_space, measured)
+    moves = local_moves(A.TrialRecord(best).config, pool, spec.search_space, measured, policy.local_radii)
     return moves if moves.index.size else None
 
 

@@ -15,7 +15,7 @@ tests/optimizer/test_policy.py lists them and fails on any new numeric module co
 is neither.
 
 Fields in `SNAPSHOT_FIELDS` reach the rules through the snapshot.  The rest (the performance
-model's priors, the sampler's geometry, the memory model's bars, the launch-noise prior) are read
+model's priors, the published starts' `busy_from`, the memory model's bars, the launch-noise prior) are read
 from `DEFAULT_POLICY` by the modules that fit the models, which the snapshot does not reach yet;
 `with_overrides` refuses them so a benchmark never reports a change it did not make.
 """
@@ -182,7 +182,7 @@ class Policy:
     # Without a start to bound it, the room is taken to lie within this factor of the failure.
     prior_span: float = 8.0
 
-    # ------------------------------------------------- the sampler (optimizer.model_sampler): default
+    # ------------------------------------------------- the sampler (optimizer.model_sampler)
     # Two configurations closer than this (lattice units) are near-copies, never both in flight.
     near_copy: float = 0.75
     # How far the model-free walk looks around the incumbent: the neighbours, then the next ring.
@@ -341,5 +341,8 @@ SNAPSHOT_FIELDS: frozenset[str] = frozenset(
         "belief_margin",
         "relaunch",
         "extra_passes_per_repeat",
+        "near_copy",
+        "local_radii",
+        "lose_by",
     }
 )

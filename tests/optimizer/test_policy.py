@@ -245,3 +245,42 @@ def test_a_benchmark_cannot_set_what_the_snapshot_does_not_carry() -> None:
     # Read by the performance model from the default policy: a change there would not be made.
     with pytest.raises(ValueError, match="default policy"):
         DEFAULT_POLICY.with_overrides(["eager_penalty=2.0"])
+
+
+def test_the_samplers_geometry_travels_with_the_studys_policy() -> None:
+    """`lose_by`, `near_copy` and `local_radii` are the snapshot's (a benchmark may vary them) and
+    the sampler reads the study's values, not the default's."""
+    import random
+
+    from optimizer import model_sampler as M
+    from optimizer.space import SearchSpace
+    from tests.optimizer.test_answer_moves import EIGHT
+    from tests.optimizer.test_convergence import measured
+
+    assert DEFAULT_POLICY.with_overrides(["lose_by=0.0", "near_copy=0.25"]).changed() == {
+        "lose_by": 0.0,
+        "near_copy": 0.25,
+    }
+    trials = measured("dense-8b-h100", EIGHT[:5])
+    best = max(float(t.value or 0.0) for t in trials)
+    default = M.propose(zigzag_spec(), trials, random.Random(0))
+    strict = M.propose(zigzag_spec(), trials, random.Random(0), policy=dataclasses.replace(DEFAULT_POLICY, lose_by=0.0))
+    assert default is not None and strict is not None
+    # The default lets the model's best value be a hair below the best measured; a policy that
+    # allows no loss at all proposes only what the model predicts to beat it.
+    assert default.predicted_speedup < best <= strict.predicted_speedup and strict.purpose is None
+    # A configuration half a lattice step from one in flight: a near-copy at the default 0.75,
+    # worth something at 0.25.
+    here, near = (
+        SpecConfig(num_steps=4, topk=2, num_draft_tokens=8),
+        SpecConfig(num_steps=5, topk=2, num_draft_tokens=8),
+    )
+    assert M.pending_penalty([near], [here]).tolist() == [0.0]
+    assert M.pending_penalty([near], [here], 0.25)[0] > 0.0
+    # The walk's rings: the second ring only where the policy says so.
+    space = SearchSpace()
+    ref = SpecConfig(num_steps=5, topk=4, num_draft_tokens=14)
+    pool = [c for c in M.space_configs(space) if c.key != ref.key]
+    first = M.local_moves(ref, pool, space)
+    wider = M.local_moves(ref, pool, space, radii=(2.0,))
+    assert set(first.index.tolist()) < set(wider.index.tolist())
