@@ -43,7 +43,6 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 from optuna.trial import FrozenTrial
-from scipy.stats import norm
 
 from optimizer import attrs as A
 from optimizer import launch_cost
@@ -78,13 +77,6 @@ class Move:
     def describe(self) -> str:
         priced = f", {self.cost:.2f}x a typical launch" if abs(self.cost - 1.0) > 0.005 else ""
         return f"{self.purpose.value} {self.key}: chance {100 * self.chance:.0f}%{priced}"
-
-
-def chance(diff: FloatArray, spread: FloatArray) -> FloatArray:
-    """The chance that a normal estimate of mean `diff` (log, above what the move must clear) and
-    sd `spread` comes out above 0: every move's chance is this one, of its own preposterior."""
-    out: FloatArray = np.asarray(norm.cdf(diff / np.maximum(spread, 1e-12)), dtype=float)
-    return out
 
 
 def worth(move: Move, policy: Policy) -> bool:

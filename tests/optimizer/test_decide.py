@@ -6,7 +6,6 @@ import dataclasses
 from typing import Any
 
 import numpy as np
-import pytest
 
 from optimizer import decide
 from optimizer.policy import DEFAULT_POLICY
@@ -43,12 +42,6 @@ def test_a_move_is_worth_its_launch_when_its_chance_per_typical_launch_reaches_p
     likelier = decide.Move(decide.Purpose.RELAUNCH, "c", 3.0 * p, cost=4.0)
     assert decide.best([likelier, cheap]) is cheap
     assert decide.best([]) is None
-
-
-def test_the_chance_is_the_normal_tail_of_the_moves_preposterior() -> None:
-    got = decide.chance(np.array([0.0, 0.02, -0.02]), np.array([0.01, 0.01, 0.01]))
-    assert got[0] == pytest.approx(0.5)
-    assert got[1] == pytest.approx(0.97725, abs=1e-4) and got[2] == pytest.approx(0.02275, abs=1e-4)
 
 
 def test_costs_are_gpu_seconds_against_the_studys_typical_launch() -> None:
