@@ -109,7 +109,10 @@ class Policy:
     # Each launch's chance is weighed per GPU-second against the study's typical launch
     # (optimizer.decide.worth): a launch predicted to take twice as long must be twice as likely
     # to move the answer.  No tuned value: `p_matters` at the typical launch is the exchange rate.
-    # False: every launch costs the same (the rule before stop 46).
+    # False: every launch costs the same (the rule before stop 46).  Its case: answer_quality's
+    # small-gain seed 9 answers 1.035x of a 1.048x best off (1.2% short), the best on; family
+    # engine 83 drops a relaunch that needed its own baseline, 14 -> 12 launches for the same answer
+    # (benchmarks/README.md "One rule, priced per GPU-second (stop 46)").
     per_cost: bool = True
 
     # ---------------------------------------------------------------- the conductor (optimizer.conductor)
