@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from api.services.trial_records import screened
 from optimizer import conductor as c
 from optimizer.analysis import LaunchNoise
-from tests.optimizer.test_conductor import FOUR, confirming
+from tests.optimizer.test_conductor import BASES, BEGAN, FOUR, base, confirming
 from tests.optimizer.test_relaunch import BASE_LEVELS, done
 from tests.support.api_client import Api, make_settings, make_tokens
 from tests.support.specs import INVENTORY, small_spec
@@ -27,6 +27,11 @@ from tests.support.specs import INVENTORY, small_spec
 def noisy_launches(monkeypatch: pytest.MonkeyPatch) -> None:
     # Launch noise (1.4%) dominates the tight passes: a winner straddling 1.0 is worth one more launch.
     monkeypatch.setattr(c, "launch_noise", lambda snap: LaunchNoise(0.014**2, 3, 6.0))
+
+
+# Each host measured the baseline its confirmation paired with after the phase began, so a
+# relaunch pairs with one and costs its own launch (optimizer.decide).
+PAIRED = (*BASES, base("w1", BEGAN, id_=3), base("w2", BEGAN, id_=4))
 
 
 def _saturated(lease: c.LeaseView) -> c.LeaseView:
@@ -41,7 +46,7 @@ def test_a_best_that_cannot_be_the_answer_is_not_relaunched_and_not_the_winner(w
     # Trial 1 searched best (1.08x) and confirmed ahead of trial 3 (searched 1.01x, tests/optimizer/test_conductor.py's
     # FOUR); both confirmations straddle 1.0.
     best, other = done("c0", 1, 1.025), done("c1", 3, 1.01, worker="w2")
-    clean = confirming(leases=(best, other))
+    clean = confirming(leases=(best, other), baselines=PAIRED)
     action = c.relaunches(clean)
     choice = c.winner(clean)
     assert choice is not None and choice.winner.trial_number == 1
@@ -49,7 +54,7 @@ def test_a_best_that_cannot_be_the_answer_is_not_relaunched_and_not_the_winner(w
     if why == "quarantined":  # an admin quarantined trial 1: every reader sees it as a failure
         s = replace(clean, trials=screened(FOUR, {1: "forged measurement"}))
     else:  # trial 1's confirmation measured the host's load, not the configuration
-        s = confirming(leases=(_saturated(best), other))
+        s = confirming(leases=(_saturated(best), other), baselines=PAIRED)
     choice = c.winner(s)
     assert choice is not None and choice.winner.trial_number == 3
     assert all(t.trial_number != 1 for t in choice.ties)
@@ -61,7 +66,7 @@ def test_a_best_that_cannot_be_the_answer_is_not_relaunched_and_not_the_winner(w
     only = (
         replace(clean, trials=screened(FOUR, {1: "forged"}), leases=(best,))
         if why == "quarantined"
-        else confirming(leases=(_saturated(best),))
+        else confirming(leases=(_saturated(best),), baselines=PAIRED)
     )
     assert c.relaunches(only) is None
 
