@@ -84,11 +84,6 @@ def worth(move: Move, policy: Policy) -> bool:
     return move.rate >= policy.p_matters
 
 
-def best(moves: Sequence[Move]) -> Move | None:
-    """The move with the largest chance per GPU-second (the first of equals), None for none."""
-    return max(moves, key=lambda m: m.rate, default=None)
-
-
 def relative_costs(
     spec: StudySpec,
     trials: Sequence[FrozenTrial],
