@@ -156,7 +156,7 @@ def run_case(ls: Landscape, spec: StudySpec, seed: int, launch_sd: float, best: 
         return Outcome(False, 1.0, best, None, None, None, launches, by_kind, extra, base_started, "", None,
                        noise.sd)  # fmt: skip
     contenders = [answer.Contender.of_json(d) for d in docs.values()]
-    rank = ranking.of(spec, snap.trials, snap.verify_shapes(), conductor.relaunched(snap))
+    rank = ranking.of(spec, snap.trials, snap.verify_shapes(), conductor.relaunched(snap), snap.policy)
     choice = answer.winner(spec, snap.trials, contenders, rank, TIE_WITHIN)
     assert choice is not None
     w = choice.winner

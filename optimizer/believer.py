@@ -30,6 +30,7 @@ from optuna.trial import FrozenTrial, TrialState
 from optimizer import attrs as A
 from optimizer.model_sampler import objective_levels, observations_of
 from optimizer.perf_model import Candidates, fit, per_user_rate
+from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.spec import StudySpec
 from optimizer.verify_probe import VerifyShape
 
@@ -40,11 +41,13 @@ def believed(
     now: datetime,
     hosts: Mapping[int, str] | None = None,
     shapes: Mapping[str, VerifyShape] | None = None,
+    policy: Policy = DEFAULT_POLICY,
 ) -> list[FrozenTrial] | None:
     """`trials` with each running launch that carries the model's prediction completed at the fitted
     values, its result arriving after every real one (at `now` when none is in), from its host
     (`hosts`: trial number -> the worker whose lease runs it); None when no launch in flight
-    carries a prediction or there is no model to believe."""
+    carries a prediction or there is no model to believe.  `policy`: the study's, as the stop
+    rule fits under it."""
     running = {
         t.number: t
         for t in trials
@@ -52,7 +55,7 @@ def believed(
     }
     if not running:
         return None
-    model = fit(observations_of(trials), spec.search_space.num_steps.high, shapes)  # the stop rule's fit
+    model = fit(observations_of(trials), spec.search_space.num_steps.high, shapes, policy)  # the stop rule's fit
     if model is None:
         return None
     levels, weights = objective_levels(spec)

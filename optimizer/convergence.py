@@ -157,14 +157,14 @@ def assess(
             1.0,
             None,
         )
-    model = fit(observations_of(trials), spec.search_space.num_steps.high, shapes)
+    model = fit(observations_of(trials), spec.search_space.num_steps.high, shapes, policy)
     check = R.prediction_check(trials, policy) if model is not None else None
     op = open_pool(spec, trials)
     # The bar what is left must beat: the incumbent, or where the model ranks the confirmed
     # candidates, the one it ranks first (ranking.answer_bar: the answer, not the luckiest launch).
     bar = best
     if model is not None and check is not None:
-        floor = ranking.floor_sd(check)
+        floor = ranking.floor_sd(check, policy)
         if pays_now:
             bar = ranking.bar_of(spec, trials, model, check, best, policy)
         # What one more launch may move the model by (None: the configuration's value itself).

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import optuna
 
-from optimizer import perf_model as pm
+from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.rehearsal import Host, Resolver, Workload, drive, spectune_plan
 from optimizer.spec import StudySpec
 from spectune_sim.landscapes import LANDSCAPES, Landscape
@@ -97,28 +97,29 @@ def _clip(x: float, lo: float, hi: float) -> float:
     return min(max(x, lo), hi)
 
 
-def draw_engine(spec: StudySpec, rng: random.Random) -> Landscape:
+def draw_engine(spec: StudySpec, rng: random.Random, policy: Policy = DEFAULT_POLICY) -> Landscape:
     """An engine for this spec: a template of its class with acceptance and costs drawn from the
-    perf model's priors (`optimizer.perf_model`), clipped to what a server can be (a draft step
-    cheaper than a target decode, acceptance below 0.97)."""
+    perf model's priors (`policy`'s, optimizer.perf_model; the plan runs before any study, so the
+    default policy's), clipped to what a server can be (a draft step cheaper than a target decode,
+    acceptance below 0.97)."""
     base = rng.choice(templates(spec))
-    logit = rng.gauss(*pm._ACCEPT_FIRST)
+    logit = rng.gauss(*policy.accept_first)
     accept = []
     for _ in range(POSITIONS):
         accept.append(_clip(_sigmoid(logit), 0.05, 0.97))
-        logit += rng.gauss(0.0, pm._ACCEPT_STEP_SD)
-    knee = rng.choice(pm.KNEES)
+        logit += rng.gauss(0.0, policy.accept_step_sd)
+    knee = rng.choice(policy.knees)
     return dataclasses.replace(
         base,
         name=f"{base.name}~prior",
         accept_by_depth=tuple(accept),
-        tree_gain=_clip(rng.gauss(*pm._TREE_GAIN), 0.0, 0.6),
-        draft_step_frac=_clip(rng.gauss(*pm._DELTA), 0.02, 0.6),
-        draft_topk_slope=_clip(rng.gauss(*pm._GAMMA), 0.0, 0.3),
-        verify_slope=_clip(rng.gauss(*pm._BETA), 0.005, 1.0),
+        tree_gain=_clip(rng.gauss(*policy.tree_gain), 0.0, 0.6),
+        draft_step_frac=_clip(rng.gauss(*policy.delta), 0.02, 0.6),
+        draft_topk_slope=_clip(rng.gauss(*policy.gamma), 0.0, 0.3),
+        verify_slope=_clip(rng.gauss(*policy.beta), 0.005, 1.0),
         verify_knee=max(knee, 1),
-        verify_slope_after=_clip(rng.gauss(*pm._BETA_AFTER), 0.0, 0.5),
-        overhead_ms=base.decode_ms * _clip(rng.gauss(*pm._OMEGA), 0.0, 1.0),
+        verify_slope_after=_clip(rng.gauss(*policy.beta_after), 0.0, 0.5),
+        overhead_ms=base.decode_ms * _clip(rng.gauss(*policy.omega), 0.0, 1.0),
     )
 
 

@@ -15,7 +15,7 @@ import numpy as np
 from optuna.trial import FrozenTrial, TrialState
 
 from optimizer import attrs as A
-from optimizer.perf_model import MODEL_FLOOR, Candidates, FittedModel, FloatArray, Observation, observations_from_attrs
+from optimizer.perf_model import Candidates, FittedModel, FloatArray, Observation, observations_from_attrs
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 
@@ -51,14 +51,16 @@ def coords(configs: Sequence[SpecConfig]) -> FloatArray:
 
 
 def gain_over(
-    spec: StudySpec, model: FittedModel, pool: Sequence[SpecConfig], ref: SpecConfig, floor_sd: float = MODEL_FLOOR
+    spec: StudySpec, model: FittedModel, pool: Sequence[SpecConfig], ref: SpecConfig, floor_sd: float | None = None
 ) -> tuple[FloatArray, FloatArray]:
     """Mean and sd of log(candidate / incumbent) by the model (FittedModel.predict_gain).
 
     The model's misspecification floor (`floor_sd` far from the incumbent; the convergence stop
     passes what the model's own predictions missed by) hits a near-copy of the incumbent as much
     as the incumbent itself, so it grows with the distance between the two servers (`coords`).
+    None: the floor of the policy the model was fitted under.
     """
+    floor_sd = model.policy.model_floor if floor_sd is None else floor_sd
     levels, weights = objective_levels(spec)
     dist = np.sqrt(((coords(pool) - coords([ref])) ** 2).sum(axis=1))
     floor = floor_sd * np.minimum(1.0, dist / 8.0)

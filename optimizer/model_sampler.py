@@ -297,7 +297,7 @@ def propose(
     rule alone would leave the sampler walking for a rule that no longer waits for the walk).
     """
     if model is None:
-        model = fit(observations_of(trials), spec.search_space.num_steps.high, shapes)
+        model = fit(observations_of(trials), spec.search_space.num_steps.high, shapes, policy)
     if model is None:
         return None
     op = open_pool(spec, trials)
@@ -528,6 +528,7 @@ def _predict_in_flight(
     trials: Sequence[FrozenTrial],
     asking: int,
     shapes: Mapping[str, VerifyShape] | None = None,
+    policy: Policy = DEFAULT_POLICY,
 ) -> tuple[bool, FittedModel | None]:
     """Fit the model and store `in_flight_predictions`: (done, the fit); done is False when it
     failed.
@@ -536,7 +537,7 @@ def _predict_in_flight(
     lease or the report it serves, or leave a trial no one tells: a prediction is the check's
     evidence, not their purpose, so a failure is logged and the ask or tell goes on."""
     try:
-        model = fit(observations_of(trials), spec.search_space.num_steps.high, shapes)
+        model = fit(observations_of(trials), spec.search_space.num_steps.high, shapes, policy)
         _record_in_flight(study, in_flight_predictions(spec, trials, model, asking))
     except Exception:  # noqa: BLE001 - see the docstring: never fail the ask or the tell for this
         log.warning("study %s: no in-flight predictions at trial %d", study.study_name, asking, exc_info=True)
@@ -590,7 +591,7 @@ class ModelSampler(BaseSampler):
         if trial.params:
             return
         trials = study.get_trials(deepcopy=False)
-        done, model = _predict_in_flight(study, self._spec, trials, trial.number, self._shapes)
+        done, model = _predict_in_flight(study, self._spec, trials, trial.number, self._shapes, self._policy)
         if done:  # else `sample_relative` fits again, and says what went wrong if it does again
             self._fitted = (trial.number, trials, model)
 
@@ -602,7 +603,9 @@ class ModelSampler(BaseSampler):
         of them carries a prediction (a tell's usual case, on the report's path)."""
         running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
         if any(_unpredicted(t) and t.number != trial.number for t in running):
-            _predict_in_flight(study, self._spec, study.get_trials(deepcopy=False), trial.number, self._shapes)
+            _predict_in_flight(
+                study, self._spec, study.get_trials(deepcopy=False), trial.number, self._shapes, self._policy
+            )
 
     def infer_relative_search_space(self, study: Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
         return distributions(self._spec.search_space)
@@ -616,7 +619,7 @@ class ModelSampler(BaseSampler):
             _, trials, model = self._fitted  # read and fitted by `before_trial`, moments ago
         else:
             trials = study.get_trials(deepcopy=False)
-            model = fit(observations_of(trials), self._spec.search_space.num_steps.high, self._shapes)
+            model = fit(observations_of(trials), self._spec.search_space.num_steps.high, self._shapes, self._policy)
         proposal = None if model is None else propose(self._spec, trials, self._rng, model, self._policy, self._shapes)
         if proposal is None:
             start = blind_start(self._spec, trials)

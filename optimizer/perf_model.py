@@ -44,32 +44,17 @@ import numpy as np
 from numpy.typing import NDArray
 from scipy.optimize import least_squares
 
-from optimizer.policy import DEFAULT_POLICY
+from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.residual_gp import ResidualGP
 from optimizer.space import SpecConfig
 from optimizer.verify_probe import VerifyShape
 
 FloatArray = NDArray[np.float64]
 
-# Priors (mean, sd) in the units above; ranges from docs/calibration.md §4-6.
-_ACCEPT_FIRST = DEFAULT_POLICY.accept_first  # logit of a_1: 0.55-0.85 in public data
-_ACCEPT_STEP_SD = DEFAULT_POLICY.accept_step_sd  # logit change from one position to the next
-_TREE_GAIN = DEFAULT_POLICY.tree_gain  # optimizer.policy
-_DELTA = DEFAULT_POLICY.delta  # draft step / decode step
-_GAMMA = DEFAULT_POLICY.gamma  # extra draft cost per extra topk branch
-_BETA = DEFAULT_POLICY.beta  # verify cost per extra token up to the knee
-_BETA_AFTER = DEFAULT_POLICY.beta_after  # optimizer.policy
-_OMEGA = DEFAULT_POLICY.omega  # fixed per-cycle overhead / decode step
-# Knees tried for the verify cost; 0 means one slope throughout (dense targets).
-KNEES = DEFAULT_POLICY.knees  # optimizer.policy
-# Relative measurement noise of AL and of the cycle ratio (a few % per level, from the loadgen).
-AL_NOISE = DEFAULT_POLICY.al_noise  # optimizer.policy
-COST_NOISE = DEFAULT_POLICY.cost_noise  # optimizer.policy
-PROBE_FLOOR = DEFAULT_POLICY.probe_floor  # optimizer.policy
-# Floor on a prediction's sd: the model is a simplification of a real server.
-MODEL_FLOOR = DEFAULT_POLICY.model_floor  # optimizer.policy
-# Graphs missing at a level make that level run eagerly (docs/calibration.md §5).
-EAGER_PENALTY = DEFAULT_POLICY.eager_penalty  # optimizer.policy
+# The priors (mean, sd, in the units above; ranges from docs/calibration.md sections 4-6), the
+# knees tried for the verify cost, the measurement noise of AL and of the cycle ratio, the floor on
+# a prediction's sd and the eager penalty are the study's policy (optimizer.policy: accept_first
+# ... eager_penalty), handed to `fit` and kept by the model it returns.
 
 
 @dataclass(frozen=True)
@@ -170,6 +155,8 @@ class FittedModel:
     # cycle ratio by (configuration, level).  None: nothing to learn them from.
     al_gp: ResidualGP | None = None
     cost_gp: ResidualGP | None = None
+    # The study's policy it was fitted under: its floor and eager penalty shape every prediction.
+    policy: Policy = DEFAULT_POLICY
 
     def _residual(
         self, cand: Candidates, levels: Sequence[int], weights: Sequence[float], ref: Candidates | None, new: bool
@@ -218,7 +205,7 @@ class FittedModel:
         var = np.einsum("ic,ij,jc->c", grads, cov, grads)
         # A measurement of a new launch: the misfit, an unknown host's offset and launch noise too.
         r_mean, r_var = self._residual(cand, levels, weights, None, new_launch)
-        return mean + r_mean, np.sqrt(np.maximum(var, 0.0) + r_var + MODEL_FLOOR**2)
+        return mean + r_mean, np.sqrt(np.maximum(var, 0.0) + r_var + self.policy.model_floor**2)
 
     def predict_gain(
         self,
@@ -226,14 +213,15 @@ class FittedModel:
         ref: Candidates,
         levels: Sequence[int],
         weights: Sequence[float],
-        floor: FloatArray | float = MODEL_FLOOR,
+        floor: FloatArray | float | None = None,
     ) -> tuple[FloatArray, FloatArray]:
         """Mean and sd of log(speedup of each candidate / speedup of `ref`'s one configuration).
 
         The difference's sd comes from the difference of the gradients, so what the model is
         unsure of for both alike (a neighbour of the incumbent) cancels, as it should; `floor`
-        (per candidate) stands for the model's own misspecification.
+        (per candidate) stands for the model's own misspecification (None: the policy's floor).
         """
+        floor = self.policy.model_floor if floor is None else floor
         theta = np.concatenate([self.logits, [self.gain], self.cost])
         both = Candidates.of(list(cand.configs) + list(ref.configs[:1]))
         base = self._objective(theta, both, levels, weights)
@@ -288,7 +276,7 @@ class FittedModel:
         for level in levels:
             b = np.full(len(cand.configs), float(level))
             r = cycle_ratios(cand.steps, cand.topk, cand.ndt, b, cost, self.knee)
-            out.append((al, np.where(cand.graph_bs < level, r * EAGER_PENALTY, r)))
+            out.append((al, np.where(cand.graph_bs < level, r * self.policy.eager_penalty, r)))
         return out
 
     def predict_levels(self, config: SpecConfig, levels: Sequence[int]) -> list[tuple[float, float]]:
@@ -315,18 +303,24 @@ class FittedModel:
 
 
 def fit(
-    observations: Sequence[Observation], max_steps: int, shapes: Mapping[str, VerifyShape] | None = None
+    observations: Sequence[Observation],
+    max_steps: int,
+    shapes: Mapping[str, VerifyShape] | None = None,
+    policy: Policy = DEFAULT_POLICY,
 ) -> FittedModel | None:
     """Fit both halves; None when there is nothing to fit.
 
     `shapes`: each host's verify cost shape from its baseline's probe (optimizer.verify_probe,
     `latest_shapes`): data for the cost half next to the trials' cycle ratios (`probe_rows`).
-    Without them the fit is the trials' alone."""
+    Without them the fit is the trials' alone.  `policy`: the study's (its priors, noise, knees,
+    residual grid and floors; the snapshot's, optimizer.policy)."""
     if not observations:
         return None
-    logits, gain, acov, al_gp = _fit_acceptance(observations, max_steps)
-    cost, knee, ccov, cost_gp = _fit_cost(observations, probe_rows(shapes))
-    return FittedModel(logits, gain, acov, cost, knee, ccov, len(observations), al_gp=al_gp, cost_gp=cost_gp)
+    logits, gain, acov, al_gp = _fit_acceptance(observations, max_steps, policy)
+    cost, knee, ccov, cost_gp = _fit_cost(observations, probe_rows(shapes, policy.probe_floor), policy)
+    return FittedModel(
+        logits, gain, acov, cost, knee, ccov, len(observations), al_gp=al_gp, cost_gp=cost_gp, policy=policy
+    )
 
 
 def accept_coords(cand: Candidates) -> FloatArray:
@@ -354,8 +348,22 @@ def _leverage(jac: FloatArray, rows: int) -> FloatArray:
     return np.asarray(np.einsum("ij,jk,ik->i", jd, inv, jd), dtype=np.float64)
 
 
+def _residual_gp(x: FloatArray, resid: FloatArray, noise: FloatArray, policy: Policy, **kw: Any) -> ResidualGP | None:
+    """The residual's posterior over the policy's hyperparameter grid (optimizer.residual_gp)."""
+    return ResidualGP.fit(
+        x,
+        resid,
+        noise,
+        amplitudes=policy.residual_amplitudes,
+        lengths=policy.residual_lengths,
+        host_sds=policy.residual_host_sds,
+        extra_noise=policy.residual_extra_noise,
+        **kw,
+    )
+
+
 def _fit_acceptance(
-    obs: Sequence[Observation], max_steps: int
+    obs: Sequence[Observation], max_steps: int, policy: Policy
 ) -> tuple[FloatArray, float, FloatArray, ResidualGP | None]:
     # One AL per configuration (mean over its levels and repeats): acceptance does not depend on
     # the batch, and weighting every level would count one measurement several times.
@@ -370,18 +378,18 @@ def _fit_acceptance(
     topk = np.array([k[1] for k in keys], dtype=float)
     ndt = np.array([k[2] for k in keys], dtype=float)
     al = np.array([sum(v) / len(v) for v in by_config.values()])
-    sd = AL_NOISE * al / np.sqrt([len(v) for v in by_config.values()])
+    sd = policy.al_noise * al / np.sqrt([len(v) for v in by_config.values()])
     depth = int(max(1, min(max_steps, int(np.minimum(steps, ndt - 1).max()))))
 
     def residuals(p: FloatArray) -> FloatArray:
         u, g = p[:depth], p[depth]
         pred = accept_lengths(steps, topk, ndt, u, g)
-        prior = [(u[0] - _ACCEPT_FIRST[0]) / _ACCEPT_FIRST[1]]
-        prior += list(np.diff(u) / _ACCEPT_STEP_SD)
-        prior.append((g - _TREE_GAIN[0]) / _TREE_GAIN[1])
+        prior = [(u[0] - policy.accept_first[0]) / policy.accept_first[1]]
+        prior += list(np.diff(u) / policy.accept_step_sd)
+        prior.append((g - policy.tree_gain[0]) / policy.tree_gain[1])
         return np.concatenate([(pred - al) / sd, prior])
 
-    x0 = np.concatenate([np.full(depth, _ACCEPT_FIRST[0]), [_TREE_GAIN[0]]])
+    x0 = np.concatenate([np.full(depth, policy.accept_first[0]), [policy.tree_gain[0]]])
     lo = np.concatenate([np.full(depth, -8.0), [0.0]])
     hi = np.concatenate([np.full(depth, 8.0), [0.9]])
     res = least_squares(residuals, x0, bounds=(lo, hi), method="trf")
@@ -390,7 +398,7 @@ def _fit_acceptance(
     resid = np.log(al) - np.log(accept_lengths(steps, topk, ndt, logits, gain))
     m = np.array([k in real for k in keys])
     lev = _leverage(res.jac, len(keys))
-    gp = ResidualGP.fit(accept_coords(cand)[m], resid[m], (sd / al)[m], leverage=lev[m]) if m.any() else None
+    gp = _residual_gp(accept_coords(cand)[m], resid[m], (sd / al)[m], policy, leverage=lev[m]) if m.any() else None
     return logits, gain, _laplace(res.jac), gp
 
 
@@ -408,22 +416,22 @@ class ProbeRows:
         return len(self.batch)
 
 
-def probe_rows(shapes: Mapping[str, VerifyShape] | None) -> ProbeRows:
+def probe_rows(shapes: Mapping[str, VerifyShape] | None, floor: float = DEFAULT_POLICY.probe_floor) -> ProbeRows:
     """Every host's probe points beyond k = 1 (shape(b, 1) is 1 by construction: no information).
     Each point's relative sd is its own standard error (the probe's repeats, verify_probe.ShapePoint)
-    and PROBE_FLOOR in quadrature (optimizer.policy: an extend is not quite a verify)."""
+    and `floor` in quadrature (the policy's `probe_floor`: an extend is not quite a verify)."""
     rows: list[tuple[float, float, float, float]] = []
     for _, shape in sorted((shapes or {}).items()):
         for b, pts in sorted(shape.points.items()):
             for p in pts:
                 if p.tokens > 1 and p.ratio > 0:
-                    rows.append((float(b), float(p.tokens), p.ratio, math.hypot(p.sd / p.ratio, PROBE_FLOOR)))
+                    rows.append((float(b), float(p.tokens), p.ratio, math.hypot(p.sd / p.ratio, floor)))
     a = np.array(rows, dtype=float).reshape(-1, 4)
     return ProbeRows(a[:, 0].copy(), a[:, 1].copy(), a[:, 2].copy(), a[:, 3].copy())
 
 
 def _fit_cost(
-    obs: Sequence[Observation], probes: ProbeRows | None = None
+    obs: Sequence[Observation], probes: ProbeRows | None = None, policy: Policy = DEFAULT_POLICY
 ) -> tuple[FloatArray, float, FloatArray, ResidualGP | None]:
     probes = probes if probes is not None else probe_rows(None)
     usable = [o for o in obs if not o.eager]
@@ -434,15 +442,15 @@ def _fit_cost(
     ndt = np.array([o.num_draft_tokens for o in usable], dtype=float)
     batch = np.array([o.concurrency for o in usable], dtype=float)
     ratio = np.array([o.cycle_ratio for o in usable])
-    priors = (_DELTA, _GAMMA, _BETA, _BETA_AFTER, _OMEGA)
+    priors = (policy.delta, policy.gamma, policy.beta, policy.beta_after, policy.omega)
     mu = np.array([p[0] for p in priors])
     psd = np.array([p[1] for p in priors])
     best: tuple[float, FloatArray, float, FloatArray, FloatArray] | None = None
-    for knee in KNEES:
+    for knee in policy.knees:
 
         def residuals(p: FloatArray, knee: float = float(knee)) -> FloatArray:
             pred = cycle_ratios(steps, topk, ndt, batch, p, knee)
-            out = [(np.log(pred) - np.log(ratio)) / COST_NOISE]
+            out = [(np.log(pred) - np.log(ratio)) / policy.cost_noise]
             if len(probes):
                 # The probe's shape: phi(b k) / phi(b) against what the baseline server measured.
                 beta, beta_after = float(p[2]), float(p[3])
@@ -459,10 +467,10 @@ def _fit_cost(
     _, cost, knee_at, cov, lev = best
     resid = np.log(ratio) - np.log(cycle_ratios(steps, topk, ndt, batch, cost, knee_at))
     x = np.stack([np.log2(batch * ndt), np.log2(batch), steps / 2.0, np.log2(topk)], axis=1)
-    noise = np.full(len(usable), COST_NOISE)
+    noise = np.full(len(usable), policy.cost_noise)
     m = np.array([not o.believed for o in usable])
     hosts = [o.host for o, keep in zip(usable, m, strict=True) if keep]
-    gp = ResidualGP.fit(x[m], resid[m], noise[m], leverage=lev[m], hosts=hosts) if m.any() else None
+    gp = _residual_gp(x[m], resid[m], noise[m], policy, leverage=lev[m], hosts=hosts) if m.any() else None
     return cost, knee_at, cov, gp
 
 

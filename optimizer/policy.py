@@ -14,10 +14,12 @@ default, the capture list, the space's bounds) are not policy and stay in their 
 tests/optimizer/test_policy.py lists them and fails on any new numeric module constant in `optimizer/` that
 is neither.
 
-Fields in `SNAPSHOT_FIELDS` reach the rules through the snapshot.  The rest (the performance
-model's priors, the published starts' `busy_from`, the memory model's bars, the launch-noise prior) are read
-from `DEFAULT_POLICY` by the modules that fit the models, which the snapshot does not reach yet;
-`with_overrides` refuses them so a benchmark never reports a change it did not make.
+Fields in `SNAPSHOT_FIELDS` reach the rules through the snapshot, the performance model's priors,
+noise, knees, residual grid and floors among them (`optimizer.perf_model.fit` takes the policy and
+the model keeps it).  The rest (the published starts' `busy_from`, the memory model's bars, the
+launch-noise prior) are read from `DEFAULT_POLICY` by the modules that use them, which the snapshot
+does not reach yet; `with_overrides` refuses them so a benchmark never reports a change it did not
+make.
 """
 
 from __future__ import annotations
@@ -267,7 +269,7 @@ class Policy:
                 raise ValueError(f"--policy {item!r}: give key=value with a key of {', '.join(sorted(types))}")
             if key not in SNAPSHOT_FIELDS:
                 raise ValueError(f"--policy {key}: read from the default policy, not from the snapshot")
-            out[key] = _parse(getattr(self, key), text.strip(), key)
+            out[key] = _parse(getattr(self, key), text.strip(), key, str(types[key]))
         return dataclasses.replace(self, **out)
 
     @property
@@ -303,7 +305,16 @@ def _jsonable(v: Any) -> Any:
     return list(v) if isinstance(v, tuple) else v
 
 
-def _parse(current: Any, text: str, key: str) -> Any:
+def _parse(current: Any, text: str, key: str, annotation: str = "") -> Any:
+    if isinstance(current, tuple):
+        # A grid or a prior from the command line: comma-separated, each item of the default's
+        # type; a prior (mean, sd) keeps its two items, a grid any number but none.
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        fixed = "..." not in annotation
+        if not items or (fixed and len(items) != len(current)):
+            want = f"{len(current)} comma-separated numbers" if fixed else "one or more comma-separated numbers"
+            raise ValueError(f"--policy {key}={text}: give {want}, e.g. {','.join(str(v) for v in current)}")
+        return tuple(_parse(current[0], t, key) for t in items)
     try:
         if isinstance(current, bool):
             if text.lower() in ("1", "true", "yes", "on"):
@@ -347,5 +358,24 @@ SNAPSHOT_FIELDS: frozenset[str] = frozenset(
         "near_copy",
         "local_radii",
         "lose_by",
+        # The performance model (optimizer.perf_model.fit, optimizer.residual_gp).
+        "accept_first",
+        "accept_step_sd",
+        "tree_gain",
+        "delta",
+        "gamma",
+        "beta",
+        "beta_after",
+        "omega",
+        "knees",
+        "al_noise",
+        "cost_noise",
+        "probe_floor",
+        "model_floor",
+        "eager_penalty",
+        "residual_amplitudes",
+        "residual_lengths",
+        "residual_host_sds",
+        "residual_extra_noise",
     }
 )

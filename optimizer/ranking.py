@@ -38,7 +38,7 @@ from optimizer import confirmation as confirm
 from optimizer import stop_rules as R
 from optimizer.gains import gain_over, objective_levels, observations_of
 from optimizer.memo import PerStudyMemo
-from optimizer.perf_model import MODEL_FLOOR, Candidates, FittedModel, Observation, fit, observations_from_attrs
+from optimizer.perf_model import Candidates, FittedModel, Observation, fit, observations_from_attrs
 from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
@@ -110,9 +110,10 @@ def ranks(check: R.PredictionCheck) -> bool:
     return check.checked >= check.check_min and check.trusted
 
 
-def floor_sd(check: R.PredictionCheck) -> float:
-    """The model's misspecification floor: what its own predictions missed by, at least MODEL_FLOOR."""
-    return max(MODEL_FLOOR, check.excess_sd if check.checked >= check.check_min else 0.0)
+def floor_sd(check: R.PredictionCheck, policy: Policy) -> float:
+    """The model's misspecification floor: what its own predictions missed by, at least the
+    policy's `model_floor`."""
+    return max(policy.model_floor, check.excess_sd if check.checked >= check.check_min else 0.0)
 
 
 def answer_bar(
@@ -145,7 +146,7 @@ def bar_of(
     model ranks the candidates, else the incumbent `best`."""
     if not ranks(check):
         return best
-    return answer_bar(spec, trials, Ranking(spec, model, floor_sd(check)), policy) or best
+    return answer_bar(spec, trials, Ranking(spec, model, floor_sd(check, policy)), policy) or best
 
 
 _MEMO: PerStudyMemo[Ranking | None] = PerStudyMemo(128)
@@ -156,33 +157,37 @@ def of(
     trials: Sequence[FrozenTrial],
     shapes: Mapping[str, VerifyShape] | None = None,
     relaunches: Sequence[Relaunch] = (),
+    policy: Policy = DEFAULT_POLICY,
 ) -> Ranking | None:
     """The ranking of a study's candidates by its model (fitted to the search's launches and the
     confirmations' `relaunches`), or None: no model (no accept lengths), one whose predictions were
     not checked on enough launches, or missed what was measured.  `shapes`: the hosts' probed
     verify cost (optimizer.conductor.Snapshot.verify_shapes; the study document passes the same, or
-    its winner and the conductor's could differ).  Memoised on the spec, the shapes, the finished
-    trials and the relaunches (the study document asks on every read)."""
+    its winner and the conductor's could differ).  `policy`: the study's (the snapshot's; the model's
+    priors and floors and the prediction check read it).  Memoised on the spec, the policy, the
+    shapes, the finished trials and the relaunches (the study document asks on every read)."""
     seen = json.dumps(
         [
             spec.model_dump_json(),
+            policy.as_json(),
             shapes_key(shapes),
             *((t.number, t.state.name, t.value) for t in trials if t.state.is_finished()),
             *(r.key() for r in relaunches),
         ]
     )
-    return _MEMO.get(spec.name, seen, lambda: _fit(spec, trials, shapes, relaunches))
+    return _MEMO.get(spec.name, seen, lambda: _fit(spec, trials, shapes, relaunches, policy))
 
 
 def _fit(
     spec: StudySpec,
     trials: Sequence[FrozenTrial],
     shapes: Mapping[str, VerifyShape] | None,
-    relaunches: Sequence[Relaunch] = (),
+    relaunches: Sequence[Relaunch],
+    policy: Policy,
 ) -> Ranking | None:
     obs = observations_of(trials) + [o for r in relaunches for o in r.observations()]
-    model = fit(obs, spec.search_space.num_steps.high, shapes)
+    model = fit(obs, spec.search_space.num_steps.high, shapes, policy)
     if model is None:
         return None
-    check = R.prediction_check(trials)
-    return Ranking(spec, model, floor_sd(check)) if ranks(check) else None
+    check = R.prediction_check(trials, policy)
+    return Ranking(spec, model, floor_sd(check, policy)) if ranks(check) else None

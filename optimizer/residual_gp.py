@@ -36,22 +36,10 @@ from optimizer.policy import DEFAULT_POLICY
 
 FloatArray = NDArray[np.float64]
 
-# The residual's size (log-sd of what the fixed form misses).  The prior is log-uniform over the
-# grid: from 0.5% (half the floor the model has always claimed, optimizer.perf_model.MODEL_FLOOR,
-# a fit within measurement noise) to 16% (issue 31: the fixed form's predictions missed by up to
-# 3.8 of their stated sd, ~4%, on engines of other shapes).  A guess bounded by those two.
-AMPLITUDES = DEFAULT_POLICY.residual_amplitudes  # optimizer.policy
-# Lengths in the coordinates' units (optimizer.perf_model: a doubling of verified tokens or of
-# the batch, two draft steps, a doubling of topk): a residual shared by the neighbours only, or
-# by a wider region.  Equal prior weight.
-LENGTHS = DEFAULT_POLICY.residual_lengths  # optimizer.policy
-# Per-host offset sd: none, HOST_SD-like (optimizer.stop_rules, 1.2%) and issue 31's "host
-# offsets of 0-8%" at their middle (4%) and top (8%).  Equal prior weight.
-HOST_SDS = DEFAULT_POLICY.residual_host_sds  # optimizer.policy
-# Launch-to-launch noise beyond what the fit's own noise model states: none, or a launch's spread
-# as issue 31 gives it ("launch noise of 0.5-4%", 2% at its middle, 4% at its top).  Equal prior
-# weight.
-EXTRA_NOISE = DEFAULT_POLICY.residual_extra_noise  # optimizer.policy
+# The hyperparameter grid (the residual's size, its lengths, the per-host offset sd and the extra
+# launch noise, each with equal prior weight) is the study's policy (optimizer.policy:
+# residual_amplitudes, residual_lengths, residual_host_sds, residual_extra_noise, with their
+# sources); optimizer.perf_model hands it over, and these defaults are the default policy's.
 # Leverage cap for the leave-one-out residuals (a point the fit passes through exactly would
 # divide by zero): at most a tenfold inflation.
 MAX_LEVERAGE = 0.9
@@ -95,10 +83,10 @@ class ResidualGP:
         *,
         leverage: FloatArray | None = None,
         hosts: Sequence[str | None] | None = None,
-        amplitudes: Sequence[float] = AMPLITUDES,
-        lengths: Sequence[float] = LENGTHS,
-        host_sds: Sequence[float] = HOST_SDS,
-        extra_noise: Sequence[float] = EXTRA_NOISE,
+        amplitudes: Sequence[float] = DEFAULT_POLICY.residual_amplitudes,
+        lengths: Sequence[float] = DEFAULT_POLICY.residual_lengths,
+        host_sds: Sequence[float] = DEFAULT_POLICY.residual_host_sds,
+        extra_noise: Sequence[float] = DEFAULT_POLICY.residual_extra_noise,
     ) -> ResidualGP | None:
         """The posterior given residuals `resid` (log units) at `x`; None without any."""
         x = np.asarray(x, dtype=float)

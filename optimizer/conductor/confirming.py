@@ -88,7 +88,7 @@ def candidates(snap: Snapshot) -> tuple[Candidate, ...]:
     noise = launch_noise(snap)
     # The study's model, where trusted, judges the runners-up (optimizer.ranking): those it ranks
     # above the leader (its one launch may be its luckiest) and those that may beat it by min_gain.
-    rank = ranking.of(spec, snap.trials, snap.verify_shapes(), relaunched(snap))
+    rank = ranking.of(spec, snap.trials, snap.verify_shapes(), relaunched(snap), snap.policy)
     for t in confirm.candidates(list(snap.trials), spec.confirmation.top, spec, noise.variance, rank, snap.policy):
         r = A.TrialRecord(t)
         measured_on = r.worker_id
@@ -306,7 +306,7 @@ def winner(snap: Snapshot) -> answer.Choice | None:
         snap.spec,
         snap.trials,
         contenders(snap),
-        ranking.of(snap.spec, snap.trials, snap.verify_shapes(), relaunched(snap)),
+        ranking.of(snap.spec, snap.trials, snap.verify_shapes(), relaunched(snap), snap.policy),
         policy=snap.policy,
     )
 

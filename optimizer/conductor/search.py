@@ -250,7 +250,7 @@ def believed_settles(snap: Snapshot) -> str | None:
     seen = (tuple(sorted(hosts.items())), *_rule_inputs(snap.spec, snap.trials, snap.policy, shapes))
 
     def assess() -> convergence.Assessment | None:
-        trials = believer.believed(snap.spec, snap.trials, snap.now, hosts, shapes)
+        trials = believer.believed(snap.spec, snap.trials, snap.now, hosts, shapes, snap.policy)
         return None if trials is None else convergence.assess(snap.spec, trials, snap.policy, shapes)
 
     a = _BELIEVED.get(snap.spec.name, seen, assess)

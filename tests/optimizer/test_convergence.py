@@ -31,7 +31,7 @@ from optimizer.model_sampler import (
     propose,
     space_configs,
 )
-from optimizer.perf_model import MODEL_FLOOR, fit
+from optimizer.perf_model import fit
 from optimizer.plan import server_settings
 from optimizer.policy import DEFAULT_POLICY
 from optimizer.space import SearchSpace, SpecConfig
@@ -639,10 +639,10 @@ def test_a_lucky_launch_is_not_the_bar_where_the_model_ranks_the_answer() -> Non
     # As the rule asks it: what one launch can move the answer by (optimizer.gains.moved_sd).
     noise = stop_rules.launch_variance(trials)
     plain, _ = convergence._model_chance(
-        sp, model, trials, trials, v, lucky_cfg, op, 0.01, MODEL_FLOOR, launch_var=noise
+        sp, model, trials, trials, v, lucky_cfg, op, 0.01, DEFAULT_POLICY.model_floor, launch_var=noise
     )
     ranked, _ = convergence._model_chance(
-        sp, model, trials, trials, v, bar_cfg, op, 0.01, MODEL_FLOOR, launch_var=noise
+        sp, model, trials, trials, v, bar_cfg, op, 0.01, DEFAULT_POLICY.model_floor, launch_var=noise
     )
     assert ranked is not None and plain is not None and ranked.rate < plain.rate
     now = convergence.assess(sp, trials)

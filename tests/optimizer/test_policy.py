@@ -242,9 +242,9 @@ def test_a_benchmark_cannot_set_what_the_snapshot_does_not_carry() -> None:
         DEFAULT_POLICY.with_overrides(["no_such_field=1"])
     with pytest.raises(ValueError, match="not a int"):
         DEFAULT_POLICY.with_overrides(["stall_min=many"])
-    # Read by the performance model from the default policy: a change there would not be made.
+    # Read by the published starts from the default policy: a change there would not be made.
     with pytest.raises(ValueError, match="default policy"):
-        DEFAULT_POLICY.with_overrides(["eager_penalty=2.0"])
+        DEFAULT_POLICY.with_overrides(["busy_from=2"])
 
 
 def test_the_samplers_geometry_travels_with_the_studys_policy() -> None:
@@ -284,3 +284,45 @@ def test_the_samplers_geometry_travels_with_the_studys_policy() -> None:
     first = M.local_moves(ref, pool, space)
     wider = M.local_moves(ref, pool, space, radii=(2.0,))
     assert set(first.index.tolist()) < set(wider.index.tolist())
+
+
+def test_the_performance_model_fits_under_the_studys_policy() -> None:
+    """The model's priors, noise, knees, residual grid and floors are the snapshot's: a benchmark
+    may set them (a grid or a prior as comma-separated numbers), the fit keeps the policy it ran
+    under, and the stop rule and the ranking read the study's, not the default's."""
+    from optimizer import perf_model, ranking
+    from optimizer.model_sampler import observations_of
+    from tests.optimizer.test_answer_moves import EIGHT
+    from tests.optimizer.test_convergence import measured
+
+    wide = DEFAULT_POLICY.with_overrides(["model_floor=0.2", "residual_amplitudes=0.01,0.02", "accept_first=1.0,0.5"])
+    assert wide.changed() == {"model_floor": 0.2, "residual_amplitudes": (0.01, 0.02), "accept_first": (1.0, 0.5)}
+    with pytest.raises(ValueError, match="give 2 comma-separated numbers"):
+        DEFAULT_POLICY.with_overrides(["accept_first=1.0"])
+    with pytest.raises(ValueError, match="not a float"):
+        DEFAULT_POLICY.with_overrides(["residual_amplitudes=0.01,lots"])
+
+    trials = measured("dense-8b-h100", EIGHT[:5])
+    sp = zigzag_spec()
+    default = perf_model.fit(observations_of(trials), sp.search_space.num_steps.high)
+    fitted = perf_model.fit(observations_of(trials), sp.search_space.num_steps.high, None, wide)
+    assert default is not None and fitted is not None and fitted.policy == wide
+    cand = perf_model.Candidates.of(EIGHT[5:])
+    _, sd_default = default.predict_log_speedup(cand, [1], [1.0])
+    _, sd_wide = fitted.predict_log_speedup(cand, [1], [1.0])
+    # The floor is the policy's: no prediction claims less than 20% where the study says so.
+    assert sd_default.max() < 0.2 <= sd_wide.min()
+    # The residual grid is the policy's too: only its two amplitudes are weighed.
+    assert fitted.al_gp is not None and {s.amp for s in fitted.al_gp.settings} <= {0.01, 0.02}
+    # The stop rule fits under the study's policy: with a 20% floor the open configurations keep
+    # a chance the default's model rules out.
+    a_default = convergence.assess(sp, trials)
+    a_wide = convergence.assess(sp, trials, wide)
+    assert a_wide.best_chance > a_default.best_chance, (a_wide, a_default)
+    # The ranking (of a run whose predictions held) is memoised per policy: the study's floor,
+    # not the first caller's.
+    held = _run_with_predictions(ZIGZAG_RUN, miss=1.0)
+    r_default, r_wide = ranking.of(sp, held), ranking.of(sp, held, policy=wide)
+    assert r_default is not None and r_wide is not None
+    assert r_wide.floor_sd == 0.2 and r_default.floor_sd == DEFAULT_POLICY.model_floor
+    assert r_wide.model.policy == wide
