@@ -283,7 +283,7 @@ def claim_confirm(
         # The conductor's deployment (one launch at a time in an envelope nothing started in);
         # without one, what the study's failures leave.
         due = action.deployment or next_deployment(
-            store.spec, lease.config, store.deploy_failures(), lease.tier - 1, trials
+            store.spec, lease.config, store.deploy_failures(), lease.tier - 1, trials, store.policy
         )
         if due is None:
             # Launching the queued one would only repeat a known failure.
@@ -331,7 +331,7 @@ def next_envelope(
     serving section allows, or, when none is left, the candidate is out (stated)."""
     assert lease.config is not None and lease.tier is not None and lease.confirm is not None
     why = deploy.deployment_failure(kind, message)
-    due = next_deployment(store.spec, lease.config, store.deploy_failures(), lease.tier, trials)
+    due = next_deployment(store.spec, lease.config, store.deploy_failures(), lease.tier, trials, store.policy)
     if due is None:
         store.event(
             DEPLOY_FAILED,

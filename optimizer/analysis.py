@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from optimizer.policy import DEFAULT_POLICY
+from optimizer.policy import DEFAULT_POLICY, Policy
 
 # 95% two-sided normal quantile; with 3-5 repeats this is a readable, slightly optimistic band.
 Z95 = 1.96
@@ -58,11 +58,9 @@ def ratio_interval(
 # re-measures its candidates on a fresh launch, usually on another host.  Their spread beyond
 # what the passes explain is that noise.  Until there is some, a prior of this sd per speedup
 # (what the simulated engine and the reference hosts show: 1-2%) holds the place, weighted as
-# this many re-launch pairs.
-PRIOR_LAUNCH_SD = DEFAULT_POLICY.prior_launch_sd  # optimizer.policy
-PRIOR_PAIRS = DEFAULT_POLICY.prior_pairs  # optimizer.policy
-# Even launches that agree perfectly leave this floor: a handful of pairs cannot prove less.
-MIN_LAUNCH_SD = DEFAULT_POLICY.min_launch_sd  # optimizer.policy
+# this many re-launch pairs; even launches that agree perfectly leave a floor, as a handful of
+# pairs cannot prove less.  The three are the study's policy (optimizer.policy: prior_launch_sd,
+# prior_pairs, min_launch_sd), handed to `launch_noise`.
 
 
 @dataclass(frozen=True)
@@ -86,7 +84,7 @@ class LaunchNoise:
 
     variance: float
     groups: int  # measurements re-launched at least once
-    pairs: float  # degrees of freedom from the data (the prior adds PRIOR_PAIRS)
+    pairs: float  # degrees of freedom from the data (the prior adds the policy's prior_pairs)
 
     @property
     def sd(self) -> float:
@@ -96,8 +94,9 @@ class LaunchNoise:
         return {"sd": self.sd, "relaunched": self.groups, "degrees_of_freedom": self.pairs}
 
 
-def launch_noise(relaunches: Sequence[Relaunch]) -> LaunchNoise:
-    """Pooled launch-to-launch variance of a speedup's log (method of moments, with the prior).
+def launch_noise(relaunches: Sequence[Relaunch], policy: Policy = DEFAULT_POLICY) -> LaunchNoise:
+    """Pooled launch-to-launch variance of a speedup's log (method of moments, with the prior
+    and the floor of the study's `policy`).
 
     Per group of n launches: Σ(x_i - x̄)² has expectation (n-1)·σ² + (n-1)/n·Σ w_i, where x is
     the log of each launch's value and w its passes' variance; what exceeds the passes is σ².
@@ -106,7 +105,7 @@ def launch_noise(relaunches: Sequence[Relaunch]) -> LaunchNoise:
     for r in relaunches:
         if r.value > 0:
             groups.setdefault(r.group, []).append(r)
-    excess = PRIOR_PAIRS * PRIOR_LAUNCH_SD**2
+    excess = policy.prior_pairs * policy.prior_launch_sd**2
     dof = 0.0
     used = 0
     for members in groups.values():
@@ -121,7 +120,7 @@ def launch_noise(relaunches: Sequence[Relaunch]) -> LaunchNoise:
         excess += weight * (ss - within)
         dof += n - 1
         used += 1
-    variance = max(excess / (dof + PRIOR_PAIRS), MIN_LAUNCH_SD**2)
+    variance = max(excess / (dof + policy.prior_pairs), policy.min_launch_sd**2)
     return LaunchNoise(variance, used, dof)
 
 

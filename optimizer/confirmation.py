@@ -100,9 +100,11 @@ def study_noise(
     baselines: Sequence[tuple[str, Sequence[Mapping[str, Any]]]],
     confirmations: Sequence[tuple[str, Sequence[Mapping[str, Any]], Sequence[Mapping[str, Any]]]],
     objective: Objective | None = None,
+    policy: Policy = DEFAULT_POLICY,
 ) -> LaunchNoise:
-    """The study's launch-to-launch noise (`optimizer.analysis.launch_noise`) from its own re-launches."""
-    return launch_noise(study_relaunches(trials, baselines, confirmations, objective))
+    """The study's launch-to-launch noise (`optimizer.analysis.launch_noise`) from its own
+    re-launches, with the prior and floor of its `policy`."""
+    return launch_noise(study_relaunches(trials, baselines, confirmations, objective), policy)
 
 
 def beat_chance(leader: Interval, other: Interval, min_gain: float) -> float:

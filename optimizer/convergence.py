@@ -159,7 +159,7 @@ def assess(
         )
     model = fit(observations_of(trials), spec.search_space.num_steps.high, shapes, policy)
     check = R.prediction_check(trials, policy) if model is not None else None
-    op = open_pool(spec, trials)
+    op = open_pool(spec, trials, policy)
     # The bar what is left must beat: the incumbent, or where the model ranks the confirmed
     # candidates, the one it ranks first (ranking.answer_bar: the answer, not the luckiest launch).
     bar = best

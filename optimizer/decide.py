@@ -46,7 +46,7 @@ from optuna.trial import FrozenTrial
 
 from optimizer import attrs as A
 from optimizer import launch_cost
-from optimizer.policy import Policy
+from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 
@@ -99,7 +99,7 @@ def relative_costs(
     ones: FloatArray = np.ones(len(configs))
     if policy is not None and not policy.per_cost:
         return ones
-    priced = _priced(spec, trials)
+    priced = _priced(spec, trials, policy or DEFAULT_POLICY)
     if priced is None or not configs:
         return ones
     cost, typical = priced
@@ -114,20 +114,22 @@ def baseline_cost(spec: StudySpec, trials: Sequence[FrozenTrial], policy: Policy
     not price."""
     if policy is not None and not policy.per_cost:
         return 0.0
-    priced = _priced(spec, trials)
+    priced = _priced(spec, trials, policy or DEFAULT_POLICY)
     if priced is None:
         return 1.0
     cost, typical = priced
     return cost.baseline_s() / typical
 
 
-def _priced(spec: StudySpec, trials: Sequence[FrozenTrial]) -> tuple[launch_cost.LaunchCost, float] | None:
+def _priced(
+    spec: StudySpec, trials: Sequence[FrozenTrial], policy: Policy
+) -> tuple[launch_cost.LaunchCost, float] | None:
     """The study's launch-cost fit and its typical launch's seconds (the median of what its
     measured launches are predicted to take at their measured speedups); None before any."""
     measured = A.measured_feasible(trials, A.CONFIG)
     if not measured:
         return None
-    cost = launch_cost.fit(spec, trials)
+    cost = launch_cost.fit(spec, trials, policy)
     configs = [r.config for r in A.records(measured)]
     seen = np.array([max(float(t.value or 0.0), 0.05) for t in measured])
     typical = statistics.median(cost.seconds(configs, seen, np.zeros(len(configs))).tolist())

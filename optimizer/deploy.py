@@ -34,8 +34,9 @@ from typing import Any, Literal
 from optuna.trial import FrozenTrial
 
 from optimizer.answer import ADAPTIVE_FILE, AdaptiveExport
-from optimizer.memory_boundary import SURELY, Launch, MemoryBoundary, Terms, tuning_launches
+from optimizer.memory_boundary import Launch, MemoryBoundary, Terms, tuning_launches
 from optimizer.plan import server_settings
+from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.sglang import AdaptiveSteps, ServerSettings, launch_command
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
@@ -349,6 +350,7 @@ def envelopes_to_try(
     config: SpecConfig,
     failed: Sequence[tuple[SpecConfig, int]] = (),
     trials: Sequence[FrozenTrial] = (),
+    policy: Policy = DEFAULT_POLICY,
 ) -> list[tuple[int, Envelope]]:
     """`deployment_envelopes` with what earlier launches taught: (tier, envelope) to launch in order.
 
@@ -357,7 +359,7 @@ def envelopes_to_try(
     draft tokens (target verify and draft extend graphs) and no more steps x topk (draft decode
     graphs), as `optimizer.infeasible` reasons for the search.  It is skipped too when the memory
     model learnt from those failures and the search's launches (`trials`; optimizer.memory_boundary,
-    in the deployment's terms) says it surely runs out of memory (SURELY) and a smaller envelope
+    in the deployment's terms) says it surely runs out of memory (the study's `policy.surely`) and a smaller envelope
     is left: the envelope launched instead says which was not launched, and why.  The last
     envelope left is never skipped on the model's word alone.
     """
@@ -374,7 +376,7 @@ def envelopes_to_try(
             out.append((tier, env))
     if len(out) < 2:
         return out
-    boundary = MemoryBoundary.fit([*tuning_launches(spec, trials), *deployment_launches(spec, failed)])
+    boundary = MemoryBoundary.fit([*tuning_launches(spec, trials), *deployment_launches(spec, failed)], policy)
     if boundary is None:
         return out
     skipped: list[str] = []
@@ -382,7 +384,7 @@ def envelopes_to_try(
         tier, env = out[0]
         terms = Terms.of(env.settings, config)
         j = boundary.judge(terms)
-        if j.p_fail < SURELY:
+        if j.p_fail < policy.surely:
             break
         what = env.note or f"the printed envelope ({terms.describe()})"
         skipped.append(f"{what} was not launched ({j.p_fail:.0%} sure to run out of memory: {j.reason})")

@@ -8,9 +8,9 @@ start in the small tuning envelope counts for the deployment only as far as the 
 
 `weigh` gives the sampler (optimizer.model_sampler) each candidate's probability that its launch
 or its deployment runs out of memory (the acquisition is multiplied by one minus it), and drops
-candidates that probably fail to start (PROBABLE_FAILURE), and, where the serving section fixes
-the deployed graphs (`serving.max_batch`: no smaller envelope to fall back to), those the model
-says surely fail to deploy (SURELY).
+candidates that probably fail to start (the policy's `probable_failure`), and, where the serving
+section fixes the deployed graphs (`serving.max_batch`: no smaller envelope to fall back to),
+those the model says surely fail to deploy (its `surely`).
 """
 
 from __future__ import annotations
@@ -24,18 +24,14 @@ from optuna.trial import FrozenTrial
 
 from optimizer.deploy import deployment_envelopes
 from optimizer.memory_boundary import (
-    PROBABLE_FAILURE,
-    SURELY,
     FloatArray,
-    Judgement,
     MemoryBoundary,
-    Terms,
     capture_list,
-    judge,
     terms_for,
     tuning_launches,
 )
 from optimizer.plan import server_settings
+from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
@@ -63,19 +59,17 @@ def smallest_deployment(spec: StudySpec, config: SpecConfig) -> ServerSettings:
     return min(envs, key=graphs)
 
 
-def weigh(spec: StudySpec, trials: Sequence[FrozenTrial], pool: Sequence[SpecConfig]) -> Weights:
-    """Each candidate's probability that its launch or its deployment fails, and whether to keep it."""
-    boundary = MemoryBoundary.fit(tuning_launches(spec, trials))
+def weigh(
+    spec: StudySpec, trials: Sequence[FrozenTrial], pool: Sequence[SpecConfig], policy: Policy = DEFAULT_POLICY
+) -> Weights:
+    """Each candidate's probability that its launch or its deployment fails, and whether to keep
+    it (by the study's `policy`: its memory model's grid and its bars)."""
+    boundary = MemoryBoundary.fit(tuning_launches(spec, trials), policy)
     if boundary is None or not pool:
         return Weights(np.zeros(len(pool)), np.ones(len(pool), dtype=bool))
     tune = terms_for(lambda c: server_settings(spec, c), pool)
     dep = terms_for(lambda c: smallest_deployment(spec, c), pool)
-    keep = boundary.p_fail(tune) < PROBABLE_FAILURE
+    keep = boundary.p_fail(tune) < policy.probable_failure
     if envelope_fixed(spec):
-        keep &= boundary.p_fail(dep) < SURELY
+        keep &= boundary.p_fail(dep) < policy.surely
     return Weights(boundary.p_fail_any(tune, dep), keep)
-
-
-def deployment_judgement(spec: StudySpec, trials: Sequence[FrozenTrial], config: SpecConfig) -> Judgement:
-    """Why `config`'s least demanding deployment is judged as likely to fail as it is."""
-    return judge(MemoryBoundary.fit(tuning_launches(spec, trials)), Terms.of(smallest_deployment(spec, config), config))

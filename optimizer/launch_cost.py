@@ -22,14 +22,13 @@ from optuna.trial import FrozenTrial, TrialState
 from scipy.optimize import lsq_linear
 
 from optimizer import attrs as A
-from optimizer.policy import DEFAULT_POLICY
+from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 
 FloatArray = NDArray[np.float64]
 
 N_FEATURES = 5
-_RIDGE = DEFAULT_POLICY.ridge  # weight of the prior, as a share of one measured launch
 
 
 def _features(configs: Sequence[SpecConfig]) -> FloatArray:
@@ -76,7 +75,7 @@ class LaunchCost:
         return out
 
 
-def fit(spec: StudySpec, trials: Sequence[FrozenTrial]) -> LaunchCost:
+def fit(spec: StudySpec, trials: Sequence[FrozenTrial], policy: Policy = DEFAULT_POLICY) -> LaunchCost:
     configs: list[SpecConfig] = []
     secs: list[float] = []
     base_tok_s: dict[int, float] = {}
@@ -99,8 +98,8 @@ def fit(spec: StudySpec, trials: Sequence[FrozenTrial]) -> LaunchCost:
         return LaunchCost(None, bench)
     med = statistics.median(secs)
     # Ridge rows towards (median, 0, 0, 0), each weighted like a fraction of one launch at a
-    # typical size of its feature.
-    r = np.sqrt(_RIDGE) * np.array([1.0, 5.0, 5.0, 10.0, 100.0])
+    # typical size of its feature (the fraction: the policy's `ridge`).
+    r = np.sqrt(policy.ridge) * np.array([1.0, 5.0, 5.0, 10.0, 100.0])
     a = np.vstack([_features(configs), np.diag(r)])
     target = np.concatenate([np.array(secs), r * np.array([med, 0.0, 0.0, 0.0, 0.0])])
     res = lsq_linear(a, target, bounds=(np.zeros(N_FEATURES), np.full(N_FEATURES, np.inf)))

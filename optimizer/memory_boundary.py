@@ -15,7 +15,7 @@ these terms: a start with graphs for batch 16 bounds R from above in batch-16 un
 nothing certain about batch 48 with 23 captured sizes unless the terms already exceed a failure.
 
 The model is a grid of hypotheses: a direction (a, b) on the quarter circle and the share kappa
-of the room each captured size costs (KAPPAS), so a launch's normalised load is
+of the room each captured size costs (the policy's `kappas`), so a launch's normalised load is
 (a*x_v + b*x_d) / (1 - kappa*n) (infinite when the sizes alone fill the room).  Every start
 bounds R from above, every out-of-memory launch from below; a hypothesis none of the room fits
 is dropped.  A candidate's probability of failing is the mean over the directions left, and
@@ -44,28 +44,24 @@ from optuna.trial import FrozenTrial, TrialState
 from optimizer import attrs as A
 from optimizer.infeasible import MEMORY_FAILURES
 from optimizer.plan import server_settings
-from optimizer.policy import DEFAULT_POLICY
+from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
 
 FloatArray = NDArray[np.float64]
 
-# Candidates at or above this probability of running out of memory in the tuning envelope are
-# not launched.
-PROBABLE_FAILURE = DEFAULT_POLICY.probable_failure  # optimizer.policy
-# A deployment this likely to run out of memory is "sure to fail": not proposed where the
-# serving envelope is fixed, not launched first in a confirmation where a smaller one is allowed.
-SURELY = DEFAULT_POLICY.surely  # optimizer.policy
+# The bars the callers judge by are the study's policy (optimizer.policy): `probable_failure`
+# (a candidate at or above it in the tuning envelope is not launched) and `surely` (a deployment
+# that likely to run out of memory is "sure to fail": not proposed where the serving envelope is
+# fixed, not launched first in a confirmation where a smaller one is allowed); so are the shares
+# of the graph room each captured size may cost (`kappas`, 0: sizes are free) and the room's
+# span without a start to bound it (`prior_span`), which `MemoryBoundary.fit` takes.
 _ANGLES = 61
-# The share of the graph room each captured size may cost (0: sizes are free).
-KAPPAS = DEFAULT_POLICY.kappas  # optimizer.policy
 # Loads closer than this (in log) are one load: a start and a failure there contradict.
 _TIE = 1e-9
 # A consistent room interval wider than this factor counts as this wide (one unbounded above).
 _MAX_SPAN = 1000.0
-# Without a start to bound it, the room is taken to lie within this factor of the failure.
-_PRIOR_SPAN = DEFAULT_POLICY.prior_span  # optimizer.policy
 
 # SGLang's capture list with speculation (docs/sglang.md §3): 1-8, 10-32 by 2, 40-64 by 4,
 # 72-256 by 8, then by 16.
@@ -180,23 +176,26 @@ class MemoryBoundary:
         return sum(not x.started for x in self.launches)
 
     @classmethod
-    def fit(cls, launches: Sequence[Launch]) -> MemoryBoundary | None:
-        """None when no launch ran out of memory, or the launches fit no such boundary."""
+    def fit(cls, launches: Sequence[Launch], policy: Policy = DEFAULT_POLICY) -> MemoryBoundary | None:
+        """None when no launch ran out of memory, or the launches fit no such boundary.  `policy`:
+        the study's (the per-size shares `kappas`, and `prior_span`: without a start to bound it,
+        the room is taken to lie within this factor of the failure)."""
+        kappas = policy.kappas
         bad = [x for x in launches if not x.started]
         ok = [x for x in launches if x.started]
         if not bad:
             return None
         theta = np.linspace(0.0, math.pi / 2, _ANGLES)
         dirs = np.stack([np.cos(theta), np.sin(theta)], axis=1)
-        u = np.repeat(dirs, len(KAPPAS), axis=0)
-        kappa = np.tile(np.array(KAPPAS, dtype=float), _ANGLES)
+        u = np.repeat(dirs, len(kappas), axis=0)
+        kappa = np.tile(np.array(kappas, dtype=float), _ANGLES)
         fail = _loads(u, kappa, *_arrays([x.terms for x in bad])).min(axis=1)
         with np.errstate(divide="ignore"):
             hi = np.log(np.maximum(fail, 1e-12))  # R < the smallest failing load
             if ok:
                 lo = np.log(np.maximum(_loads(u, kappa, *_arrays([x.terms for x in ok])).max(axis=1), 1e-12))
             else:
-                lo = hi - math.log(_PRIOR_SPAN)
+                lo = hi - math.log(policy.prior_span)
         # Consistent room: log R in [lo, hi); a start past the room (inf) rules the hypothesis out.
         keep = np.isfinite(lo) & (lo < hi - _TIE)
         if not keep.any():
@@ -206,7 +205,7 @@ class MemoryBoundary:
         # only by a hair weighs little.  Every direction left counts the same, so with all launches
         # in one envelope (the shares' intervals then equal) this is the plain direction boundary.
         width = np.where(keep, np.minimum(hi - lo, math.log(_MAX_SPAN)), 0.0)
-        per_dir = width.reshape(_ANGLES, len(KAPPAS))
+        per_dir = width.reshape(_ANGLES, len(kappas))
         totals = per_dir.sum(axis=1, keepdims=True)
         w = np.where(totals > 0, per_dir / np.where(totals > 0, totals, 1.0), 0.0).ravel()
         w = w / w.sum()

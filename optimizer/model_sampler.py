@@ -159,9 +159,10 @@ def pending_configs(trials: Sequence[FrozenTrial]) -> list[SpecConfig]:
     return [r.config for r in A.records(trials) if r.state == TrialState.RUNNING and r.has_config]
 
 
-def open_pool(spec: StudySpec, trials: Sequence[FrozenTrial]) -> OpenPool:
+def open_pool(spec: StudySpec, trials: Sequence[FrozenTrial], policy: Policy = DEFAULT_POLICY) -> OpenPool:
     """Never launched, not in flight, not known to fail, and not a probable failure (of its launch,
-    or of its deployment where the serving envelope is fixed) by the memory model learnt so far."""
+    or of its deployment where the serving envelope is fixed) by the memory model learnt so far
+    (under the study's `policy`)."""
     tried = _tried_keys(trials)
     ooms = oom_points(trials)
     pool = [c for c in space_configs(spec.search_space) if c.key not in tried]
@@ -169,7 +170,7 @@ def open_pool(spec: StudySpec, trials: Sequence[FrozenTrial]) -> OpenPool:
         pool = [c for c in pool if known_to_fail(c, ooms) is None]
     # The memory model in the deployment's terms (optimizer.deployability): p_fail is the chance
     # that the launch or the answer's deployment runs out of memory.
-    w = deployability.weigh(spec, trials, pool)
+    w = deployability.weigh(spec, trials, pool, policy)
     pool = [c for c, k in zip(pool, w.keep, strict=True) if k]
     return OpenPool(pool, w.p_fail[w.keep], pending_configs(trials))
 
@@ -300,7 +301,7 @@ def propose(
         model = fit(observations_of(trials), spec.search_space.num_steps.high, shapes, policy)
     if model is None:
         return None
-    op = open_pool(spec, trials)
+    op = open_pool(spec, trials, policy)
     pool, p_fail = op.configs, op.p_fail
     if not pool:
         return None
@@ -359,7 +360,7 @@ def propose(
         z = (mean - incumbent) / sd
     ei = sd * (z * norm.cdf(z) + norm.pdf(z))
     penalty = pending_penalty(pool, op.pending, policy.near_copy)
-    cost = launch_cost.fit(spec, trials).seconds(pool, np.exp(mean), p_fail)
+    cost = launch_cost.fit(spec, trials, policy).seconds(pool, np.exp(mean), p_fail)
     value = ei * (1.0 - p_fail) * penalty / (cost / float(np.median(cost)))
     local = _local_moves(spec, trials, pool, best, policy)
     around: str | None = None
@@ -496,10 +497,11 @@ def in_flight_predictions(
     return out
 
 
-def blind_start(spec: StudySpec, trials: Sequence[FrozenTrial]) -> SpecConfig | None:
+def blind_start(spec: StudySpec, trials: Sequence[FrozenTrial], policy: Policy = DEFAULT_POLICY) -> SpecConfig | None:
     """A starting point for a worker that asks before any result is in (a fleet of more hosts than
     the warm starts): the first of the configurations published for the objective's largest
-    level (`space.published_starts`) that fits the space and was not asked yet,
+    level (`space.published_starts`, busy from the study's `policy.busy_from`) that fits the
+    space and was not asked yet,
     or None (TPE's random start) once they are taken or any trial has finished (with a result, a
     failure or an out-of-memory start: what is known to fail is then the memory model's).
 
@@ -509,7 +511,7 @@ def blind_start(spec: StudySpec, trials: Sequence[FrozenTrial]) -> SpecConfig | 
     if any(t.state.is_finished() for t in trials):
         return None
     tried = _tried_keys(trials)
-    for d in published_starts(max(objective_levels(spec)[0])):
+    for d in published_starts(max(objective_levels(spec)[0]), policy.busy_from):
         c = with_largest_graph(d, spec.search_space)  # as the defaults (optimizer.study.warm_start_configs)
         if c.key not in tried and spec.search_space.contains(c):
             return c
@@ -622,7 +624,7 @@ class ModelSampler(BaseSampler):
             model = fit(observations_of(trials), self._spec.search_space.num_steps.high, self._shapes, self._policy)
         proposal = None if model is None else propose(self._spec, trials, self._rng, model, self._policy, self._shapes)
         if proposal is None:
-            start = blind_start(self._spec, trials)
+            start = blind_start(self._spec, trials, self._policy)
             if start is None:
                 return {}  # TPE, parameter by parameter (sample_independent)
             return {k: v for k, v in params_of(start).items() if k in search_space}

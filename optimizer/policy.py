@@ -14,12 +14,13 @@ default, the capture list, the space's bounds) are not policy and stay in their 
 tests/optimizer/test_policy.py lists them and fails on any new numeric module constant in `optimizer/` that
 is neither.
 
-Fields in `SNAPSHOT_FIELDS` reach the rules through the snapshot, the performance model's priors,
-noise, knees, residual grid and floors among them (`optimizer.perf_model.fit` takes the policy and
-the model keeps it).  The rest (the published starts' `busy_from`, the memory model's bars, the
-launch-noise prior) are read from `DEFAULT_POLICY` by the modules that use them, which the snapshot
-does not reach yet; `with_overrides` refuses them so a benchmark never reports a change it did not
-make.
+Fields in `SNAPSHOT_FIELDS` reach the decisions through the snapshot: the rules' thresholds, and
+what the models are fitted with (`optimizer.perf_model.fit`, `optimizer.memory_boundary.MemoryBoundary.fit`,
+`optimizer.launch_cost.fit` and `optimizer.analysis.launch_noise` take the policy).  The other four
+(`stop_after_hosts`, `host_disagreement`, `z_prune`, `min_margin`) are judged by the service at its
+edge (a baseline's failure, the study document's host note, a trial's early stop on /progress),
+where no snapshot is built and the service's policy is the default; `with_overrides` refuses them
+so a benchmark never reports a change it did not make.
 """
 
 from __future__ import annotations
@@ -333,7 +334,7 @@ def _parse(current: Any, text: str, key: str, annotation: str = "") -> Any:
 
 DEFAULT_POLICY = Policy()
 
-# The fields the rules read from the snapshot's policy (the rest from DEFAULT_POLICY, see above).
+# The fields the decisions read from the snapshot's policy (the rest at the service's edge, see above).
 SNAPSHOT_FIELDS: frozenset[str] = frozenset(
     {
         "check_window",
@@ -377,5 +378,16 @@ SNAPSHOT_FIELDS: frozenset[str] = frozenset(
         "residual_lengths",
         "residual_host_sds",
         "residual_extra_noise",
+        # The memory model and its bars (optimizer.memory_boundary, optimizer.deployability).
+        "probable_failure",
+        "surely",
+        "kappas",
+        "prior_span",
+        # The launch noise's prior (optimizer.analysis), the launch cost's ridge, the busy starts.
+        "prior_launch_sd",
+        "prior_pairs",
+        "min_launch_sd",
+        "ridge",
+        "busy_from",
     }
 )

@@ -193,7 +193,7 @@ SGLANG_DEFAULTS: tuple[SpecConfig, ...] = (
 # Configurations published in SGLang's and EAGLE-3 trainers' measurements (docs/calibration.md
 # §2: a chain of 7 in SGLang PRs #21599 and #23336, a 4-wide tree of 16 tokens in AngelSlim
 # #163): what a fleet launches once the defaults are taken and no result is in yet, below
-# `BUSY_FROM` (optimizer.model_sampler.blind_start), instead of random points.  Between them and the
+# the policy's `busy_from` (optimizer.model_sampler.blind_start), instead of random points.  Between them and the
 # defaults the model's first fit sees draft positions up to 7 and a 16-token verify.
 PUBLISHED_STARTS: tuple[SpecConfig, ...] = (
     SpecConfig(num_steps=7, topk=1, num_draft_tokens=8),
@@ -204,17 +204,18 @@ PUBLISHED_STARTS: tuple[SpecConfig, ...] = (
 # requests; the speedups measured there at 32 and more are chains of 1-3): a chain of 2 and a
 # chain of 1 instead of the chain of 7 and the tree of 16.  Measured (benchmarks/README.md,
 # 2026-12-02 c): from 8 requests, the two cases at 16 got dearer with 4 workers (draft-mem-cliff
-# 15 -> 17 launches); from 32, mem-tight at 64 went 15 -> 13 and no other case changed.
-BUSY_FROM = DEFAULT_POLICY.busy_from  # optimizer.policy
+# 15 -> 17 launches); from 32, mem-tight at 64 went 15 -> 13 and no other case changed.  That
+# threshold is the study's policy (optimizer.policy.busy_from).
 PUBLISHED_STARTS_BUSY: tuple[SpecConfig, ...] = (
     SpecConfig(num_steps=2, topk=1, num_draft_tokens=3),
     SpecConfig(num_steps=1, topk=1, num_draft_tokens=2),
 )
 
 
-def published_starts(concurrency: int) -> tuple[SpecConfig, ...]:
-    """The published configurations for a workload whose objective's largest level is `concurrency`."""
-    return PUBLISHED_STARTS_BUSY if concurrency >= BUSY_FROM else PUBLISHED_STARTS
+def published_starts(concurrency: int, busy_from: int = DEFAULT_POLICY.busy_from) -> tuple[SpecConfig, ...]:
+    """The published configurations for a workload whose objective's largest level is
+    `concurrency`: the busy ones from `busy_from` requests on (the study's policy)."""
+    return PUBLISHED_STARTS_BUSY if concurrency >= busy_from else PUBLISHED_STARTS
 
 
 def with_largest_graph(c: SpecConfig, space: SearchSpace) -> SpecConfig:

@@ -21,6 +21,7 @@ import optuna
 from optuna.trial import FrozenTrial
 
 from optimizer.deploy import Envelope
+from optimizer.policy import Policy
 from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
@@ -177,6 +178,11 @@ class StudyStore(ConfirmQueue, Protocol):
 
     @property
     def spec(self) -> StudySpec: ...
+
+    @property
+    def policy(self) -> Policy:
+        """The decision values in force (optimizer.policy): what its snapshots carry."""
+        ...
 
     def study(self) -> optuna.Study:
         """Optuna's study (the service's screens quarantined trials from its sampler)."""

@@ -36,7 +36,8 @@ from optimizer.conductor.orders import (
     Wait,
 )
 from optimizer.conductor.snapshot import Baseline, LeaseView, Snapshot
-from optimizer.memory_boundary import PROBABLE_FAILURE, MemoryBoundary, Terms, capture_list, tuning_launches
+from optimizer.memory_boundary import MemoryBoundary, Terms, capture_list, tuning_launches
+from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
@@ -92,7 +93,7 @@ def candidates(snap: Snapshot) -> tuple[Candidate, ...]:
     for t in confirm.candidates(list(snap.trials), spec.confirmation.top, spec, noise.variance, rank, snap.policy):
         r = A.TrialRecord(t)
         measured_on = r.worker_id
-        first = next_deployment(spec, r.config, trials=snap.trials)
+        first = next_deployment(spec, r.config, trials=snap.trials, policy=snap.policy)
         out.append(
             Candidate(
                 t.number,
@@ -127,12 +128,14 @@ def next_deployment(
     failed: Sequence[tuple[SpecConfig, int]] = (),
     after: int = -1,
     trials: Sequence[FrozenTrial] = (),
+    policy: Policy = DEFAULT_POLICY,
 ) -> tuple[int, deploy.Envelope] | None:
     """The deployment a confirmation of `config` launches: the first envelope past tier `after`
     that no earlier out-of-memory start rules out, nor the memory model learnt from them and the
-    search's `trials` says surely fails (optimizer.deploy.envelopes_to_try), or None when none is
-    left (the candidate cannot be the answer)."""
-    return next(((t, e) for t, e in deploy.envelopes_to_try(spec, config, failed, trials) if t > after), None)
+    search's `trials` says surely fails under the study's `policy` (optimizer.deploy.envelopes_to_try),
+    or None when none is left (the candidate cannot be the answer)."""
+    options = deploy.envelopes_to_try(spec, config, failed, trials, policy)
+    return next(((t, e) for t, e in options if t > after), None)
 
 
 def resolve_order(snap: Snapshot, lease: LeaseView, base: Baseline) -> Resolve | None:
@@ -189,7 +192,7 @@ def deployment_for(snap: Snapshot, lease: LeaseView) -> tuple[int, deploy.Envelo
     """The deployment a queued confirmation launches now: `next_deployment` from its tier, and
     past an envelope that no confirmation of this study started in yet but one ran out of memory
     in, where the memory model (optimizer.memory_boundary, learnt from the search and those
-    failures) says this candidate more likely than not fails there too (PROBABLE_FAILURE, the bar
+    failures) says this candidate more likely than not fails there too (`policy.probable_failure`, the bar
     a search launch must pass): until something started in it, the printed envelope is
     unproven, and a second out-of-memory start there would be a launch spent on a likely failure.
     A candidate the model gives an even chance or better is tried there (it may prove the printed
@@ -197,7 +200,9 @@ def deployment_for(snap: Snapshot, lease: LeaseView) -> tuple[int, deploy.Envelo
     assert lease.config is not None and lease.tier is not None
     spec, cfg = snap.spec, lease.config
     failed = deploy_failures(snap.leases)
-    options = [(t, e) for t, e in deploy.envelopes_to_try(spec, cfg, failed, snap.trials) if t >= lease.tier]
+    options = [
+        (t, e) for t, e in deploy.envelopes_to_try(spec, cfg, failed, snap.trials, snap.policy) if t >= lease.tier
+    ]
     started = _started_envelopes(snap)
     failed_in = {envelope_key(le.server) for le in snap.leases if le.failure == "oom" and le.server is not None}
     boundary: MemoryBoundary | None = None
@@ -209,13 +214,13 @@ def deployment_for(snap: Snapshot, lease: LeaseView) -> tuple[int, deploy.Envelo
             break
         if boundary is None:
             boundary = MemoryBoundary.fit(
-                [*tuning_launches(spec, snap.trials), *deploy.deployment_launches(spec, failed)]
+                [*tuning_launches(spec, snap.trials), *deploy.deployment_launches(spec, failed)], snap.policy
             )
         if boundary is None:
             break
         terms = Terms.of(env.settings, cfg)
         j = boundary.judge(terms)
-        if j.p_fail < PROBABLE_FAILURE:
+        if j.p_fail < snap.policy.probable_failure:
             break
         what = env.note.split(":")[0] if env.note else f"the printed envelope ({terms.describe()})"
         skipped.append(
@@ -371,7 +376,7 @@ def relaunches(snap: Snapshot) -> Reconfirm | None:
     move = relaunch_move(snap, cfg, w_iv, w.launches, avoid)
     if not decide.worth(move, snap.policy):
         return None
-    first = next_deployment(spec, cfg, trials=snap.trials)
+    first = next_deployment(spec, cfg, trials=snap.trials, policy=snap.policy)
     if first is None:
         return None
     why = f"its {w_iv.value:.3f}x ({w_iv.low:.3f}-{w_iv.high:.3f}) straddles 1.0 ({move.describe()})"

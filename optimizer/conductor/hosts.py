@@ -10,7 +10,7 @@ from statistics import NormalDist
 from typing import Any
 
 from optimizer import confirmation as confirm
-from optimizer.analysis import MIN_LAUNCH_SD, LaunchNoise
+from optimizer.analysis import LaunchNoise
 from optimizer.conductor.snapshot import Baseline, LeaseView, Snapshot
 
 
@@ -26,6 +26,7 @@ def launch_noise(snap: Snapshot) -> LaunchNoise:
             if le.kind == "confirm" and le.state == "completed" and le.measurement is not None
         ],
         snap.spec.objective,
+        snap.policy,
     )
 
 
@@ -146,11 +147,11 @@ def drifted(snap: Snapshot, base: Baseline, prev: Baseline) -> bool:
     The noise is estimated without `base` (`launch_noise`): a real move would otherwise widen
     the very noise it is judged against (one pair of the host's baselines 5% apart lifted the
     estimate enough to hide it).  A move the least noise the estimate ever gives
-    (`MIN_LAUNCH_SD`) explains is no drift, and needs no estimate.
+    (the policy's `min_launch_sd`) explains is no drift, and needs no estimate.
     """
     fresh, earlier = _levels(base), _levels(prev)
     z = NormalDist().inv_cdf(0.5 + snap.policy.drift_level / 2.0)
-    if not confirm.drift_seen(fresh, earlier, MIN_LAUNCH_SD**2, z):
+    if not confirm.drift_seen(fresh, earlier, snap.policy.min_launch_sd**2, z):
         return False
     without = dataclasses.replace(snap, baselines=tuple(b for b in snap.baselines if b.id != base.id))
     return confirm.drift_seen(fresh, earlier, launch_noise(without).variance, z)

@@ -553,6 +553,11 @@ def test_a_drifted_baseline_does_not_hide_in_the_noise_it_adds() -> None:
     # With the moved baseline counted in the noise, the test would not call it drift.
     var = c.launch_noise(s).variance
     assert not confirm.drift_seen(hosts._levels(w1[1]), hosts._levels(w1[0]), var)
+    # The floor and the prior are the study's policy: where it says no launch is surer than 6%,
+    # a 5% move is noise, and the noise estimate itself starts from its prior.
+    loose = replace(s, policy=replace(s.policy, min_launch_sd=0.06))
+    assert c.next_action(loose, "w1") != c.MeasureBaseline("w1", for_confirmation=True)
+    assert c.launch_noise(loose).sd >= 0.06 > c.launch_noise(s).sd
 
 
 def test_drift_is_a_move_beyond_the_launch_noise_and_the_passes() -> None:

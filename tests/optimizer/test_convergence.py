@@ -18,7 +18,7 @@ from optimizer import conductor, convergence, costs, launch_cost, ranking, stop_
 from optimizer import confirmation as confirm
 from optimizer import study as opt
 from optimizer.infeasible import needs_at_least
-from optimizer.memory_boundary import PROBABLE_FAILURE, MemoryBoundary, terms_for, tuning_launches
+from optimizer.memory_boundary import MemoryBoundary, terms_for, tuning_launches
 from optimizer.model_sampler import (
     NEAR_COPY,
     OpenPool,
@@ -152,12 +152,16 @@ def test_a_probable_oom_is_skipped_not_only_what_dominates_a_failure() -> None:
     assert boundary is not None
     configs = [*probable, SpecConfig(num_steps=2, topk=2, num_draft_tokens=3)]
     p = boundary.p_fail(terms_for(lambda c: server_settings(sp, c), configs))
-    assert p[0] >= PROBABLE_FAILURE and p[1] >= PROBABLE_FAILURE, p
+    assert p[0] >= DEFAULT_POLICY.probable_failure and p[1] >= DEFAULT_POLICY.probable_failure, p
     assert p[2] == 0.0  # inside what started
     pool = {c.key for c in open_pool(sp, trials).configs}
     assert not pool & {c.key for c in probable}
+    # The bar is the study's policy (the snapshot's): a study that launches whatever is not sure
+    # to fail keeps them open.
+    bold = dataclasses.replace(DEFAULT_POLICY, probable_failure=1.0)
+    assert {c.key for c in probable} <= {c.key for c in open_pool(sp, trials, bold).configs}
     proposal = propose(sp, trials, random.Random(0))
-    assert proposal is not None and proposal.p_fail < PROBABLE_FAILURE
+    assert proposal is not None and proposal.p_fail < DEFAULT_POLICY.probable_failure
 
 
 def test_parallel_proposals_differ_and_are_never_near_copies() -> None:

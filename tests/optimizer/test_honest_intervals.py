@@ -12,8 +12,6 @@ from dataclasses import replace
 
 from optimizer import attrs as A
 from optimizer.analysis import (
-    MIN_LAUNCH_SD,
-    PRIOR_LAUNCH_SD,
     Interval,
     Relaunch,
     launch_noise,
@@ -39,7 +37,7 @@ def _launch(rng: random.Random, true: float, launch_sd: float, pass_sd: float, p
 
 def test_without_relaunches_the_prior_holds_the_place() -> None:
     noise = launch_noise([])
-    assert noise.sd == PRIOR_LAUNCH_SD and noise.groups == 0
+    assert noise.sd == DEFAULT_POLICY.prior_launch_sd and noise.groups == 0
 
 
 def test_relaunches_of_a_noisy_server_raise_the_estimate_to_their_spread() -> None:
@@ -56,7 +54,7 @@ def test_relaunches_of_a_noisy_server_raise_the_estimate_to_their_spread() -> No
     assert 0.025 < noise.sd < 0.065, noise
     # Launches that agree perfectly cannot prove less than the floor.
     same = [Relaunch("base:h:1", 1000.0, 0.0, 2.0) for _ in range(6)]
-    assert launch_noise(same).sd >= MIN_LAUNCH_SD
+    assert launch_noise(same).sd >= DEFAULT_POLICY.min_launch_sd
 
 
 def test_a_fresh_launch_lands_inside_the_interval_that_holds_launch_noise() -> None:

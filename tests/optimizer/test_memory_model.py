@@ -13,7 +13,6 @@ from optuna.trial import FrozenTrial, TrialState, create_trial
 from optimizer import deploy
 from optimizer.deployability import smallest_deployment, weigh
 from optimizer.memory_boundary import (
-    SURELY,
     Launch,
     MemoryBoundary,
     Terms,
@@ -23,6 +22,7 @@ from optimizer.memory_boundary import (
 )
 from optimizer.model_sampler import propose, space_configs
 from optimizer.plan import server_settings
+from optimizer.policy import DEFAULT_POLICY
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec, parse_spec
 from spectune_sim.landscapes import LANDSCAPES
@@ -193,7 +193,7 @@ def test_a_configuration_surely_undeployable_in_a_fixed_envelope_is_never_propos
     b = MemoryBoundary.fit(tuning_launches(sp, trials))
     assert b is not None
     printed = [Terms.of(deploy.deployment_settings(sp, c)[0], c) for c in pool]
-    sure = b.p_fail(printed) >= SURELY
+    sure = b.p_fail(printed) >= DEFAULT_POLICY.surely
     starts = [
         check_memory(LANDSCAPES["deploy-tight"], c, max_running_requests=48, cuda_graph_max_bs=48).ok for c in pool
     ]
@@ -219,10 +219,10 @@ def test_the_sampler_does_not_propose_what_surely_fails_to_deploy() -> None:
         return float(b.p_fail([Terms.of(deploy.deployment_settings(fixed, c)[0], c)])[0])
 
     best_guess = propose(loose, trials(loose), random.Random(0))
-    assert best_guess is not None and p_deploy(best_guess.config) >= SURELY
+    assert best_guess is not None and p_deploy(best_guess.config) >= DEFAULT_POLICY.surely
     chosen = propose(fixed, trials(fixed), random.Random(0))
     assert chosen is not None and chosen.config.key != best_guess.config.key
-    assert p_deploy(chosen.config) < SURELY
+    assert p_deploy(chosen.config) < DEFAULT_POLICY.surely
     # Its risk of not deploying discounts it, and is what the proposal records.
     assert chosen.p_fail == pytest.approx(p_deploy(chosen.config))
 
@@ -277,7 +277,7 @@ def test_a_failed_deployment_teaches_the_model_for_other_candidates() -> None:
     cand = SpecConfig(num_steps=4, topk=8, num_draft_tokens=11)
     printed = Terms.of(deploy.deployment_envelopes(sp, cand)[0].settings, cand)
     j = b.judge(printed)
-    assert j.p_fail >= SURELY and "the deployment of 4/8/12" in j.reason
+    assert j.p_fail >= DEFAULT_POLICY.surely and "the deployment of 4/8/12" in j.reason
     assert [t for t, _ in deploy.envelopes_to_try(sp, cand, failed, trials)][0] == 1
 
 

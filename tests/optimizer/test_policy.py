@@ -242,9 +242,9 @@ def test_a_benchmark_cannot_set_what_the_snapshot_does_not_carry() -> None:
         DEFAULT_POLICY.with_overrides(["no_such_field=1"])
     with pytest.raises(ValueError, match="not a int"):
         DEFAULT_POLICY.with_overrides(["stall_min=many"])
-    # Read by the published starts from the default policy: a change there would not be made.
+    # Judged at the service's edge, where no snapshot is built: a change there would not be made.
     with pytest.raises(ValueError, match="default policy"):
-        DEFAULT_POLICY.with_overrides(["busy_from=2"])
+        DEFAULT_POLICY.with_overrides(["z_prune=3.0"])
 
 
 def test_the_samplers_geometry_travels_with_the_studys_policy() -> None:

@@ -35,6 +35,7 @@ from api.services.leasing.states import LeaseKind, LeaseState, StudyState, claim
 from api.services.study_specs import launched_count, load_study, spec_of, study_trials
 from optimizer import conductor
 from optimizer import study as opt
+from optimizer.policy import DEFAULT_POLICY, Policy
 from optimizer.sglang import ServerSettings
 from optimizer.space import SpecConfig
 from optimizer.spec import StudySpec
@@ -84,6 +85,11 @@ class SqlStudyStore:
             with self._write() as s:
                 self._spec = spec_of(s, self._spec)
         return self._spec
+
+    @property
+    def policy(self) -> Policy:
+        # The service runs the default policy: its snapshots (api.services.study_life) carry it.
+        return DEFAULT_POLICY
 
     @contextmanager
     def _write(self) -> Iterator[Session]:
