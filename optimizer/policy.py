@@ -166,19 +166,19 @@ class Policy:
     # are not measuring the same thing (issue 17 item 6; a saturated host, stated risk).
     host_disagreement: float = 0.10
 
-    # ------------------------------------------ launch noise (optimizer.analysis): read from the default
+    # ---------------------------------------------------------- launch noise (optimizer.analysis)
     # Prior sd of a speedup across launches (what the simulator and reference hosts show, 1-2%),
     # weighted as this many re-launch pairs; a floor no handful of pairs can go below.
     prior_launch_sd: float = 0.015
     prior_pairs: float = 2.0
     min_launch_sd: float = 0.005
 
-    # -------------------------------------------------- early pruning (optimizer.pruning): the default
+    # ------------------------------------- early pruning (optimizer.pruning): at the service's edge
     # A trial is pruned mid-benchmark only when it is this many sd and this share below the bar.
     z_prune: float = 3.0
     min_margin: float = 0.02
 
-    # ------------------------------------------- the memory model (optimizer.memory_boundary): default
+    # --------------------------------------------------- the memory model (optimizer.memory_boundary)
     # Candidates at or above this chance of running out of memory are not launched (even odds).
     probable_failure: float = 0.5
     # A deployment this likely to run out of memory is "sure to fail" (stated risk).
@@ -199,7 +199,7 @@ class Policy:
     # at 64 went 15 -> 13 and no other case changed.
     busy_from: int = 32
 
-    # ------------------------------------------ the performance model (optimizer.perf_model): default
+    # ---------------------------------------------------- the performance model (optimizer.perf_model)
     # Priors (mean, sd) of the model's parameters in optimizer/perf_model.py's units; ranges from
     # docs/calibration.md §4-6 (accept_first: logit of the first position's acceptance, 0.55-0.85 in
     # public data; delta: draft step / decode step; gamma: draft cost per extra topk branch; beta,
@@ -232,7 +232,7 @@ class Policy:
     # Weight of the launch-cost prior, as a share of one measured launch (optimizer.launch_cost).
     ridge: float = 0.05
 
-    # ------------------------------- the model's misfit (optimizer.residual_gp): default, a prior grid
+    # -------------------------------------------- the model's misfit (optimizer.residual_gp): a prior grid
     # The residual's size (log-sd of what the fixed form misses), log-uniform over the grid: from
     # 0.5% (half of model_floor: a fit within measurement noise) to 16% (issue 31: the fixed form
     # missed by up to 3.8 of its stated sd, ~4%, on engines of other shapes).  A guess bounded by
@@ -269,7 +269,9 @@ class Policy:
             if not sep or key not in types:
                 raise ValueError(f"--policy {item!r}: give key=value with a key of {', '.join(sorted(types))}")
             if key not in SNAPSHOT_FIELDS:
-                raise ValueError(f"--policy {key}: read from the default policy, not from the snapshot")
+                raise ValueError(
+                    f"--policy {key}: judged at the service's edge (no snapshot reaches it), so a benchmark cannot vary it"
+                )
             out[key] = _parse(getattr(self, key), text.strip(), key, str(types[key]))
         return dataclasses.replace(self, **out)
 
