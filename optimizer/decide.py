@@ -11,7 +11,7 @@ Three decisions spend a launch on the study's posterior, and each is a `Move` he
 A move carries the chance that this one launch changes the answer the study would print by the
 user's `min_gain` (each decision's own preposterior: `optimizer.gains.moved_sd`,
 `optimizer.confirmation.clear_chance`), and its cost in GPU-seconds against the study's typical
-launch (`relative_costs`: every launch of a study runs on hosts of the same tensor-parallel
+launch (`Prices`, fitted once per decision: every launch of a study runs on hosts of the same tensor-parallel
 size, so seconds against the study's own launches are GPU-seconds against them).  One rule judges
 them all (`worth`): a move is worth its cost when its chance per typical launch reaches the
 policy's `p_matters`; a launch predicted to take twice the GPU-seconds must be twice as likely to
@@ -84,53 +84,59 @@ def worth(move: Move, policy: Policy) -> bool:
     return move.rate >= policy.p_matters
 
 
+@dataclass(frozen=True)
+class Prices:
+    """What a study's launches cost, fitted once per decision (`prices`): the launch-cost fit
+    (`optimizer.launch_cost`), the study's typical launch in seconds (the median of what its
+    measured launches are predicted to take at their measured speedups; None before any), and
+    whether the policy prices at all (`per_cost`)."""
+
+    fit: launch_cost.LaunchCost
+    typical: float | None
+    on: bool = True
+
+    def relative(
+        self, configs: Sequence[SpecConfig], speedup: FloatArray, p_fail: FloatArray | None = None
+    ) -> FloatArray:
+        """Each configuration's predicted GPU-seconds (start-up and benchmark) against the study's
+        typical launch.  All ones where the policy does not price or nothing is measured yet."""
+        ones: FloatArray = np.ones(len(configs))
+        if not self.on or self.typical is None or not configs:
+            return ones
+        fail = np.zeros(len(configs)) if p_fail is None else p_fail
+        out: FloatArray = self.fit.seconds(configs, np.maximum(speedup, 0.05), fail) / self.typical
+        return out
+
+    def baseline(self) -> float:
+        """A baseline launch's GPU-seconds against the study's typical launch (its start-up is the
+        weights and the target's graphs, its benchmark the workload at 1.0x); 0 where the policy
+        does not price, 1 before anything is measured."""
+        if not self.on:
+            return 0.0
+        if self.typical is None:
+            return 1.0
+        return self.fit.baseline_s() / self.typical
+
+
+def prices(spec: StudySpec, trials: Sequence[FrozenTrial], policy: Policy = DEFAULT_POLICY) -> Prices:
+    """The study's `Prices` under its `policy` (the launch cost's ridge, `per_cost`)."""
+    fit = launch_cost.fit(spec, trials, policy)
+    measured = A.measured_feasible(trials, A.CONFIG)
+    typical: float | None = None
+    if measured:
+        configs = [r.config for r in A.records(measured)]
+        seen = np.array([max(float(t.value or 0.0), 0.05) for t in measured])
+        typical = statistics.median(fit.seconds(configs, seen, np.zeros(len(configs))).tolist())
+    return Prices(fit, typical if typical is not None and typical > 0 else None, policy.per_cost)
+
+
 def relative_costs(
     spec: StudySpec,
     trials: Sequence[FrozenTrial],
     configs: Sequence[SpecConfig],
     speedup: FloatArray,
     p_fail: FloatArray | None = None,
-    policy: Policy | None = None,
+    policy: Policy = DEFAULT_POLICY,
 ) -> FloatArray:
-    """Each configuration's predicted GPU-seconds (start-up and benchmark, `optimizer.launch_cost`)
-    against the study's typical launch: the median of what its measured launches are predicted
-    to take at their measured speedups.  All ones where the policy does not price (`per_cost`
-    False) or the study has no measured launch yet."""
-    ones: FloatArray = np.ones(len(configs))
-    if policy is not None and not policy.per_cost:
-        return ones
-    priced = _priced(spec, trials, policy or DEFAULT_POLICY)
-    if priced is None or not configs:
-        return ones
-    cost, typical = priced
-    fail = np.zeros(len(configs)) if p_fail is None else p_fail
-    out: FloatArray = cost.seconds(configs, np.maximum(speedup, 0.05), fail) / typical
-    return out
-
-
-def baseline_cost(spec: StudySpec, trials: Sequence[FrozenTrial], policy: Policy | None = None) -> float:
-    """A baseline launch's GPU-seconds against the study's typical launch (its start-up is the
-    weights and the target's graphs, its benchmark the workload at 1.0x); 0 where the policy does
-    not price."""
-    if policy is not None and not policy.per_cost:
-        return 0.0
-    priced = _priced(spec, trials, policy or DEFAULT_POLICY)
-    if priced is None:
-        return 1.0
-    cost, typical = priced
-    return cost.baseline_s() / typical
-
-
-def _priced(
-    spec: StudySpec, trials: Sequence[FrozenTrial], policy: Policy
-) -> tuple[launch_cost.LaunchCost, float] | None:
-    """The study's launch-cost fit and its typical launch's seconds (the median of what its
-    measured launches are predicted to take at their measured speedups); None before any."""
-    measured = A.measured_feasible(trials, A.CONFIG)
-    if not measured:
-        return None
-    cost = launch_cost.fit(spec, trials, policy)
-    configs = [r.config for r in A.records(measured)]
-    seen = np.array([max(float(t.value or 0.0), 0.05) for t in measured])
-    typical = statistics.median(cost.seconds(configs, seen, np.zeros(len(configs))).tolist())
-    return (cost, typical) if typical > 0 else None
+    """`Prices.relative` of the study's prices (one decision's one question)."""
+    return prices(spec, trials, policy).relative(configs, speedup, p_fail)

@@ -37,7 +37,7 @@ from optuna.trial import FrozenTrial, TrialState
 from scipy.stats import norm
 
 from optimizer import attrs as A
-from optimizer import decide, deployability, launch_cost, ranking, stop_rules
+from optimizer import decide, deployability, ranking, stop_rules
 from optimizer.gains import beat_z
 from optimizer.gains import coords as coords
 from optimizer.gains import gain_over as gain_over
@@ -319,6 +319,8 @@ def propose(
     cand = Candidates.of(pool)
     levels, weights = objective_levels(spec)
     mean, sd = model.predict_log_speedup(cand, levels, weights)
+    # The study's launch prices, fitted once for this ask (optimizer.decide.Prices).
+    prices = decide.prices(spec, trials, policy)
     # LOSE_BY: what the model itself expects to lose by more than 20% to the best measured so far.
     best_so_far = _best_measured(trials)
     bar = math.log((1.0 - policy.lose_by) * max(1.0, best_so_far or 0.0))
@@ -339,7 +341,7 @@ def propose(
         # The stop rule's chance (optimizer.convergence: what one launch may move the answer by).
         noise = stop_rules.launch_variance(trials, policy) if policy.answer_moves else None
         # Per GPU-second, as the stop rule weighs it (optimizer.decide).
-        priced = decide.relative_costs(spec, trials, pool, np.exp(mean), p_fail, policy)
+        priced = prices.relative(pool, np.exp(mean), p_fail)
         settles = float((norm.cdf(beat_z(diff, sd, spec.budget.min_gain, noise)) / priced).max()) < policy.p_matters
         if policy.depth_probe and not op.pending and settles and check.trusted:
             # The model sees nothing left to beat the incumbent: where the incumbent is the
@@ -360,7 +362,7 @@ def propose(
         z = (mean - incumbent) / sd
     ei = sd * (z * norm.cdf(z) + norm.pdf(z))
     penalty = pending_penalty(pool, op.pending, policy.near_copy)
-    cost = launch_cost.fit(spec, trials, policy).seconds(pool, np.exp(mean), p_fail)
+    cost = prices.fit.seconds(pool, np.exp(mean), p_fail)
     value = ei * (1.0 - p_fail) * penalty / (cost / float(np.median(cost)))
     local = _local_moves(spec, trials, pool, best, policy)
     around: str | None = None

@@ -388,10 +388,11 @@ def relaunch_move(snap: Snapshot, cfg: SpecConfig, iv: Interval, launches: int, 
     (`confirmation.clear_chance`) and its GPU-seconds, the launch and, where no live host but
     `avoid` holds a baseline that may pair with it, that host's fresh baseline too."""
     chance = confirm.clear_chance(iv, launches)
-    cost = float(decide.relative_costs(snap.spec, snap.trials, [cfg], np.array([iv.value]), policy=snap.policy)[0])
+    priced = decide.prices(snap.spec, snap.trials, snap.policy)
+    cost = float(priced.relative([cfg], np.array([iv.value]))[0])
     paired = any(h.id != avoid and holds_fresh_baseline(snap, h.id) for h in snap.live_hosts())
     if not paired:
-        cost += decide.baseline_cost(snap.spec, snap.trials, snap.policy)
+        cost += priced.baseline()
     return decide.Move(decide.Purpose.RELAUNCH, cfg.key, chance, cost)
 
 

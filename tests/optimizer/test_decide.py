@@ -53,7 +53,7 @@ def test_costs_are_gpu_seconds_against_the_studys_typical_launch() -> None:
     slow = decide.relative_costs(sp, trials, [shallow], np.array([0.75]))
     assert slow[0] > rel[0]
     # A baseline launches the weights alone and benchmarks at 1.0x.
-    assert 0.0 < decide.baseline_cost(sp, trials) < 1.5
+    assert 0.0 < decide.prices(sp, trials).baseline() < 1.5
 
 
 def test_off_or_before_any_launch_every_launch_costs_the_same() -> None:
@@ -61,6 +61,6 @@ def test_off_or_before_any_launch_every_launch_costs_the_same() -> None:
     trials = measured({1: 300.0, 5: 460.0})
     deep = [SpecConfig(num_steps=9, topk=1, num_draft_tokens=10)]
     assert decide.relative_costs(sp, trials, deep, np.array([1.0]), policy=OFF).tolist() == [1.0]
-    assert decide.baseline_cost(sp, trials, OFF) == 0.0
+    assert decide.prices(sp, trials, OFF).baseline() == 0.0
     assert decide.relative_costs(sp, [], deep, np.array([1.0])).tolist() == [1.0]
-    assert decide.baseline_cost(sp, []) == 1.0
+    assert decide.prices(sp, []).baseline() == 1.0
