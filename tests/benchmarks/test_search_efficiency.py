@@ -58,11 +58,17 @@ def test_the_benchmark_and_the_service_run_the_same_study(api: Api, seed: int, m
     # The confirmation launches each ranking read (optimizer.ranking.Relaunch), in call order.
     relaunched: list[tuple[Any, ...]] = []
 
-    def of(spec: Any, trials: Any, shapes: Any = None, relaunches: Any = ()) -> ranking.Ranking | None:
+    # The policy each ranking was fitted under: the service's everywhere (optimizer.policy).
+    policies: set[str] = set()
+
+    def of(
+        spec: Any, trials: Any, shapes: Any = None, relaunches: Any = (), policy: Any = DEFAULT_POLICY
+    ) -> ranking.Ranking | None:
         if any(t.state.is_finished() for t in trials):
             ranked_with.add(shapes_key(shapes))
         relaunched.append(tuple(sorted(json.dumps(r.key()) for r in relaunches)))
-        return real_of(spec, trials, shapes, relaunches)
+        policies.add(json.dumps(policy.as_json()))
+        return real_of(spec, trials, shapes, relaunches, policy)
 
     monkeypatch.setattr(ranking, "of", of)
     doc = small_spec(f"agree{seed}", sampler="auto", seed=seed, budget={"max_trials": 12})
@@ -94,6 +100,7 @@ def test_the_benchmark_and_the_service_run_the_same_study(api: Api, seed: int, m
     rehearsed = store.snapshot(datetime.now(UTC), ["w1"]).verify_shapes()
     assert served and shapes_key(served) == shapes_key(rehearsed)
     assert ranked_with == {shapes_key(served)}
+    assert policies == {json.dumps(DEFAULT_POLICY.as_json())}
     # The study document's ranking and the rehearsal's read the same confirmation launches.
     served_relaunches = max(relaunched[:served_calls], key=len)
     rehearsed_relaunches = max(relaunched[served_calls:], key=len)
