@@ -168,7 +168,10 @@ class Policy:
 
     # ---------------------------------------------------------- launch noise (optimizer.analysis)
     # Prior sd of a speedup across launches (what the simulator and reference hosts show, 1-2%),
-    # weighted as this many re-launch pairs; a floor no handful of pairs can go below.
+    # weighted as this many re-launch pairs; a floor no handful of pairs can go below.  Measured
+    # (benchmarks/README.md "Every model travels with the study's policy (stop 47)"): at 3%
+    # family engines 0-199 answer 7 studies worse and none better; at 1% 12 launches fewer and
+    # the same answers.
     prior_launch_sd: float = 0.015
     prior_pairs: float = 2.0
     min_launch_sd: float = 0.005
@@ -226,6 +229,7 @@ class Policy:
     # the trials' own cycle ratios outweigh it where they were measured; SINGLE_RUN_SD's 3% is a
     # point timed once.
     probe_floor: float = 0.03
+    # Measured at 2% (benchmarks/README.md, stop 47): 11 launches more, 1 answer better, 4 worse.
     model_floor: float = 0.01
     # Cost factor of a level run eagerly, its graphs missing (measured: docs/calibration.md §5).
     eager_penalty: float = 1.37
@@ -237,6 +241,8 @@ class Policy:
     # 0.5% (half of model_floor: a fit within measurement noise) to 16% (issue 31: the fixed form
     # missed by up to 3.8 of its stated sd, ~4%, on engines of other shapes).  A guess bounded by
     # those two; measured on the drawn family (benchmarks/README.md, "The model's misfit").
+    # Without 0.5%: 121 launches more on engines 0-199, one study to the cap, 8 answers better and
+    # 13 worse (benchmarks/README.md "Every model travels with the study's policy (stop 47)").
     residual_amplitudes: tuple[float, ...] = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16)
     # Lengths in the model's coordinates (a doubling of verified tokens or batch, two draft steps, a
     # doubling of topk): a residual shared by neighbours only, or by a wider region.  Equal weight.
