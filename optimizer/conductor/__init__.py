@@ -13,8 +13,9 @@ lives in this package, a module per phase, and this module reads the life in one
 * `snapshot`: what a decision sees; `orders`: what it answers (`Action`).
 * `search`: the search phase; the stop rule (optimizer.convergence) through its one seam,
   `stop_rule`; what a worker asking in the search is told; why the search ends.
-* `confirming`: the confirmation phase; which candidates, in which deployment, the extra launches
-  of a straddling winner, which queued confirmation a worker takes.
+* `confirming`: the confirmation phase; which candidates, the extra launches of a straddling
+  winner, the answer, which queued confirmation a worker takes.
+* `deployments`: the envelope a confirmation launches in, and which confirmations launch at once.
 * `hosts`: which host confirms next to which baseline (freshness, drift), the study's launch noise.
 * `faults`: a baseline that fails for what the study asks; a confirmation no host can take.
 """
@@ -25,20 +26,16 @@ from datetime import timedelta
 
 from optimizer.conductor import confirming, search
 from optimizer.conductor.confirming import (
-    EnvelopeKey,
     adaptive_proof,
     candidates,
     contenders,
-    deploy_failures,
-    deployment_for,
-    envelope_key,
     extra_launches,
-    next_deployment,
     relaunched,
     relaunches,
     resolve_order,
     winner,
 )
+from optimizer.conductor.deployments import EnvelopeKey, deploy_failures, deployment_for, envelope_key, next_deployment
 from optimizer.conductor.faults import FAULT_WORDS, STOP_AFTER_HOSTS, baseline_fault, confirmation_waits
 from optimizer.conductor.hosts import baseline_fresh, baseline_serves, drifted, launch_noise, same_token
 from optimizer.conductor.orders import (

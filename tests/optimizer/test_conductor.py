@@ -859,7 +859,7 @@ def decision_lengths(package: Path) -> dict[str, int]:
 
 def test_each_phase_of_a_studys_life_reads_in_one_screen() -> None:
     """Issue 31: the conductor's decisions read in one screen per phase.  A decision that grows past
-    it is split into named steps (as `confirming._launchable` is), not let sprawl."""
+    it is split into named steps (as `deployments.launchable` is), not let sprawl."""
     lengths = decision_lengths(ROOT / "optimizer" / "conductor")
     assert len(lengths) == 7
     assert {k: n for k, n in lengths.items() if n > ONE_SCREEN} == {}
