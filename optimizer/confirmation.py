@@ -176,7 +176,7 @@ def candidates(
     costs: dict[int, float] = {}
     if spec is not None and len(ranked) > 1:
         cfgs = [A.TrialRecord(t).config for t in ranked]
-        rel = decide.relative_costs(spec, trials, cfgs, np.array([score[id(t)] for t in ranked]), policy=policy)
+        rel = decide.prices(spec, trials, policy).relative(cfgs, np.array([score[id(t)] for t in ranked]))
         costs = {id(t): float(c) for t, c in zip(ranked, rel, strict=True)}
     out: list[FrozenTrial] = []
     seen: set[str] = set()

@@ -314,7 +314,7 @@ def _model_chance(
     chance = norm.cdf(beat_z(diff, sd * misfit, gain, launch_var)) * (1.0 - op.p_fail)
     if policy.per_cost:
         speed, _ = model.predict_log_speedup(Candidates.of(op.configs), levels, weights, with_sd=False)
-        cost = decide.relative_costs(spec, trials, op.configs, np.exp(speed), op.p_fail, policy)
+        cost = decide.prices(spec, trials, policy).relative(op.configs, np.exp(speed), op.p_fail)
     else:
         cost = np.ones(len(op.configs))
     i = int(np.argmax(chance / cost))

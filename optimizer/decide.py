@@ -11,8 +11,8 @@ Three decisions spend a launch on the study's posterior, and each is a `Move` he
 A move carries the chance that this one launch changes the answer the study would print by the
 user's `min_gain` (each decision's own preposterior: `optimizer.gains.moved_sd`,
 `optimizer.confirmation.clear_chance`), and its cost in GPU-seconds against the study's typical
-launch (`Prices`, fitted once per decision: every launch of a study runs on hosts of the same tensor-parallel
-size, so seconds against the study's own launches are GPU-seconds against them).  One rule judges
+launch (`Prices`, fitted once per decision: every launch of a study runs on hosts of the same
+tensor-parallel size, so seconds against the study's own launches are GPU-seconds against them).  One rule judges
 them all (`worth`): a move is worth its cost when its chance per typical launch reaches the
 policy's `p_matters`; a launch predicted to take twice the GPU-seconds must be twice as likely to
 matter.  The study stops searching when no configuration left is worth its launch, and finishes
@@ -128,15 +128,3 @@ def prices(spec: StudySpec, trials: Sequence[FrozenTrial], policy: Policy = DEFA
         seen = np.array([max(float(t.value or 0.0), 0.05) for t in measured])
         typical = statistics.median(fit.seconds(configs, seen, np.zeros(len(configs))).tolist())
     return Prices(fit, typical if typical is not None and typical > 0 else None, policy.per_cost)
-
-
-def relative_costs(
-    spec: StudySpec,
-    trials: Sequence[FrozenTrial],
-    configs: Sequence[SpecConfig],
-    speedup: FloatArray,
-    p_fail: FloatArray | None = None,
-    policy: Policy = DEFAULT_POLICY,
-) -> FloatArray:
-    """`Prices.relative` of the study's prices (one decision's one question)."""
-    return prices(spec, trials, policy).relative(configs, speedup, p_fail)

@@ -359,8 +359,8 @@ def envelopes_to_try(
     draft tokens (target verify and draft extend graphs) and no more steps x topk (draft decode
     graphs), as `optimizer.infeasible` reasons for the search.  It is skipped too when the memory
     model learnt from those failures and the search's launches (`trials`; optimizer.memory_boundary,
-    in the deployment's terms) says it surely runs out of memory (the study's `policy.surely`) and a smaller envelope
-    is left: the envelope launched instead says which was not launched, and why.  The last
+    in the deployment's terms) says it surely runs out of memory (the study's `policy.surely`) and a
+    smaller envelope is left: the envelope launched instead says which was not launched, and why.  The last
     envelope left is never skipped on the model's word alone.
     """
     c = config.canonical()

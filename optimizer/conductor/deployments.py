@@ -54,8 +54,8 @@ def deployment_for(snap: Snapshot, lease: LeaseView) -> tuple[int, deploy.Envelo
     """The deployment a queued confirmation launches now: `next_deployment` from its tier, and
     past an envelope that no confirmation of this study started in yet but one ran out of memory
     in, where the memory model (optimizer.memory_boundary, learnt from the search and those
-    failures) says this candidate more likely than not fails there too (`policy.probable_failure`, the bar
-    a search launch must pass): until something started in it, the printed envelope is
+    failures) says this candidate more likely than not fails there too (`policy.probable_failure`,
+    the bar a search launch must pass): until something started in it, the printed envelope is
     unproven, and a second out-of-memory start there would be a launch spent on a likely failure.
     A candidate the model gives an even chance or better is tried there (it may prove the printed
     command); the last envelope left is always tried.  None: no envelope is left."""

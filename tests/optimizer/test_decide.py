@@ -45,12 +45,12 @@ def test_costs_are_gpu_seconds_against_the_studys_typical_launch() -> None:
     trials = measured({1: 300.0, 3: 380.0, 5: 460.0})
     shallow = SpecConfig(num_steps=1, topk=1, num_draft_tokens=2)
     deep = SpecConfig(num_steps=9, topk=1, num_draft_tokens=10)
-    rel = decide.relative_costs(sp, trials, [shallow, deep], np.array([1.5, 1.5]))
+    rel = decide.prices(sp, trials).relative([shallow, deep], np.array([1.5, 1.5]))
     # Start-up grows by ~40 s a step: the deep one costs more than the study's typical launch, the
     # shallow one less.
     assert rel[0] < 1.0 < rel[1]
     # A slower configuration benchmarks longer: the same start-up at half the speed costs more.
-    slow = decide.relative_costs(sp, trials, [shallow], np.array([0.75]))
+    slow = decide.prices(sp, trials).relative([shallow], np.array([0.75]))
     assert slow[0] > rel[0]
     # A baseline launches the weights alone and benchmarks at 1.0x.
     assert 0.0 < decide.prices(sp, trials).baseline() < 1.5
@@ -60,7 +60,7 @@ def test_off_or_before_any_launch_every_launch_costs_the_same() -> None:
     sp = spec()
     trials = measured({1: 300.0, 5: 460.0})
     deep = [SpecConfig(num_steps=9, topk=1, num_draft_tokens=10)]
-    assert decide.relative_costs(sp, trials, deep, np.array([1.0]), policy=OFF).tolist() == [1.0]
+    assert decide.prices(sp, trials, OFF).relative(deep, np.array([1.0])).tolist() == [1.0]
     assert decide.prices(sp, trials, OFF).baseline() == 0.0
-    assert decide.relative_costs(sp, [], deep, np.array([1.0])).tolist() == [1.0]
+    assert decide.prices(sp, []).relative(deep, np.array([1.0])).tolist() == [1.0]
     assert decide.prices(sp, []).baseline() == 1.0
